@@ -1,0 +1,54 @@
+"""Frozen value objects that configure a run. No tensors live here."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import attrs
+from attrs import validators as v
+
+
+@attrs.frozen
+class Sampling:
+    """LlamaGen's sampling, applied in its order: CFG, temperature, top-k, top-p.
+
+    temperature 0 is greedy.  cfg_scale 1 turns guidance (and the unconditional row) off;
+    cfg_interval >= 0 stops guidance after that many image tokens, as LlamaGen does.
+    """
+
+    temperature: float = attrs.field(default=1.0, validator=v.ge(0.0))
+    top_k: int = attrs.field(default=0, validator=v.ge(0))
+    top_p: float = attrs.field(default=1.0, validator=[v.gt(0.0), v.le(1.0)])
+    cfg_scale: float = attrs.field(default=1.0, validator=v.ge(1.0))
+    cfg_interval: int = attrs.field(default=-1, validator=v.ge(-1))
+
+    @property
+    def cfg(self) -> bool:
+        return self.cfg_scale > 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+TreeKind = Literal["dynamic", "chain", "static"]
+
+
+@attrs.frozen
+class TreeConfig:
+    """How the drafter's tree is shaped.
+
+    dynamic: EAGLE-2 (expand the ``topk`` best frontier nodes per depth by cumulative draft
+    log-prob, ``topk`` children each, keep the ``total_tokens`` best nodes).
+    chain: ``depth`` tokens, the drafter's best (or sampled) each.
+    static: the nodes are ``rank_paths``, each a tuple of draft ranks from the root.
+    ``sample`` draws children from the drafter (without replacement) instead of taking its
+    top-k; with an unrelaxed method this enables recursive rejection sampling.
+    """
+
+    kind: TreeKind = attrs.field(default="dynamic", validator=v.in_(("dynamic", "chain", "static")))
+    depth: int = attrs.field(default=6, validator=v.ge(1))
+    topk: int = attrs.field(default=8, validator=v.ge(1))
+    total_tokens: int = attrs.field(default=60, validator=v.ge(1))
+    rank_paths: tuple[tuple[int, ...], ...] = attrs.field(default=(), converter=lambda paths: tuple(tuple(p) for p in paths))
+    sample: bool = False

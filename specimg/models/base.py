@@ -1,0 +1,102 @@
+"""The contracts between the engine and the models it drives.
+
+A *target* is the model being accelerated; a *drafter* proposes tokens for it.  Both keep
+their own KV caches. Rows: when classifier-free guidance is on, every call works on two
+rows, row 0 conditional and row 1 unconditional (LlamaGen's order), and returns both.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol, Union, runtime_checkable
+
+import attrs
+import torch
+from torch import Tensor
+
+
+@attrs.frozen(eq=False)
+class Caption:
+    """A text condition for a t2i target: encoder features [L, D] and a validity mask [L]."""
+
+    features: Tensor
+    mask: Tensor
+
+
+Condition = Union[int, Caption]
+"""A class label (c2i) or a caption (t2i)."""
+
+
+class TargetOutput(NamedTuple):
+    """Per row and node: raw next-token logits [rows, n, V] (float32) and the last hidden
+    state after the final norm [rows, n, D]."""
+
+    logits: Tensor
+    hidden: Tensor
+
+
+@runtime_checkable
+class Target(Protocol):
+    """An AR image model the engine can verify draft trees with.
+
+    The cache holds the condition and every committed image token.  ``forward_tree``
+    appends nothing permanently: the tree's entries stay provisional until ``commit``
+    keeps a root-to-node path of them.
+    """
+
+    vocab_size: int
+    """Size of the image-token vocabulary (the codebook size)."""
+    num_tokens: int
+    """Image tokens per image (e.g. 256 for a 16x16 grid)."""
+    hidden_size: int
+
+    def prefill(self, condition: Condition, cfg: bool) -> TargetOutput:
+        """Reset the cache and consume the condition; return the outputs at the last
+        condition position (n = 1), whose logits give the first image token."""
+
+    def forward_tree(self, tokens: Tensor, depths: Tensor, mask: Tensor) -> TargetOutput:
+        """Run tree nodes against the committed prefix in one pass.
+
+        tokens [n] (long), depths [n] (node i sits at position committed + depths[i]),
+        mask [n, n] bool (mask[i, j]: node i attends to node j, its ancestors and itself).
+        """
+
+    def commit(self, nodes: Tensor) -> None:
+        """Keep the cache entries of tree nodes ``nodes`` (a root-to-node path, in order)
+        from the last ``forward_tree`` and drop the rest."""
+
+    def input_embeddings(self) -> Tensor:
+        """The image-token input embedding table [V, D] (read-only view)."""
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """A cheap model that proposes the next tokens given the target's features.
+
+    Draft nodes are fed in a tree: ``start`` consumes the newly committed tokens and
+    returns the logits for the root's children; ``expand`` feeds further nodes, each a
+    child of an already fed node, and returns the logits for their children.  Every
+    ``start`` forgets all speculative nodes of the previous step (free rollback).
+    """
+
+    def prefill(self, condition: Condition, cfg: bool) -> None:
+        """Reset for a new image with this condition."""
+
+    def start(self, hidden: Tensor, tokens: Tensor) -> Tensor:
+        """Commit m new positions: ``hidden`` [rows, m, D] the target's states at the
+        positions before ``tokens`` [m] (the first call after ``prefill`` gets the state at
+        the last condition position and the first image token); the last token is the new
+        tree root.
+        Returns the logits [rows, V] for the root's children (the root is drafter node 0)."""
+
+    def expand(self, parents: Tensor, tokens: Tensor) -> Tensor:
+        """Feed nodes with tokens [f], children of drafter nodes ``parents`` [f] (0 = root,
+        i = the i-th node fed since ``start``, counting from 1).  Returns logits [rows, f, V]."""
+
+
+def cfg_rows(cfg: bool) -> int:
+    return 2 if cfg else 1
+
+
+def causal_tree_mask(n: int, device: torch.device | str = "cpu") -> Tensor:
+    """The mask of a chain: every node attends to itself and all earlier nodes."""
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril()
