@@ -1,0 +1,71 @@
+"""Exact acceptance over a draft tree (DESIGN.md section 5).
+
+Every rule here emits, at each node it reaches, a sample of that node's distribution q:
+the accepted child's token or the correction token.  With q = p that is exact
+speculative sampling; with a relaxed q the output follows q.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from specimg.step import Acceptance
+from specimg.tree import DraftTree
+
+
+def _walk(tree: DraftTree, choice: list[int]) -> Acceptance:
+    """Follow the children whose token equals each node's ``choice`` from the root."""
+    tokens = tree.tokens.tolist()
+    path, node = [0], 0
+    while True:
+        child = next((c for c in tree.children[node] if tokens[c] == choice[node]), None)
+        if child is None:
+            return Acceptance(path, choice[node])
+        path.append(child)
+        node = child
+
+
+def sample_and_match(tree: DraftTree, dist: Tensor, generator: torch.Generator | None) -> Acceptance:
+    """Draw y_u ~ dist[u] for every node up front, then descend while y_u is a child.
+
+    Exact for any tree built from draft-side information: the draws are independent of it.
+    """
+    return _walk(tree, torch.multinomial(dist, 1, generator=generator).squeeze(1).tolist())
+
+
+def greedy(tree: DraftTree, dist: Tensor) -> Acceptance:
+    """Temperature 0: each node's token is argmax of its distribution."""
+    return _walk(tree, dist.argmax(dim=-1).tolist())
+
+
+def recursive_rejection(tree: DraftTree, target_dist: Tensor, generator: torch.Generator | None) -> Acceptance:
+    """SpecInfer / Sequoia multi-draft rejection for trees whose children were drawn
+    without replacement from the drafter's distribution at their parent.
+
+    Sibling x_j is accepted with min(1, r(x_j) / q_j(x_j)); on rejection the residual
+    becomes r <- norm(max(r - q_j, 0)) and q drops x_j.  Exact for a fixed target p.
+    """
+    if tree.draft_probs is None:
+        raise ValueError("recursive rejection needs the draft distributions of a sampled tree")
+    tokens = tree.tokens.tolist()
+    path, node = [0], 0
+    while True:
+        residual, draft = target_dist[node].double(), tree.draft_probs[node].double()
+        accepted = None
+        for child in tree.children[node]:
+            x = tokens[child]
+            if torch.rand((), generator=generator, dtype=torch.float64) * draft[x] <= residual[x]:
+                accepted = child
+                break
+            residual = (residual - draft).clamp_(min=0)
+            residual /= residual.sum()
+            draft[x] = 0
+            if draft.sum() <= 0:
+                break
+            draft /= draft.sum()
+        if accepted is None:
+            token = int(torch.multinomial(residual.float(), 1, generator=generator))
+            return Acceptance(path, token)
+        path.append(accepted)
+        node = accepted

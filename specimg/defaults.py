@@ -1,0 +1,38 @@
+"""The core's own implementations of the firstresult hooks, used when no method in the
+stack supplies one.  Registered last, so any method's implementation comes first."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from specimg import accept as acceptance
+from specimg.config import Sampling, TreeConfig
+from specimg.hookspecs import hookimpl
+from specimg.models.base import Target
+from specimg.sampling import cfg_active_at, probabilities
+from specimg.step import Acceptance, Scores
+from specimg.tree import DraftSession, DraftTree, build_tree
+
+
+@hookimpl(trylast=True)
+def propose_tree(
+    session: DraftSession, root_token: int, tree_config: TreeConfig, max_depth: int, generator: torch.Generator
+) -> DraftTree:
+    return build_tree(session, root_token, tree_config, max_depth, generator)
+
+
+@hookimpl(trylast=True)
+def score(target: Target, tree: DraftTree, sampling: Sampling, token_index: int) -> Scores:
+    out = target.forward_tree(tree.tokens, tree.depths, tree.mask)
+    probs = probabilities(out.logits, sampling, cfg_active_at(tree.depths + token_index, sampling))
+    return Scores(probs=probs, hidden=out.hidden, logits=out.logits)
+
+
+@hookimpl(trylast=True)
+def accept(tree: DraftTree, dist: Tensor, scores: Scores, sampling: Sampling, generator: torch.Generator, exact: bool) -> Acceptance:
+    if sampling.greedy:
+        return acceptance.greedy(tree, dist)
+    if exact and tree.sampled:
+        return acceptance.recursive_rejection(tree, scores.probs, generator)
+    return acceptance.sample_and_match(tree, dist, generator)

@@ -1,0 +1,212 @@
+"""The decode loop: prefill, then draft -> score -> relax -> accept -> commit per step."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from specimg import relax
+from specimg.config import Sampling, TreeConfig
+from specimg.errors import SpecimgError
+from specimg.methods import AR, Stack
+from specimg.models.base import Condition, Drafter, Target
+from specimg.plugins import PluginManager, get_plugin_manager
+from specimg.sampling import probabilities
+from specimg.stats import ImageStats, RunStats
+from specimg.tree import DraftSession
+
+
+class Generation(NamedTuple):
+    """Image tokens [images, tokens_per_image] and the statistics of the run."""
+
+    tokens: Tensor
+    stats: RunStats
+
+
+class Engine:
+    """Generates image tokens with a target, a drafter and a method stack.
+
+    ``method`` is ``"ar"`` (plain autoregressive decoding) or a stack such as
+    ``"cascade+lantern"``; ``options`` maps method names to option values; ``delta`` sets
+    the stack's total-variation budget (default: the largest member delta).
+    """
+
+    def __init__(
+        self,
+        target: Target,
+        drafter: Drafter | None = None,
+        method: str = "naive",
+        options: Mapping[str, Mapping[str, Any]] | None = None,
+        sampling: Sampling = Sampling(),
+        tree: TreeConfig = TreeConfig(),
+        delta: float | None = None,
+        tokenizer: Any = None,
+        plugins: PluginManager | None = None,
+    ):
+        self.target, self.drafter, self.sampling, self.tree_config = target, drafter, sampling, tree
+        self.tokenizer = tokenizer
+        self.plugins = plugins or get_plugin_manager()
+        self._check_vocabularies()
+        self.stack: Stack | None = None
+        if method.strip() == AR:
+            if options:
+                raise SpecimgError("method 'ar' takes no options")
+            return
+        self.stack = self.plugins.stack(method, options, delta)
+        if drafter is None:
+            raise SpecimgError(f"method {self.stack.name!r} drafts tokens and needs a drafter")
+        self._propose = self._firstresult_caller("propose_tree")
+        self._score = self._firstresult_caller("score")
+        self._accept = self._firstresult_caller("accept")
+        self._relaxers = [
+            (m.spec.name, m.delta, self.plugins.caller("build_relaxed_dist", [m.spec.plugin], with_defaults=False), m.options)
+            for m in self.stack.members
+            if self.plugins.implementers("build_relaxed_dist", [m])
+        ]
+
+    @property
+    def method(self) -> str:
+        return self.stack.name if self.stack else AR
+
+    def _check_vocabularies(self) -> None:
+        vocab = self.target.vocab_size
+        for role, model in (("drafter", self.drafter), ("tokenizer", self.tokenizer)):
+            size = getattr(model, "vocab_size", None)
+            if size is not None and size != vocab:
+                raise SpecimgError(f"the {role} has a vocabulary of {size} tokens, the target {vocab}")
+
+    def _firstresult_caller(self, hook: str) -> tuple[Callable[..., Any], Any]:
+        assert self.stack is not None
+        owners = self.plugins.implementers(hook, self.stack.members)
+        if len(owners) > 1:
+            raise SpecimgError(f"methods {owners[0]!r} and {owners[1]!r} both implement {hook!r}; stack at most one of them")
+        members = [m for m in self.stack.members if m.spec.name in owners]
+        options = members[0].options if members else None
+        keep = [m.spec.plugin for m in self.stack.members]
+        return self.plugins.caller(hook, keep, with_defaults=True), options
+
+    def generate(
+        self, conditions: Sequence[Condition], seed: int = 0, progress: Callable[[int], None] | None = None
+    ) -> Generation:
+        """Generate one image per condition; image i uses seed ``seed + i``, so results do
+        not depend on how the conditions are batched.  ``progress`` is called with each
+        step's token count."""
+        rows, stats = [], []
+        for index, condition in enumerate(conditions):
+            generator = torch.Generator().manual_seed(seed + index)
+            image = ImageStats()
+            start = time.perf_counter()
+            with torch.inference_mode():
+                tokens = self._decode(condition, generator, image, progress)
+            image.wall = time.perf_counter() - start
+            rows.append(torch.tensor(tokens, dtype=torch.long))
+            stats.append(image)
+        return Generation(torch.stack(rows) if rows else torch.empty(0, self.target.num_tokens, dtype=torch.long), RunStats(tuple(stats)))
+
+    def _draw(self, probs: Tensor, generator: torch.Generator) -> int:
+        if self.sampling.greedy:
+            return int(probs.argmax())
+        return int(torch.multinomial(probs, 1, generator=generator))
+
+    def _decode(self, condition: Condition, generator: torch.Generator, stats: ImageStats, progress: Callable[[int], None] | None) -> list[int]:
+        target, sampling = self.target, self.sampling
+        prefill = target.prefill(condition, sampling.cfg)
+        stats.target_forwards = 1
+        tokens = [self._draw(probabilities(prefill.logits, sampling)[0], generator)]
+        if progress:
+            progress(1)
+        if self.stack is None:
+            self._decode_ar(tokens, generator, stats, progress)
+        else:
+            self._decode_speculative(condition, prefill.hidden, tokens, generator, stats, progress)
+        stats.tokens = len(tokens)
+        return tokens
+
+    def _decode_ar(self, tokens: list[int], generator: torch.Generator, stats: ImageStats, progress: Callable[[int], None] | None) -> None:
+        target, sampling = self.target, self.sampling
+        depth, mask, root = torch.zeros(1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, dtype=torch.long)
+        cfg_always = sampling.cfg_interval < 0
+        while len(tokens) < target.num_tokens:
+            out = target.forward_tree(torch.tensor(tokens[-1:]), depth, mask)
+            target.commit(root)
+            cfg_on = cfg_always or len(tokens) - 1 <= sampling.cfg_interval
+            tokens.append(self._draw(probabilities(out.logits, sampling, cfg_on)[0], generator))
+            stats.target_forwards += 1
+            if progress:
+                progress(1)
+
+    @contextmanager
+    def _timed(self, stats: ImageStats, phase: str):
+        start = time.perf_counter()
+        yield
+        stats.seconds[phase] += time.perf_counter() - start
+
+    def _decode_speculative(
+        self,
+        condition: Condition,
+        hidden: Tensor,
+        tokens: list[int],
+        generator: torch.Generator,
+        stats: ImageStats,
+        progress: Callable[[int], None] | None,
+    ) -> None:
+        assert self.stack is not None and self.drafter is not None
+        target, drafter, sampling = self.target, self.drafter, self.sampling
+        propose, propose_options = self._propose
+        score, _ = self._score
+        accept, accept_options = self._accept
+        drafter.prefill(condition, sampling.cfg)
+        new_tokens = tokens[-1:]
+        while len(tokens) < target.num_tokens:
+            with self._timed(stats, "draft"):
+                root_logits = drafter.start(hidden, torch.tensor(new_tokens, dtype=torch.long))
+                session = DraftSession(drafter, sampling, root_logits, root_index=len(tokens) - 1)
+                tree = propose(
+                    session=session, root_token=tokens[-1], tree_config=self.tree_config,
+                    max_depth=target.num_tokens - len(tokens) - 1, generator=generator, options=propose_options,
+                )
+            with self._timed(stats, "verify"):
+                scores = score(target=target, tree=tree, sampling=sampling, token_index=len(tokens))
+            with self._timed(stats, "relax"):
+                dist = relax.fold(
+                    scores.probs,
+                    [
+                        (name, delta, _bind(caller, options, tree, scores, target, self.tokenizer))
+                        for name, delta, caller, options in self._relaxers
+                    ],
+                    self.stack.delta,
+                )
+            with self._timed(stats, "accept"):
+                result = accept(
+                    tree=tree, dist=dist, scores=scores, sampling=sampling, generator=generator,
+                    exact=dist is scores.probs, options=accept_options,
+                )
+            with self._timed(stats, "commit"):
+                path = torch.tensor(result.path, dtype=torch.long)
+                target.commit(path)
+                new_tokens = tree.tokens[path[1:]].tolist() + [result.next_token]
+                hidden = scores.hidden[:, path]
+                tokens.extend(new_tokens)
+            stats.target_forwards += 1
+            stats.tree_sizes.append(tree.size)
+            stats.accepted.append(len(result.path) - 1)
+            if progress:
+                progress(len(new_tokens))
+
+
+def _bind(caller: Callable[..., Any], options: Any, tree: Any, scores: Any, target: Any, tokenizer: Any) -> Callable[..., Tensor | None]:
+    """One method's build_relaxed_dist with this step's context filled in."""
+
+    def relax_step(dist: Tensor, budget: Tensor) -> Tensor | None:
+        results = caller(
+            dist=dist, target_dist=scores.probs, budget=budget, tree=tree, scores=scores,
+            target=target, tokenizer=tokenizer, options=options,
+        )
+        return next((r for r in results if r is not None), None)
+
+    return relax_step

@@ -1,0 +1,113 @@
+"""The hooks a specimg method plugin can implement.
+
+Implement any of them with ``@specimg.hookimpl`` on a module or object that is registered
+through the ``specimg`` entry-point group.  Declare only the arguments you use: pluggy
+passes each implementation the keyword arguments it names.  Implementations take no
+default arguments.
+
+The engine calls the hooks of the methods in a stack (``--method a+b``) in the order of the
+method string, never in registration order.  Every hook that receives ``options`` gets the
+attrs options instance of the method being called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+
+    from specimg.config import Sampling, TreeConfig
+    from specimg.methods import MethodSpec
+    from specimg.models.base import Target
+    from specimg.step import Acceptance, Scores
+    from specimg.tree import DraftSession, DraftTree
+
+hookspec = pluggy.HookspecMarker("specimg")
+hookimpl = pluggy.HookimplMarker("specimg")
+
+
+@hookspec
+def register_methods(register: Callable[[MethodSpec], None]) -> None:
+    """Declare the methods this plugin provides by calling ``register(MethodSpec(...))``.
+
+    Called once per plugin when the plugin manager loads; the registrations of all plugins
+    are collected.  Two plugins registering the same method name is an error naming both.
+    """
+
+
+@hookspec(firstresult=True)
+def propose_tree(
+    session: DraftSession,
+    root_token: int,
+    tree_config: TreeConfig,
+    max_depth: int,
+    generator: torch.Generator,
+    options: Any,
+) -> DraftTree | None:
+    """Grow this step's draft tree from the drafter's ``session``, rooted at ``root_token``
+    and no deeper than ``max_depth``.
+
+    First result wins.  The core's default builds the tree ``tree_config`` describes
+    (EAGLE-2 dynamic by default).  At most one method of a stack may implement this hook:
+    two that both supply a tree is an error naming both.
+    """
+
+
+@hookspec(firstresult=True)
+def score(target: Target, tree: DraftTree, sampling: Sampling, token_index: int) -> Scores | None:
+    """Verify ``tree`` with ONE target forward; ``token_index`` is the image-token index the
+    root's children predict.
+
+    First result wins; the core's default runs ``target.forward_tree`` and processes the
+    logits with ``sampling``.  Wrap it (``@hookimpl(wrapper=True)``) to add outputs.
+    """
+
+
+@hookspec
+def build_relaxed_dist(
+    dist: Tensor,
+    target_dist: Tensor,
+    budget: Tensor,
+    tree: DraftTree,
+    scores: Scores,
+    target: Target,
+    tokenizer: Any,
+    options: Any,
+) -> Tensor | None:
+    """Relax the per-node distributions ``dist`` [n, V] of ``tree`` toward its candidates.
+
+    ``target_dist`` is the target's processed distribution p [n, V]; ``dist`` is what the
+    methods before this one in the stack made of it (p itself for the first).  ``budget``
+    [n] is the total-variation distance this method may still add per node.  Return a new
+    [n, V] distribution, or None to pass.  Folded in method-string order; the core checks
+    each result keeps the contract (a distribution, zero where p is zero, within budget).
+    """
+
+
+@hookspec(firstresult=True)
+def accept(
+    tree: DraftTree, dist: Tensor, scores: Scores, sampling: Sampling, generator: torch.Generator, exact: bool, options: Any
+) -> Acceptance | None:
+    """Walk ``tree`` with the relaxed per-node distributions ``dist`` [n, V] and return the
+    accepted path and the next token.
+
+    First result wins; at most one method of a stack may implement it.  ``exact`` is true
+    when no relaxation changed p.  The core's default: greedy argmax at temperature 0;
+    recursive rejection with the draft probabilities for sampled trees when exact;
+    otherwise sample-and-match, exact for any tree and any q_R.
+    """
+
+
+@hookspec
+def train_loss(loss: Tensor, features: Tensor, tokens: Tensor, mask: Tensor, options: Any) -> Tensor | None:
+    """Reweight or extend the drafter's per-position training loss ``loss`` [B, T].
+
+    ``features`` [B, T, D] are the target's hidden states, ``tokens`` [B, T] the tokens,
+    ``mask`` [B, T] the valid positions.  Return the new per-position loss or None to pass;
+    folded in method-string order.
+    """

@@ -1,0 +1,65 @@
+"""Image helpers: tensors in [-1, 1] to PIL, atomic PNG writes, labelled grids."""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections.abc import Sequence
+
+import torch
+from PIL import Image, ImageDraw, ImageFont
+from torch import Tensor
+
+_PAD = 2
+
+
+def to_pil(images: Tensor) -> list[Image.Image]:
+    """[B,3,H,W] in [-1,1] -> RGB images (values clamped, rounded to uint8)."""
+    if images.dim() != 4 or images.shape[1] != 3:
+        raise ValueError(f"expected images [B,3,H,W], got {tuple(images.shape)}")
+    pixels = ((images.detach().float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    return [Image.fromarray(p.permute(1, 2, 0).cpu().numpy(), "RGB") for p in pixels]
+
+
+def save_png_atomic(img: Image.Image, path: str | os.PathLike[str]) -> None:
+    """Write a PNG via a temporary file in the same directory and a rename, so a crash never
+    leaves a truncated image where a finished one is expected."""
+    path = os.fspath(path)
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".png")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            img.save(f, format="PNG")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def make_grid(images: Tensor | Sequence[Image.Image], nrow: int, labels: Sequence[str] | None = None) -> Image.Image:
+    """Tile images ``nrow`` per row on white, each with a caption strip underneath when
+    ``labels`` are given (PIL's default font, cut to the tile width)."""
+    tiles = to_pil(images) if isinstance(images, Tensor) else list(images)
+    if not tiles or nrow < 1:
+        raise ValueError("make_grid needs at least one image and nrow >= 1")
+    if labels is not None and len(labels) != len(tiles):
+        raise ValueError(f"{len(labels)} labels for {len(tiles)} images")
+    w = max(t.width for t in tiles)
+    h = max(t.height for t in tiles)
+    font = ImageFont.load_default()
+    strip = 0 if labels is None else int(font.getbbox("Ag")[3]) + 2 * _PAD
+    cols, rows = min(nrow, len(tiles)), math.ceil(len(tiles) / nrow)
+    grid = Image.new("RGB", (cols * (w + _PAD) + _PAD, rows * (h + strip + _PAD) + _PAD), "white")
+    draw = ImageDraw.Draw(grid)
+    for i, tile in enumerate(tiles):
+        x = _PAD + (i % nrow) * (w + _PAD)
+        y = _PAD + (i // nrow) * (h + strip + _PAD)
+        grid.paste(tile.convert("RGB"), (x, y))
+        if labels is not None:
+            text = labels[i]
+            while text and draw.textlength(text, font=font) > w:
+                text = text[:-1]
+            draw.text((x, y + h + _PAD), text, fill="black", font=font)
+    return grid

@@ -1,0 +1,133 @@
+"""Methods, their options and method stacks (``"cascade+lantern"``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from specimg.errors import SpecimgError
+
+AR = "ar"
+"""The baseline: plain autoregressive decoding, one target forward per token (no plugin)."""
+
+
+@attrs.frozen
+class NoOptions:
+    """Options of a method that has none."""
+
+
+@attrs.frozen
+class MethodSpec:
+    """A method a plugin provides: its name, its attrs options class (every field with a
+    default; a ``delta`` field is the method's total-variation budget), a one-line
+    description, and the plugin object that implements its hooks (set by the manager)."""
+
+    name: str
+    options: type = NoOptions
+    description: str = ""
+    plugin: object = attrs.field(default=None, eq=False, repr=False)
+
+    @property
+    def defaults(self) -> Any:
+        return self.options()
+
+
+@attrs.frozen
+class Member:
+    spec: MethodSpec
+    options: Any
+
+    @property
+    def delta(self) -> float:
+        return float(getattr(self.options, "delta", 0.0))
+
+
+@attrs.frozen
+class Stack:
+    """Methods applied in order, sharing one total-variation budget ``delta`` per node."""
+
+    members: tuple[Member, ...]
+    delta: float
+
+    @property
+    def name(self) -> str:
+        return "+".join(m.spec.name for m in self.members)
+
+    def options_dict(self) -> dict[str, dict[str, Any]]:
+        return {m.spec.name: attrs.asdict(m.options) for m in self.members}
+
+
+def parse_options(pairs: list[str] | tuple[str, ...]) -> dict[str, dict[str, str]]:
+    """``["cascade.delta=0.3", ...]`` (the CLI's ``-o``) -> ``{"cascade": {"delta": "0.3"}}``."""
+    out: dict[str, dict[str, str]] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        method, dot, name = key.rpartition(".")
+        if not sep or not dot or not method or not name:
+            raise SpecimgError(f"option {pair!r} is not of the form method.key=value")
+        out.setdefault(method, {})[name] = value
+    return out
+
+
+def make_options(spec: MethodSpec, values: Mapping[str, Any]) -> Any:
+    """Build ``spec``'s options from user values (strings from the CLI are converted by
+    the field's type); an unknown key or a bad value is a SpecimgError."""
+    cls = attrs.resolve_types(spec.options)
+    fields = {f.name: f for f in attrs.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in fields:
+            known = ", ".join(fields) or "none"
+            raise SpecimgError(f"method {spec.name!r} has no option {key!r} (options: {known})")
+        kwargs[key] = _convert(spec.name, key, fields[key].type, value)
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as err:
+        raise SpecimgError(f"bad option for method {spec.name!r}: {err}") from None
+
+
+def _convert(method: str, key: str, kind: Any, value: Any) -> Any:
+    if not isinstance(value, str) or kind in (str, "str", Any):
+        return value
+    try:
+        if kind is bool:
+            if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(value)
+            return value.lower() in ("true", "1", "yes")
+        if kind in (int, float):
+            return kind(value)
+    except ValueError:
+        raise SpecimgError(f"option {method}.{key}={value!r} is not a valid {kind.__name__}") from None
+    return value
+
+
+def resolve_stack(
+    method: str,
+    registry: Mapping[str, MethodSpec],
+    options: Mapping[str, Mapping[str, Any]] | None = None,
+    delta: float | None = None,
+) -> Stack:
+    """Turn ``"a+b"`` and per-method option values into a validated Stack.
+
+    The stack's budget is ``delta`` if given, else the largest member delta.
+    """
+    names = [n.strip() for n in method.split("+")]
+    options = dict(options or {})
+    for name in names:
+        if name not in registry:
+            installed = ", ".join(sorted(registry)) or "none"
+            raise SpecimgError(f"unknown method {name!r} (installed: {installed})")
+    if len(set(names)) != len(names):
+        raise SpecimgError(f"method {method!r} names a method twice")
+    for name in options:
+        if name not in names:
+            raise SpecimgError(f"options given for {name!r}, which is not in the method stack {method!r}")
+    members = tuple(Member(registry[n], make_options(registry[n], options.get(n, {}))) for n in names)
+    for member in members:
+        if not 0.0 <= member.delta <= 1.0:
+            raise SpecimgError(f"{member.spec.name}.delta must lie in [0, 1], got {member.delta}")
+    if delta is not None and not 0.0 <= delta <= 1.0:
+        raise SpecimgError(f"--delta must lie in [0, 1], got {delta}")
+    return Stack(members, delta if delta is not None else max(m.delta for m in members))

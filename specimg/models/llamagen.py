@@ -1,0 +1,467 @@
+"""LlamaGen's GPT (class- and text-conditional) as a speculative-decoding target.
+
+An own compact implementation of the published architecture (FoundationVision/LlamaGen,
+``autoregressive/models/gpt.py``) whose parameter names and shapes are those of the
+official ``Transformer``, so released checkpoints load unchanged.  Facts kept from it:
+
+- the 2D RoPE table has ``cls_token_num`` rows of (cos, sin) = (0, 0) for the condition,
+  so queries and keys at condition positions are multiplied by zero (not left unrotated),
+  then one row per grid cell: the first head_dim/4 pair frequencies follow the cell's row,
+  the last head_dim/4 its column; pairs are interleaved (x[2i], x[2i+1]);
+- image token k is consumed at sequence position cls_token_num + k;
+- c2i CFG uses the extra class id ``num_classes``; t2i CFG feeds ``uncond_embedding``;
+  caption tokens whose mask is 0 are attended by nobody but themselves, in both rows.
+
+The KV cache is static: ``rows x kv_heads x (cls + num_tokens + max_tree_nodes) x
+head_dim`` per layer; draft-tree entries sit right after the committed prefix until
+``commit`` moves the accepted path down.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from typing import Literal
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specimg.errors import SpecimgError
+from specimg.models.base import Caption, Condition, TargetOutput, cfg_rows
+from specimg.models.checkpoint import load_into, load_state_dict
+
+ModelType = Literal["c2i", "t2i"]
+
+
+def _default_cls_tokens(config: GPTConfig) -> int:
+    return 120 if config.model_type == "t2i" else 1
+
+
+@attrs.frozen
+class GPTConfig:
+    """LlamaGen's ``ModelArgs`` minus training-only fields (dropout, batch limits)."""
+
+    dim: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    n_kv_head: int | None = None
+    multiple_of: int = 256
+    ffn_dim_multiplier: float | None = None
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+    initializer_range: float = 0.02
+    vocab_size: int = 16384
+    num_classes: int = 1000
+    class_dropout_prob: float = 0.1
+    model_type: ModelType = "c2i"
+    cls_token_num: int = attrs.field(default=attrs.Factory(_default_cls_tokens, takes_self=True))
+    caption_dim: int = 2048
+    block_size: int = 256
+
+    def __attrs_post_init__(self) -> None:
+        problems = []
+        if self.model_type not in ("c2i", "t2i"):
+            problems.append(f"model_type must be 'c2i' or 't2i', not {self.model_type!r}")
+        if self.dim % self.n_head:
+            problems.append(f"dim {self.dim} is not a multiple of n_head {self.n_head}")
+        elif self.head_dim % 4:
+            problems.append(f"head_dim {self.head_dim} must be a multiple of 4 for 2D RoPE")
+        if self.n_head % self.kv_heads:
+            problems.append(f"n_head {self.n_head} is not a multiple of n_kv_head {self.kv_heads}")
+        if self.grid_size**2 != self.block_size:
+            problems.append(f"block_size {self.block_size} is not a square (image tokens form a grid)")
+        if self.cls_token_num < 1:
+            problems.append("cls_token_num must be >= 1")
+        if problems:
+            raise SpecimgError("bad GPT config: " + "; ".join(problems))
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head if self.n_kv_head is not None else self.n_head
+
+    @property
+    def grid_size(self) -> int:
+        return math.isqrt(self.block_size)
+
+    @property
+    def ffn_hidden(self) -> int:
+        """SwiGLU width, rounded as LlamaGen does: int(2/3 * 4 dim), times the multiplier,
+        up to a multiple of ``multiple_of``."""
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return -(-hidden // self.multiple_of) * self.multiple_of
+
+
+PRESETS: dict[str, dict[str, int]] = {
+    "GPT-B": dict(n_layer=12, n_head=12, dim=768),
+    "GPT-L": dict(n_layer=24, n_head=16, dim=1024),
+    "GPT-XL": dict(n_layer=36, n_head=20, dim=1280),
+    "GPT-XXL": dict(n_layer=48, n_head=24, dim=1536),
+    "GPT-XXXL": dict(n_layer=48, n_head=40, dim=2560),
+    "GPT-1B": dict(n_layer=22, n_head=32, dim=2048),
+    "GPT-3B": dict(n_layer=24, n_head=32, dim=3200),
+    "GPT-7B": dict(n_layer=32, n_head=32, dim=4096),
+}
+"""The official model sizes (``GPT_models`` in gpt.py); everything else keeps ModelArgs' defaults."""
+
+
+def make_config(preset_or_config: str | GPTConfig = "GPT-B", **overrides: object) -> GPTConfig:
+    """A preset name or a config, with field overrides (e.g. ``model_type="t2i"``)."""
+    try:
+        if isinstance(preset_or_config, GPTConfig):
+            return attrs.evolve(preset_or_config, **overrides)
+        if preset_or_config not in PRESETS:
+            raise SpecimgError(f"unknown LlamaGen preset {preset_or_config!r}; choose one of {', '.join(PRESETS)}")
+        return GPTConfig(**{**PRESETS[preset_or_config], **overrides})  # type: ignore[arg-type]
+    except TypeError as err:
+        raise SpecimgError(f"bad GPT config override: {err}") from None
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+def rope_table(config: GPTConfig) -> Tensor:
+    """LlamaGen's 2D RoPE as (cos, sin) pairs [cls + grid^2, head_dim/2, 2], float32."""
+    half = config.head_dim // 2
+    freqs = 1.0 / (config.rope_base ** (torch.arange(0, half, 2)[: half // 2].float() / half))
+    angles = torch.outer(torch.arange(config.grid_size), freqs)  # [grid, head_dim/4]
+    g = config.grid_size
+    grid = torch.cat([angles[:, None, :].expand(g, g, -1), angles[None, :, :].expand(g, g, -1)], dim=-1)
+    cells = torch.stack([grid.cos(), grid.sin()], dim=-1).flatten(0, 1)
+    return torch.cat([torch.zeros(config.cls_token_num, half, 2), cells])
+
+
+def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
+    """Rotate interleaved pairs of x [B, S, H, hd] by rope [S, hd/2, 2], in float32."""
+    xs = x.float().unflatten(-1, (-1, 2))
+    cos, sin = rope[None, :, None, :, 0], rope[None, :, None, :, 1]
+    x0, x1 = xs[..., 0], xs[..., 1]
+    return torch.stack([x0 * cos - x1 * sin, x1 * cos + x0 * sin], dim=-1).flatten(-2).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(config.dim, config.ffn_hidden, bias=False)
+        self.w3 = nn.Linear(config.dim, config.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(config.ffn_hidden, config.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+KVSlot = tuple[Tensor, Tensor]
+"""One layer's static (keys, values) cache [rows, kv_heads, capacity, head_dim]."""
+
+
+class Attention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.kv_heads, config.head_dim
+        self.wqkv = nn.Linear(config.dim, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=False)
+        self.wo = nn.Linear(config.dim, config.dim, bias=False)
+
+    def forward(self, x: Tensor, rope: Tensor, mask: Tensor | None, cache: KVSlot | None = None, start: int = 0) -> Tensor:
+        """x [B, S, D] at positions given by rope [S, ...]; with a cache, the new keys go to
+        slots [start, start + S) and the queries see slots [0, start + S) under ``mask``
+        (bool, True = attend, broadcast to [B, H, S, keys]; None = see all)."""
+        b, s, _ = x.shape
+        kv = self.n_kv_head * self.head_dim
+        q, k, v = self.wqkv(x).split([self.n_head * self.head_dim, kv, kv], dim=-1)
+        q = apply_rope(q.view(b, s, self.n_head, self.head_dim), rope).transpose(1, 2)
+        k = apply_rope(k.view(b, s, self.n_kv_head, self.head_dim), rope).transpose(1, 2)
+        v = v.view(b, s, self.n_kv_head, self.head_dim).transpose(1, 2)
+        if cache is not None:
+            k_cache, v_cache = cache
+            k_cache[:, :, start : start + s] = k
+            v_cache[:, :, start : start + s] = v
+            k, v = k_cache[:, :, : start + s], v_cache[:, :, : start + s]
+        if self.n_kv_head != self.n_head:
+            k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
+            v = v.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class TransformerBlock(nn.Module):
+    """A pre-norm decoder layer.  ``input_norm=False`` drops ``attention_norm``, as EAGLE-1
+    does for its first draft layer (its input is already a mix of normed features)."""
+
+    def __init__(self, config: GPTConfig, input_norm: bool = True) -> None:
+        super().__init__()
+        self.attention = Attention(config)
+        self.feed_forward = FeedForward(config)
+        self.attention_norm: nn.Module = RMSNorm(config.dim, config.norm_eps) if input_norm else nn.Identity()
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+
+    def forward(self, x: Tensor, rope: Tensor, mask: Tensor | None, cache: KVSlot | None = None, start: int = 0) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, mask, cache, start)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class LabelEmbedder(nn.Module):
+    """Class labels; row ``num_classes`` is the null class when CFG dropout was trained."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.embedding_table = nn.Embedding(config.num_classes + int(config.class_dropout_prob > 0), config.dim)
+
+
+class MLP(nn.Module):
+    def __init__(self, in_features: int, dim: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(in_features, dim, bias=False)
+        self.fc2 = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class CaptionEmbedder(nn.Module):
+    """Projects T5 caption features; ``uncond_embedding`` (a buffer, as released) is the
+    caption of the unconditional row.  LlamaGen fixes it at 120 rows = its cls_token_num;
+    here it has cls_token_num rows so tiny test models stay tiny."""
+
+    uncond_embedding: Tensor
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.cap_proj = MLP(config.caption_dim, config.dim)
+        self.register_buffer("uncond_embedding", torch.randn(config.cls_token_num, config.caption_dim) / config.caption_dim**0.5)
+
+
+# ----------------------------------------------------------------------------- target
+
+
+class LlamaGenTarget(nn.Module):
+    """LlamaGen's ``Transformer`` with the :class:`~specimg.models.base.Target` interface."""
+
+    def __init__(self, config: GPTConfig, max_tree_nodes: int = 128) -> None:
+        super().__init__()
+        self.config = config
+        self.vocab_size = config.vocab_size
+        self.num_tokens = config.block_size
+        self.hidden_size = config.dim
+        self.max_tree_nodes = max_tree_nodes
+        self.cls_embedding: nn.Module = LabelEmbedder(config) if config.model_type == "c2i" else CaptionEmbedder(config)
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.rope = rope_table(config)  # float32 whatever the weights' dtype: not a buffer
+        self.capacity = config.cls_token_num + config.block_size + max_tree_nodes
+        self._full_kv: list[KVSlot] = []
+        self._kv: list[KVSlot] = []  # row views of _full_kv for the current image
+        self._valid = torch.ones(1, 0, dtype=torch.bool)  # [1, capacity]: prefix slots anyone may attend
+        self._rows = 0
+        self._len = 0  # committed cache entries (condition + consumed image tokens)
+        self._pending = 0  # nodes of the last forward_tree
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        """Keep the RoPE table float32 on the weights' device and drop stale caches."""
+        super()._apply(fn, recurse)
+        self.rope = rope_table(self.config).to(self.tok_embeddings.weight.device)
+        self._full_kv, self._kv = [], []
+        return self
+
+    # -- Target protocol
+
+    def input_embeddings(self) -> Tensor:
+        return self.tok_embeddings.weight.detach()
+
+    @torch.no_grad()
+    def prefill(self, condition: Condition, cfg: bool) -> TargetOutput:
+        rows = cfg_rows(cfg)
+        self._ensure_cache(rows)
+        cls = self.config.cls_token_num
+        x, caption_mask = self._embed_condition(condition, cfg)
+        mask = None
+        self._valid.fill_(True)
+        if caption_mask is not None:
+            self._valid[0, :cls] = caption_mask
+            mask = self._condition_mask(caption_mask[None])[0]
+        h = self._run(x, self.rope[:cls], mask, 0)
+        self._len, self._pending = cls, 0
+        return self._head(h[:, -1:])
+
+    @torch.no_grad()
+    def forward_tree(self, tokens: Tensor, depths: Tensor, mask: Tensor) -> TargetOutput:
+        n, start = tokens.shape[0], self._len
+        if start + n > self.capacity:
+            raise ValueError(f"tree of {n} nodes overflows the KV cache ({self.capacity - start} slots left)")
+        x = self.tok_embeddings(tokens.to(self._valid.device))[None].expand(self._rows, n, -1)
+        if n == 1:  # the AR path: the root alone, depth 0; no per-step tensors built
+            rope = self.rope[start : start + 1]
+            attn = None if self.config.model_type == "c2i" else self._valid[:, : start + 1]
+        else:
+            positions = (depths.to(self.rope.device) + start).clamp_(max=self.rope.shape[0] - 1)
+            rope = self.rope[positions]  # nodes past the image end reuse the last cell; never accepted
+            attn = torch.cat([self._valid[:, :start].expand(n, start), mask.to(self._valid.device)], dim=1)
+        h = self._run(x, rope, attn, start)
+        self._pending = n
+        return self._head(h)
+
+    @torch.no_grad()
+    def commit(self, nodes: Tensor) -> None:
+        m, start = nodes.shape[0], self._len
+        if m > self._pending:
+            raise ValueError(f"cannot commit {m} nodes of a {self._pending}-node tree")
+        src = nodes.to(self._valid.device) + start
+        for k, v in self._kv:
+            k[:, :, start : start + m] = k[:, :, src]
+            v[:, :, start : start + m] = v[:, :, src]
+        self._len, self._pending = start + m, 0
+
+    # -- teacher forcing
+
+    def forward_sequence(self, conditions: Tensor | Sequence[Caption], tokens: Tensor) -> TargetOutput:
+        """Whole images at once, for drafter training data.  ``conditions``: class ids [B]
+        (``num_classes`` = unconditional) or one Caption per row; tokens [B, T].  Entry t is
+        the state at the position before tokens[:, t] (its logits score tokens[:, t]); the
+        last token is not consumed, as in LlamaGen's training."""
+        cls = self.config.cls_token_num
+        device = self.tok_embeddings.weight.device
+        if self.config.model_type == "c2i":
+            if not isinstance(conditions, Tensor):
+                raise SpecimgError("a c2i target takes class ids as a tensor")
+            cond, caption_mask = self.cls_embedding.embedding_table(conditions.to(device))[:, None], None
+        else:
+            if isinstance(conditions, Tensor):
+                raise SpecimgError("a t2i target takes captions")
+            feats, caption_mask = (torch.stack(t) for t in zip(*(self._caption(c) for c in conditions)))
+            cond = self.cls_embedding.cap_proj(feats * caption_mask[..., None].to(feats.dtype))
+        x = torch.cat([cond, self.tok_embeddings(tokens[:, :-1].to(device))], dim=1)
+        s = x.shape[1]
+        mask = torch.ones(s, s, dtype=torch.bool, device=device).tril()
+        if caption_mask is not None:
+            mask = self._condition_mask(caption_mask, s)[:, None]
+        h = x
+        for layer in self.layers:
+            h = layer(h, self.rope[:s], mask)
+        return self._head(h[:, cls - 1 :])
+
+    # -- internals
+
+    def _ensure_cache(self, rows: int) -> None:
+        """Allocate the static caches once (2 rows, weights' device and dtype); hand out row views."""
+        w = self.tok_embeddings.weight
+        if not self._full_kv or self._full_kv[0][0].device != w.device or self._full_kv[0][0].dtype != w.dtype:
+            shape = (2, self.config.kv_heads, self.capacity, self.config.head_dim)
+            self._full_kv = [(w.new_zeros(shape), w.new_zeros(shape)) for _ in self.layers]
+            self._valid = torch.ones(1, self.capacity, dtype=torch.bool, device=w.device)
+        self._kv = [(k[:rows], v[:rows]) for k, v in self._full_kv]
+        self._rows = rows
+
+    def _caption(self, caption: Caption) -> tuple[Tensor, Tensor]:
+        c = self.config
+        feats, mask = caption.features, caption.mask
+        if feats.shape != (c.cls_token_num, c.caption_dim) or mask.shape != (c.cls_token_num,):
+            raise SpecimgError(
+                f"caption features {tuple(feats.shape)} / mask {tuple(mask.shape)} do not fit the target: "
+                f"it expects [{c.cls_token_num}, {c.caption_dim}] / [{c.cls_token_num}] (LlamaGen left-pads T5 features)"
+            )
+        w = self.tok_embeddings.weight
+        return feats.to(w.device, w.dtype), mask.to(w.device, torch.bool)
+
+    def _embed_condition(self, condition: Condition, cfg: bool) -> tuple[Tensor, Tensor | None]:
+        """Condition rows [rows, cls, D] (row 1 unconditional) and the caption mask, if any."""
+        c, device = self.config, self.tok_embeddings.weight.device
+        if c.model_type == "c2i":
+            if not isinstance(condition, int) or not 0 <= condition < c.num_classes:
+                raise SpecimgError(f"a c2i target needs a class id in [0, {c.num_classes}), got {condition!r}")
+            if cfg and c.class_dropout_prob <= 0:
+                raise SpecimgError("this target has no null class (class_dropout_prob = 0): run without CFG")
+            labels = torch.tensor([condition, c.num_classes][: cfg_rows(cfg)], device=device)
+            return self.cls_embedding.embedding_table(labels)[:, None], None
+        if not isinstance(condition, Caption):
+            raise SpecimgError(f"a t2i target needs a Caption, got {type(condition).__name__}")
+        feats, mask = self._caption(condition)
+        feats = feats * mask[:, None].to(feats.dtype)  # LlamaGen's sampler zeroes padded features
+        rows = torch.stack([feats, self.cls_embedding.uncond_embedding.to(feats.dtype)]) if cfg else feats[None]
+        return self.cls_embedding.cap_proj(rows), mask
+
+    def _condition_mask(self, caption_mask: Tensor, s: int | None = None) -> Tensor:
+        """Causal mask [B, s, s] in which padded caption tokens are seen only by themselves."""
+        cls = self.config.cls_token_num
+        s = cls if s is None else s
+        causal = torch.ones(s, s, dtype=torch.bool, device=caption_mask.device).tril()
+        valid = torch.ones(caption_mask.shape[0], s, dtype=torch.bool, device=caption_mask.device)
+        valid[:, :cls] = caption_mask
+        return (causal & valid[:, None, :]) | torch.eye(s, dtype=torch.bool, device=caption_mask.device)
+
+    def _run(self, x: Tensor, rope: Tensor, mask: Tensor | None, start: int) -> Tensor:
+        for layer, cache in zip(self.layers, self._kv):
+            x = layer(x, rope, mask, cache, start)
+        return x
+
+    def _head(self, h: Tensor) -> TargetOutput:
+        h = self.norm(h)
+        return TargetOutput(self.output(h).float(), h)
+
+
+# ----------------------------------------------------------------------------- construction
+
+_DERIVED_KEYS = ("freqs_cis", "causal_mask")
+"""Tables some LlamaGen files carry although they are recomputed, never trained."""
+
+
+def init_weights(module: nn.Module, std: float) -> None:
+    """LlamaGen's init (normal(0, std) for Linear and Embedding, zero biases), except the
+    output head, which LlamaGen zeroes: a random model must give informative logits."""
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, 0.0, std)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+
+def build_target(preset_or_config: str | GPTConfig = "GPT-B", *, seed: int = 0, max_tree_nodes: int = 128, **overrides: object) -> LlamaGenTarget:
+    """A randomly initialised target (deterministic in ``seed``), in eval mode."""
+    config = make_config(preset_or_config, **overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        target = LlamaGenTarget(config, max_tree_nodes)
+        init_weights(target, config.initializer_range)
+    return target.eval()
+
+
+def load_target(
+    path: str | os.PathLike[str],
+    preset: str | GPTConfig = "GPT-B",
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    max_tree_nodes: int = 128,
+    **overrides: object,
+) -> LlamaGenTarget:
+    """Load an official (or compatible) LlamaGen checkpoint into a target of this shape.
+
+    The shape comes from ``preset`` and ``overrides`` (e.g. ``block_size=576`` for 384px
+    models, ``model_type="t2i"``); a key the file lacks, an extra key or a mismatched
+    shape is a SpecimgError naming the key.
+    """
+    config = make_config(preset, **overrides)
+    state = load_state_dict(path)
+    state = {k: v for k, v in state.items() if k not in _DERIVED_KEYS and ".kv_cache." not in k}
+    target = LlamaGenTarget(config, max_tree_nodes)
+    load_into(target, state, origin=os.fspath(path))
+    return target.to(device=device, dtype=dtype).eval()

@@ -1,0 +1,117 @@
+"""Relaxation under a total-variation budget: the one shared mechanism, and the one place
+the budget is enforced (DESIGN.md section 4).
+
+A method names, per node, its candidates (the node's children, in draft-rank order) and
+for each candidate an ordered list of donor tokens.  ``transfer`` moves probability mass
+from donors to candidates; since donors are never candidates, the TVD of the result to p
+is exactly the mass moved, and the chance of accepting some child can only grow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+_TOL = 1e-5
+
+
+def tvd(a: Tensor, b: Tensor) -> Tensor:
+    """Total-variation distance per row."""
+    return 0.5 * (a.double() - b.double()).abs().sum(dim=-1)
+
+
+def first_occurrence(tokens: Tensor) -> Tensor:
+    """True where a token appears for the first time along the last dim (ignoring -1)."""
+    ordered, order = tokens.sort(dim=-1, stable=True)
+    repeat = torch.zeros_like(ordered, dtype=torch.bool)
+    repeat[..., 1:] = ordered[..., 1:] == ordered[..., :-1]
+    return ~repeat.scatter(-1, order, repeat) & (tokens >= 0)
+
+
+def transfer(
+    dist: Tensor,
+    target_dist: Tensor,
+    candidates: Tensor,
+    donors: Tensor,
+    budget: Tensor,
+    cap: Tensor | None = None,
+    whole: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """Move mass from donors to candidates, for all nodes at once.
+
+    dist, target_dist: [n, V] current and target distributions.  candidates: [n, C] tokens
+    in priority order (-1 = none).  donors: [n, C, K] each candidate's donors in order (-1 =
+    none; repeats, candidates and the candidate itself are skipped).  budget: [n] the mass a
+    node may still move.  cap: [n, C] optional upper bound on a candidate's final mass.
+    whole: move only whole donors (the longest prefix of donors that fits), as LANTERN does.
+    A candidate the target masks (p = 0) receives nothing.  Returns the new distribution and
+    the mass moved per node.
+    """
+    n, width = candidates.shape
+    dist = dist.clone()
+    left = budget.to(dist.dtype).clone()
+    rows = torch.arange(n)
+    is_candidate = torch.zeros_like(dist, dtype=torch.bool)
+    valid_candidates = candidates >= 0
+    is_candidate[rows[:, None].expand_as(candidates)[valid_candidates], candidates[valid_candidates]] = True
+    safe_donors = donors.clamp(min=0)
+    donor_ok = first_occurrence(donors) & ~is_candidate.gather(1, safe_donors.flatten(1)).view_as(donors)
+    for j in range(width):
+        cand = candidates[:, j].clamp(min=0)
+        receives = (candidates[:, j] >= 0) & (target_dist[rows, cand] > 0)
+        limit = torch.where(receives, left, torch.zeros_like(left))
+        if cap is not None:
+            limit = torch.minimum(limit, (cap[:, j] - dist[rows, cand]).clamp(min=0))
+        avail = dist.gather(1, safe_donors[:, j]) * donor_ok[:, j]
+        before = avail.cumsum(dim=1) - avail
+        if whole:
+            take = avail * (before + avail <= limit[:, None])
+        else:
+            take = torch.minimum(avail, (limit[:, None] - before).clamp(min=0))
+        dist.scatter_add_(1, safe_donors[:, j], -take)
+        moved = take.sum(dim=1)
+        dist[rows, cand] += moved
+        left -= moved
+    return dist.clamp_(min=0), budget - left
+
+
+class BudgetError(RuntimeError):
+    """A relaxation broke the contract: a bug in that method, named in the message."""
+
+
+def check_relaxed(name: str, new: Tensor, before: Tensor, target_dist: Tensor, budget: Tensor, stack_delta: float) -> None:
+    """Enforce the contract on one method's output."""
+    if new.shape != target_dist.shape:
+        raise BudgetError(f"method {name!r} returned shape {tuple(new.shape)}, expected {tuple(target_dist.shape)}")
+    if bool((new < 0).any()) or bool(((new.sum(-1) - 1).abs() > 1e-4).any()):
+        raise BudgetError(f"method {name!r} returned something that is not a distribution")
+    if bool(((target_dist == 0) & (new > 0)).any()):
+        raise BudgetError(f"method {name!r} put mass where the target's distribution is zero")
+    if bool((tvd(new, before) > budget + _TOL).any()):
+        raise BudgetError(f"method {name!r} spent more than its budget")
+    if bool((tvd(new, target_dist) > stack_delta + _TOL).any()):
+        raise BudgetError(f"method {name!r} took the stack past its total-variation budget {stack_delta}")
+
+
+def fold(
+    target_dist: Tensor,
+    members: Sequence[tuple[str, float, Callable[..., Tensor | None]]],
+    stack_delta: float,
+) -> Tensor:
+    """Apply relaxations in stack order: each gets the previous result and the budget left
+    (at most its own delta), and is checked before the next one runs."""
+    dist = target_dist
+    spent = torch.zeros(target_dist.shape[0], dtype=torch.float64)
+    for name, delta, relax in members:
+        budget = torch.clamp(torch.minimum(torch.full_like(spent, delta), stack_delta - spent), min=0.0)
+        if not bool((budget > 0).any()):
+            continue
+        new = relax(dist=dist, budget=budget)
+        if new is None:
+            continue
+        check_relaxed(name, new, dist, target_dist, budget, stack_delta)
+        dist = new
+        spent = tvd(dist, target_dist)
+    return dist

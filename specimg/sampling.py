@@ -1,0 +1,63 @@
+"""Logits to probabilities the way LlamaGen samples: CFG, temperature, top-k, top-p.
+
+Everything is float32.  Greedy decoding (temperature 0) still needs a distribution for the
+relaxations to work on: it is the temperature-1 distribution after the same filters.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from specimg.config import Sampling
+
+
+def guided_logits(logits: Tensor, sampling: Sampling, cfg_active: Tensor | bool = True) -> Tensor:
+    """Combine the rows of ``logits`` [rows, n, V] into [n, V].
+
+    With two rows, row 0 is conditional and row 1 unconditional; guidance applies where
+    ``cfg_active`` ([n] bool, or one bool) holds, elsewhere the conditional row is used.
+    """
+    logits = logits.float()
+    cond = logits[0]
+    if logits.shape[0] == 1 or not sampling.cfg:
+        return cond
+    guided = logits[1] + (cond - logits[1]) * sampling.cfg_scale
+    if isinstance(cfg_active, bool):
+        return guided if cfg_active else cond
+    return torch.where(cfg_active[:, None], guided, cond)
+
+
+def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
+    """Mask logits outside top-k, then outside the top-p nucleus (LlamaGen's order and
+    tie rule: keep every token at least as likely as the k-th; always keep the best)."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cum > top_p
+        drop_sorted[..., 1:] = drop_sorted[..., :-1].clone()
+        drop_sorted[..., 0] = False
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def probabilities(logits: Tensor, sampling: Sampling, cfg_active: Tensor | bool = True) -> Tensor:
+    """Processed next-token distributions [n, V] from raw row logits [rows, n, V]."""
+    guided = guided_logits(logits, sampling, cfg_active)
+    temperature = sampling.temperature if sampling.temperature > 0 else 1.0
+    return filter_logits(guided / temperature, sampling.top_k, sampling.top_p).softmax(dim=-1)
+
+
+def cfg_active_at(token_index: Tensor, sampling: Sampling) -> Tensor:
+    """Where guidance applies to nodes predicting image tokens ``token_index`` [n].
+
+    LlamaGen's decode loop turns guidance off once its step counter (token index - 1)
+    passes cfg_interval; the first token, from the prefill, is always guided.
+    """
+    if sampling.cfg_interval < 0:
+        return torch.ones_like(token_index, dtype=torch.bool)
+    return token_index - 1 <= sampling.cfg_interval

@@ -1,0 +1,78 @@
+"""Decode statistics, collected by the engine itself."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import attrs
+
+PHASES = ("draft", "verify", "relax", "accept", "commit")
+
+
+@attrs.define
+class ImageStats:
+    """One image: target forwards (the prefill counts), per step the tree size and the
+    number of drafted tokens accepted, seconds per phase, and wall time."""
+
+    tokens: int = 0
+    target_forwards: int = 0
+    tree_sizes: list[int] = attrs.field(factory=list)
+    accepted: list[int] = attrs.field(factory=list)
+    seconds: dict[str, float] = attrs.field(factory=lambda: defaultdict(float))
+    wall: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Tokens per target forward (AR = 1.00)."""
+        return self.tokens / max(1, self.target_forwards)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "tokens": self.tokens,
+            "target_forwards": self.target_forwards,
+            "tau": round(self.tau, 4),
+            "wall_s": round(self.wall, 4),
+            "seconds": {k: round(v, 5) for k, v in self.seconds.items()},
+            "tree_sizes": self.tree_sizes,
+            "accepted": self.accepted,
+        }
+
+
+@attrs.frozen
+class RunStats:
+    images: tuple[ImageStats, ...]
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.images)
+
+    @property
+    def target_forwards(self) -> int:
+        return sum(s.target_forwards for s in self.images)
+
+    @property
+    def tau(self) -> float:
+        return self.tokens / max(1, self.target_forwards)
+
+    @property
+    def wall(self) -> float:
+        return sum(s.wall for s in self.images)
+
+    @property
+    def mean_accepted(self) -> float:
+        steps = [a for s in self.images for a in s.accepted]
+        return sum(steps) / max(1, len(steps))
+
+    def seconds(self) -> dict[str, float]:
+        total: dict[str, float] = defaultdict(float)
+        for s in self.images:
+            for phase, sec in s.seconds.items():
+                total[phase] += sec
+        return dict(total)
+
+    def summary(self) -> str:
+        return (
+            f"tau {self.tau:.2f} | {self.target_forwards} target forwards for {self.tokens} tokens "
+            f"| mean accepted {self.mean_accepted:.2f} | wall {self.wall:.2f}s"
+        )

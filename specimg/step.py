@@ -1,0 +1,26 @@
+"""What one decode step produces and passes between hooks."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from torch import Tensor
+
+
+class Scores(NamedTuple):
+    """The target's verdict on a tree, per node: the processed next-token distribution
+    ``probs`` [n, V] (float32; at temperature 0 the temperature-1 distribution), and per row
+    (row 0 conditional) the last hidden states ``hidden`` [rows, n, D] and raw ``logits``
+    [rows, n, V]."""
+
+    probs: Tensor
+    hidden: Tensor
+    logits: Tensor
+
+
+class Acceptance(NamedTuple):
+    """The accepted root-to-node ``path`` of tree node ids (starting with the root) and the
+    ``next_token`` drawn after it (a correction, or the bonus token at a leaf)."""
+
+    path: list[int]
+    next_token: int

@@ -1,0 +1,53 @@
+"""Image helpers: conversion, labelled grids, atomic PNG writes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from PIL import Image
+
+from specimg.images import make_grid, save_png_atomic, to_pil
+
+
+def test_to_pil_clamps_and_scales() -> None:
+    x = torch.tensor([-2.0, -1.0, 0.0, 1.0, 3.0]).view(1, 1, 1, 5).expand(2, 3, 1, 5)
+    imgs = to_pil(x)
+    assert len(imgs) == 2 and imgs[0].size == (5, 1) and imgs[0].mode == "RGB"
+    assert [imgs[0].getpixel((i, 0))[0] for i in range(5)] == [0, 0, 128, 255, 255]
+
+
+def test_grid_size_without_labels() -> None:
+    grid = make_grid(torch.zeros(5, 3, 8, 8), nrow=3)
+    assert grid.size == (3 * 10 + 2, 2 * 10 + 2)
+    assert grid.getpixel((2, 2)) == (128, 128, 128) and grid.getpixel((0, 0)) == (255, 255, 255)
+
+
+def test_grid_label_strip_holds_text() -> None:
+    tiles = torch.ones(2, 3, 32, 32)
+    plain, labelled = make_grid(tiles, nrow=2), make_grid(tiles, nrow=2, labels=["cat", ""])
+    strip = labelled.height - plain.height
+    assert labelled.width == plain.width and strip > 4
+    def dark(x0: int) -> int:
+        box = labelled.crop((x0, 2 + 32, x0 + 32, labelled.height - 2)).convert("L")
+        return sum(box.histogram()[:128])
+    assert dark(2) > 0 and dark(36) == 0
+    with pytest.raises(ValueError):
+        make_grid(tiles, nrow=2, labels=["one"])
+
+
+def test_save_png_atomic_leaves_no_temp_file(tmp_path) -> None:
+    img = Image.new("RGB", (4, 4), "red")
+    target = tmp_path / "sub" / "a.png"
+    save_png_atomic(img, target)
+    assert os.listdir(target.parent) == ["a.png"]
+    assert Image.open(target).getpixel((0, 0)) == (255, 0, 0)
+
+    class Broken(Image.Image):
+        def save(self, *args, **kwargs):
+            raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        save_png_atomic(Broken(), tmp_path / "sub" / "b.png")
+    assert os.listdir(target.parent) == ["a.png"]
