@@ -279,6 +279,11 @@ class VQTokenizer(nn.Module):
     def downsample_factor(self) -> int:
         return self.config.downsample_factor
 
+    @property
+    def vocab_size(self) -> int:
+        """Codebook size: the image-token vocabulary a target must share."""
+        return self.config.codebook_size
+
     def _quantize(self, images: Tensor) -> tuple[Tensor, dict[str, Tensor], Tensor]:
         f = self.downsample_factor
         if images.dim() != 4 or images.shape[1] != 3 or images.shape[2] % f or images.shape[3] % f:

@@ -1,0 +1,49 @@
+"""A run's JSONL manifest: one line per finished sample, so a killed run resumes.
+
+Each line is flushed as soon as its sample is done; a run started again with the same
+settings skips what the manifest already holds, and one with other settings is refused
+rather than mixing results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from specimg.errors import SpecimgError
+
+
+class Manifest:
+    def __init__(self, path: str | os.PathLike[str], settings: dict[str, Any]):
+        self.path = os.fspath(path)
+        self.settings = settings
+        self.done: dict[int, dict[str, Any]] = {}
+        if os.path.exists(self.path):
+            for entry in self._read():
+                if entry.get("settings") != settings:
+                    raise SpecimgError(
+                        f"{self.path} holds a run with other settings; use another output folder or remove it"
+                    )
+                self.done[entry["index"]] = entry
+
+    def _read(self) -> Iterator[dict[str, Any]]:
+        with open(self.path, encoding="utf-8") as fh:
+            for number, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError:
+                    # a line cut by a kill mid-write: everything before it is intact
+                    if fh.read().strip():
+                        raise SpecimgError(f"{self.path}: line {number} is not JSON") from None
+
+    def add(self, index: int, record: dict[str, Any]) -> None:
+        entry = {"index": index, **record, "settings": self.settings}
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(entry) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        self.done[index] = entry

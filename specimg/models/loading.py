@@ -1,0 +1,51 @@
+"""Put a target, a drafter and a tokenizer together, from paths or at random."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import attrs
+
+from specimg.models.eagle import EagleDrafter, build_drafter, load_drafter
+from specimg.models.llamagen import LlamaGenTarget, build_target, load_target
+from specimg.models.vq import VQTokenizer, build_tokenizer, load_tokenizer
+
+TINY_GPT = dict(dim=64, n_layer=2, n_head=4, multiple_of=32, vocab_size=256, num_classes=10, block_size=64)
+"""A tiny random LlamaGen for trying the tool: 8x8 tokens, 10 classes."""
+TINY_VQ = dict(codebook_size=256, codebook_embed_dim=8, ch=16, encoder_ch_mult=(1, 2, 2), decoder_ch_mult=(1, 2, 2), z_channels=32, num_res_blocks=1, norm_groups=8)
+"""A tiny random VQ tokenizer matching TINY_GPT's vocabulary (4x downsampling: 32x32 images)."""
+
+
+@attrs.frozen(eq=False)
+class Models:
+    target: LlamaGenTarget
+    drafter: EagleDrafter | None
+    tokenizer: VQTokenizer | None
+    name: str
+
+    @property
+    def num_classes(self) -> int:
+        return self.target.config.num_classes
+
+
+def tiny_random(seed: int = 0) -> Models:
+    """Randomly initialised tiny models: fast, deterministic, and meaningless pictures."""
+    target = build_target("GPT-B", seed=seed, **TINY_GPT)
+    return Models(target, build_drafter(target, seed=seed + 1), build_tokenizer(seed=seed + 2, **TINY_VQ), "tiny-random")
+
+
+def from_paths(
+    target: str | os.PathLike[str],
+    preset: str = "GPT-B",
+    drafter: str | os.PathLike[str] | None = None,
+    tokenizer: str | os.PathLike[str] | None = None,
+    target_overrides: dict[str, Any] | None = None,
+    tokenizer_overrides: dict[str, Any] | None = None,
+) -> Models:
+    """Official (or compatible) checkpoints from local paths.  Without a drafter file the
+    drafter is randomly initialised (only ``ar`` and exactness checks make sense then)."""
+    model = load_target(target, preset, **(target_overrides or {}))
+    draft = load_drafter(model, drafter) if drafter else build_drafter(model)
+    tok = load_tokenizer(tokenizer, **(tokenizer_overrides or {})) if tokenizer else None
+    return Models(model, draft, tok, os.fspath(target))

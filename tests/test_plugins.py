@@ -1,0 +1,98 @@
+"""Method strings, options, and plugin loading."""
+
+import importlib.metadata
+
+import attrs
+import pytest
+
+from specimg import MethodSpec, hookimpl
+from specimg.errors import SpecimgError
+from specimg.methods import parse_options
+from specimg.plugins import PluginManager
+
+
+@attrs.frozen
+class ToyOptions:
+    delta: float = 0.2
+    k: int = 3
+    whole: bool = True
+
+
+class ToyPlugin:
+    @hookimpl
+    def register_methods(self, register):
+        register(MethodSpec("toy", ToyOptions, "a toy"))
+
+
+@pytest.fixture
+def manager():
+    pm = PluginManager()
+    pm.register(ToyPlugin(), "toy-plugin")
+    return pm
+
+
+def test_builtins_come_through_entry_points(manager):
+    assert "naive" in manager.methods()
+    assert any(p.name == "naive" and p.source.startswith("specimg ") for p in manager.plugins)
+
+
+def test_stack_order_follows_the_method_string(manager):
+    stack = manager.stack("toy+naive")
+    assert [m.spec.name for m in stack.members] == ["toy", "naive"]
+    assert stack.name == "toy+naive"
+    assert stack.delta == 0.2
+    assert manager.stack("naive+toy", delta=0.05).delta == 0.05
+
+
+def test_options_are_converted_and_validated(manager):
+    stack = manager.stack("toy", parse_options(["toy.k=7", "toy.whole=false", "toy.delta=0.4"]))
+    assert stack.members[0].options == ToyOptions(delta=0.4, k=7, whole=False)
+    with pytest.raises(SpecimgError, match="no option 'kk'.*delta, k, whole"):
+        manager.stack("toy", {"toy": {"kk": "1"}})
+    with pytest.raises(SpecimgError, match="not a valid int"):
+        manager.stack("toy", {"toy": {"k": "seven"}})
+    with pytest.raises(SpecimgError, match=r"delta must lie in \[0, 1\]"):
+        manager.stack("toy", {"toy": {"delta": "3"}})
+    with pytest.raises(SpecimgError, match="not in the method stack"):
+        manager.stack("naive", {"toy": {"k": "1"}})
+    with pytest.raises(SpecimgError, match="method.key=value"):
+        parse_options(["k=1"])
+
+
+def test_unknown_method_lists_installed_ones(manager):
+    with pytest.raises(SpecimgError, match=r"unknown method 'nope' \(installed: .*naive.*toy"):
+        manager.stack("toy+nope")
+    with pytest.raises(SpecimgError, match="twice"):
+        manager.stack("toy+toy")
+
+
+def test_a_method_registered_twice_is_an_error(manager):
+    manager.register(ToyPlugin(), "again")
+    with pytest.raises(SpecimgError, match="registered twice"):
+        manager.methods()
+
+
+def _with_extra_entry_point(monkeypatch, value):
+    real = importlib.metadata.entry_points
+
+    def entry_points(group):
+        found = list(real(group=group))
+        return found + [importlib.metadata.EntryPoint(name="extra", value=value, group=group)]
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
+
+
+def test_a_plugin_that_fails_to_import_is_reported_not_fatal(monkeypatch):
+    _with_extra_entry_point(monkeypatch, "specimg_no_such_module_anywhere")
+    with pytest.warns(UserWarning, match="failed to load"):
+        pm = PluginManager()
+    assert [p.name for p in pm.failed] == ["extra"]
+    assert "ModuleNotFoundError" in pm.failed[0].error
+    assert "naive" in pm.methods()
+
+
+def test_autoload_can_be_turned_off_for_third_party_plugins(monkeypatch):
+    _with_extra_entry_point(monkeypatch, "specimg_no_such_module_anywhere")
+    monkeypatch.setenv("SPECIMG_DISABLE_PLUGIN_AUTOLOAD", "1")
+    pm = PluginManager()
+    assert not pm.failed and "naive" in pm.methods()

@@ -1,0 +1,110 @@
+"""Draft trees: masks and paths against brute force, and the builders' shapes."""
+
+import random
+
+import pytest
+import torch
+
+from specimg.config import Sampling, TreeConfig
+from specimg.errors import SpecimgError
+from specimg.testing.markov import MarkovDrafter
+from specimg.tree import DraftSession, DraftTree, build_tree
+
+
+def random_parents(n: int, rng: random.Random) -> list[int]:
+    return [-1] + [rng.randrange(i) for i in range(1, n)]
+
+
+def brute_ancestors(parents: list[int], i: int) -> set[int]:
+    out = {i}
+    while parents[i] >= 0:
+        i = parents[i]
+        out.add(i)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_mask_depths_and_paths_match_brute_force(seed):
+    rng = random.Random(seed)
+    n = rng.randrange(1, 40)
+    parents = random_parents(n, rng)
+    tree = DraftTree.from_parents([rng.randrange(100) for _ in range(n)], parents)
+    for i in range(n):
+        ancestors = brute_ancestors(parents, i)
+        assert set(torch.nonzero(tree.mask[i]).flatten().tolist()) == ancestors
+        assert tree.depths[i] == len(ancestors) - 1
+        path = tree.path_to(i)
+        assert set(path) == ancestors and path[0] == 0 and path[-1] == i
+        assert all(parents[b] == a for a, b in zip(path, path[1:]))
+        assert list(tree.children[i]) == [j for j in range(n) if parents[j] == i]
+
+
+def test_candidates_matrix_lists_children_in_order():
+    tree = DraftTree.from_parents([5, 7, 8, 9, 1], [-1, 0, 0, 1, 1])
+    tokens, ids = tree.candidates()
+    assert ids.tolist() == [[1, 2], [3, 4], [-1, -1], [-1, -1], [-1, -1]]
+    assert tokens.tolist() == [[7, 8], [9, 1], [-1, -1], [-1, -1], [-1, -1]]
+
+
+def test_rejects_parents_after_children():
+    with pytest.raises(ValueError):
+        DraftTree.from_parents([1, 2, 3], [-1, 2, 0])
+
+
+def session(vocab=12, seed=0):
+    table = torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+    drafter = MarkovDrafter(table)
+    drafter.prefill(0, cfg=False)
+    root_logits = drafter.start(torch.zeros(1, 1, 4), torch.tensor([3]))
+    return DraftSession(drafter, Sampling(), root_logits, root_index=0), table
+
+
+def test_dynamic_tree_keeps_best_nodes_closed_under_ancestors():
+    s, table = session()
+    tree = build_tree(s, 3, TreeConfig(depth=4, topk=3, total_tokens=10), max_depth=10)
+    assert tree.size == 10
+    # every kept node's parent is kept (from_parents would have failed) and scores fall along paths
+    scores = [0.0] * tree.size
+    for i in range(1, tree.size):
+        scores[i] = scores[int(tree.parents[i])] + float(tree.logprobs[i])
+        assert scores[i] <= scores[int(tree.parents[i])] + 1e-6
+    # root's children are the drafter's best tokens, in rank order
+    best = torch.topk(table[3].softmax(-1), 3).indices.tolist()
+    assert [int(tree.tokens[c]) for c in tree.children[0]] == best[: len(tree.children[0])]
+
+
+def test_chain_follows_the_drafters_argmax():
+    s, table = session()
+    tree = build_tree(s, 3, TreeConfig(kind="chain", depth=5), max_depth=5)
+    tokens = [3]
+    for _ in range(5):
+        tokens.append(int(table[tokens[-1]].argmax()))
+    assert tree.tokens.tolist() == tokens
+    assert tree.parents.tolist() == [-1, 0, 1, 2, 3, 4]
+
+
+def test_depth_is_capped_by_the_tokens_still_missing():
+    s, _ = session()
+    assert build_tree(s, 3, TreeConfig(kind="chain", depth=5), max_depth=2).size == 3
+    assert build_tree(s, 3, TreeConfig(), max_depth=0).size == 1
+
+
+def test_static_tree_takes_ranks_and_validates_paths():
+    s, table = session()
+    tree = build_tree(s, 3, TreeConfig(kind="static", rank_paths=((0,), (1,), (0, 0), (0, 1), (1, 0))), max_depth=5)
+    ranked = torch.argsort(table[3], descending=True).tolist()
+    assert [int(tree.tokens[c]) for c in tree.children[0]] == ranked[:2]
+    assert tree.size == 6
+    with pytest.raises(SpecimgError):
+        build_tree(s, 3, TreeConfig(kind="static", rank_paths=((0,), (0, 1))), max_depth=5)
+
+
+def test_sampled_tree_keeps_every_drawn_child_and_its_draft_distribution():
+    s, _ = session()
+    tree = build_tree(s, 3, TreeConfig(depth=3, topk=3, total_tokens=13, sample=True), max_depth=5, generator=torch.Generator().manual_seed(1))
+    assert tree.sampled and tree.draft_probs is not None and tree.size <= 13
+    for node, kids in enumerate(tree.children):
+        if kids:
+            assert len(kids) == 3
+            assert torch.isclose(tree.draft_probs[node].sum(), torch.tensor(1.0))
+            assert len({int(tree.tokens[k]) for k in kids}) == 3
