@@ -19,9 +19,10 @@ import os
 import torch
 from torch import Tensor, nn
 
+from specimg.errors import SpecimgError
 from specimg.models.base import Condition, cfg_rows
 from specimg.models.checkpoint import load_into, load_state_dict
-from specimg.models.llamagen import KVSlot, LlamaGenTarget, TransformerBlock, init_weights
+from specimg.models.llamagen import KVSlot, LlamaGenTarget, TransformerBlock, cache_is_stale, init_weights
 
 
 class EagleDrafter(nn.Module):
@@ -43,6 +44,9 @@ class EagleDrafter(nn.Module):
         self.capacity = config.block_size + max_tree_nodes
         self._full_kv: list[KVSlot] = []
         self._kv: list[KVSlot] = []
+        self._feat = torch.empty(0)  # [2, 1 + max_tree_nodes, D] predicted feature per node (0 = root)
+        self._depth = torch.empty(0, dtype=torch.long)  # [1 + max_tree_nodes] depth below the root
+        self._anc = torch.empty(0, dtype=torch.bool)  # [1 + n, 1 + n] speculative ancestors-or-self; row 0 empty
         self._rows = 0
         self._len = 0  # committed pairs
         self._count = 0  # speculative nodes fed since the last start
@@ -60,19 +64,21 @@ class EagleDrafter(nn.Module):
         """Reset for a new image; the condition itself reaches the drafter only through features."""
         rows = cfg_rows(cfg)
         w = self.fc.weight
-        if not self._full_kv or self._full_kv[0][0].device != w.device or self._full_kv[0][0].dtype != w.dtype:
+        if not self._full_kv or cache_is_stale(self._full_kv[0][0], w):
             c, n = self.target.config, self.max_tree_nodes
             shape = (2, c.kv_heads, self.capacity, c.head_dim)
             self._full_kv = [(w.new_zeros(shape), w.new_zeros(shape)) for _ in self.layers]
-            self._feat = w.new_zeros(2, 1 + n, c.dim)  # predicted feature per node (0 = root)
+            self._feat = w.new_zeros(2, 1 + n, c.dim)
             self._depth = torch.zeros(1 + n, dtype=torch.long, device=w.device)
-            self._anc = torch.zeros(1 + n, 1 + n, dtype=torch.bool, device=w.device)  # row 0 stays empty
+            self._anc = torch.zeros(1 + n, 1 + n, dtype=torch.bool, device=w.device)
         self._kv = [(k[:rows], v[:rows]) for k, v in self._full_kv]
         self._rows, self._len, self._count = rows, 0, 0
 
     @torch.no_grad()
     def start(self, hidden: Tensor, tokens: Tensor) -> Tensor:
         m, s0 = tokens.shape[0], self._len
+        if not self._kv:
+            raise RuntimeError("call prefill before start (also after moving the drafter)")
         if s0 + m > self.capacity:
             raise ValueError(f"{m} new pairs overflow the drafter cache ({self.capacity - s0} slots left)")
         pos = self.target.config.cls_token_num + s0
@@ -143,6 +149,8 @@ def save_drafter(drafter: EagleDrafter, path: str | os.PathLike[str]) -> None:
     from safetensors.torch import save_file
 
     path = os.fspath(path)
+    if not path.endswith(".safetensors"):
+        raise SpecimgError(f"drafter files are safetensors: name it *.safetensors, not {path}")
     tmp = f"{path}.tmp{os.getpid()}"
     save_file({k: v.detach().contiguous() for k, v in drafter.state_dict().items()}, tmp, metadata={"format": "specimg-eagle1"})
     os.replace(tmp, path)

@@ -173,6 +173,16 @@ KVSlot = tuple[Tensor, Tensor]
 """One layer's static (keys, values) cache [rows, kv_heads, capacity, head_dim]."""
 
 
+def cache_is_stale(cache: Tensor, weight: Tensor) -> bool:
+    """A cache must follow the weights' device and dtype, and one made under inference_mode
+    cannot be written outside it."""
+    return (
+        cache.device != weight.device
+        or cache.dtype != weight.dtype
+        or (cache.is_inference() and not torch.is_inference_mode_enabled())
+    )
+
+
 class Attention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -306,6 +316,8 @@ class LlamaGenTarget(nn.Module):
     @torch.no_grad()
     def forward_tree(self, tokens: Tensor, depths: Tensor, mask: Tensor) -> TargetOutput:
         n, start = tokens.shape[0], self._len
+        if not self._kv:
+            raise RuntimeError("call prefill before forward_tree (also after moving the target)")
         if start + n > self.capacity:
             raise ValueError(f"tree of {n} nodes overflows the KV cache ({self.capacity - start} slots left)")
         x = self.tok_embeddings(tokens.to(self._valid.device))[None].expand(self._rows, n, -1)
@@ -364,7 +376,7 @@ class LlamaGenTarget(nn.Module):
     def _ensure_cache(self, rows: int) -> None:
         """Allocate the static caches once (2 rows, weights' device and dtype); hand out row views."""
         w = self.tok_embeddings.weight
-        if not self._full_kv or self._full_kv[0][0].device != w.device or self._full_kv[0][0].dtype != w.dtype:
+        if not self._full_kv or cache_is_stale(self._full_kv[0][0], w):
             shape = (2, self.config.kv_heads, self.capacity, self.config.head_dim)
             self._full_kv = [(w.new_zeros(shape), w.new_zeros(shape)) for _ in self.layers]
             self._valid = torch.ones(1, self.capacity, dtype=torch.bool, device=w.device)

@@ -1,0 +1,254 @@
+"""LlamaGen target: tree verification equals sequential decoding, commits, checkpoints, presets."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from specimg.errors import SpecimgError
+from specimg.models.base import Caption, Target, causal_tree_mask
+from specimg.models.llamagen import PRESETS, LlamaGenTarget, build_target, load_target, make_config, rope_table
+
+TINY = dict(dim=64, n_layer=2, n_head=4, vocab_size=64, block_size=16, multiple_of=32, num_classes=10, initializer_range=0.1)
+TINY_T2I = dict(TINY, model_type="t2i", cls_token_num=6, caption_dim=24)
+ATOL = 1e-5
+
+
+def tiny(kind: str = "c2i", **extra: object) -> LlamaGenTarget:
+    return build_target("GPT-B", seed=0, **{**(TINY if kind == "c2i" else TINY_T2I), **extra})
+
+
+def condition_for(target: LlamaGenTarget, seed: int = 0) -> int | Caption:
+    if target.config.model_type == "c2i":
+        return 3
+    g = torch.Generator().manual_seed(seed)
+    c = target.config
+    mask = torch.ones(c.cls_token_num, dtype=torch.bool)
+    mask[:2] = False  # left padding, as LlamaGen's sampler arranges T5 features
+    return Caption(torch.randn(c.cls_token_num, c.caption_dim, generator=g), mask)
+
+
+def random_tree(n: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """tokens, depths, ancestor-or-self mask, parents of a random tree (node 0 = root)."""
+    g = torch.Generator().manual_seed(seed)
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+    mask = torch.eye(n, dtype=torch.bool)
+    depths = [0] * n
+    for i in range(1, n):
+        mask[i] |= mask[parents[i]]
+        depths[i] = depths[parents[i]] + 1
+    return torch.randint(0, vocab, (n,), generator=g), torch.tensor(depths), mask, parents
+
+
+def path_to(node: int, parents: list[int]) -> list[int]:
+    path = [node]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+def decode_chain(target: LlamaGenTarget, condition: int | Caption, tokens: list[int]):
+    """Fresh prefill, then one token per forward_tree + commit; outputs after each token."""
+    out = target.prefill(condition, cfg=True)
+    outs = [out]
+    for tok in tokens:
+        out = target.forward_tree(torch.tensor([tok]), torch.tensor([0]), causal_tree_mask(1))
+        target.commit(torch.tensor([0]))
+        outs.append(out)
+    return outs
+
+
+@pytest.mark.parametrize("kind,extra", [("c2i", {}), ("c2i", {"n_kv_head": 2}), ("t2i", {})])
+def test_tree_verification_equals_sequential_decoding(kind: str, extra: dict) -> None:
+    target = tiny(kind, **extra)
+    assert isinstance(target, Target)
+    cond = condition_for(target)
+    prefix = [7, 1, 30]
+    decode_chain(target, cond, prefix)
+    tokens, depths, mask, parents = random_tree(12, target.vocab_size, seed=1)
+    tree = target.forward_tree(tokens, depths, mask)
+    assert tree.logits.shape == (2, 12, target.vocab_size) and tree.logits.dtype == torch.float32
+    assert tree.hidden.shape == (2, 12, target.hidden_size)
+    for node in range(12):
+        chain = decode_chain(target, cond, prefix + tokens[path_to(node, parents)].tolist())[-1]
+        torch.testing.assert_close(tree.logits[:, node], chain.logits[:, 0], atol=ATOL, rtol=0)
+        torch.testing.assert_close(tree.hidden[:, node], chain.hidden[:, 0], atol=ATOL, rtol=0)
+
+
+def test_rows_differ_and_single_row_matches_conditional_row() -> None:
+    target = tiny()
+    both = target.prefill(3, cfg=True)
+    assert not torch.allclose(both.logits[0], both.logits[1])
+    one = target.prefill(3, cfg=False)
+    torch.testing.assert_close(one.logits[0], both.logits[0], atol=ATOL, rtol=0)
+    step = target.forward_tree(torch.tensor([5]), torch.tensor([0]), causal_tree_mask(1))
+    assert step.logits.shape == (1, 1, target.vocab_size)
+
+
+@pytest.mark.parametrize("kind", ["c2i", "t2i"])
+def test_commit_then_next_step_equals_fresh_full_sequence(kind: str) -> None:
+    target = tiny(kind)
+    cond = condition_for(target)
+    committed = [4, 9]
+    decode_chain(target, cond, committed)
+    tokens, depths, mask, parents = random_tree(10, target.vocab_size, seed=2)
+    target.forward_tree(tokens, depths, mask)
+    accepted = path_to(9, parents)  # a root-to-node path
+    target.commit(torch.tensor(accepted))
+    new_root = 17
+    nxt_tokens, nxt_depths, nxt_mask, _ = random_tree(5, target.vocab_size, seed=3)
+    nxt_tokens[0] = new_root
+    nxt = target.forward_tree(nxt_tokens, nxt_depths, nxt_mask)
+
+    seq = torch.tensor(committed + tokens[accepted].tolist() + [new_root, 0])
+    if kind == "c2i":
+        conds: torch.Tensor | list[Caption] = torch.tensor([cond, target.config.num_classes])
+    else:
+        assert isinstance(cond, Caption)
+        conds = [cond, Caption(target.cls_embedding.uncond_embedding, cond.mask)]
+    with torch.no_grad():
+        full = target.forward_sequence(conds, seq.expand(2, -1))
+    torch.testing.assert_close(nxt.logits[:, 0], full.logits[:, -1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(nxt.hidden[:, 0], full.hidden[:, -1], atol=ATOL, rtol=0)
+
+
+def test_caption_padding_is_ignored() -> None:
+    """Features under mask 0 must not change any image-token output (LlamaGen's emb_masks)."""
+    target = tiny("t2i")
+    cond = condition_for(target)
+    assert isinstance(cond, Caption)
+    noisy = Caption(cond.features.clone(), cond.mask)
+    noisy.features[0] += 5.0
+    a = decode_chain(target, cond, [3, 8])[-1].logits
+    b = decode_chain(target, noisy, [3, 8])[-1].logits
+    torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+
+
+def _prefill_and_step(target: LlamaGenTarget) -> torch.Tensor:
+    a = target.prefill(5, cfg=True).logits
+    tokens, depths, mask, _ = random_tree(6, target.vocab_size, seed=4)
+    return torch.cat([a, target.forward_tree(tokens, depths, mask).logits], dim=1)
+
+
+@pytest.mark.parametrize("wrap", ["model", "ema", "module", "state_dict", "raw"])
+def test_checkpoint_in_llamagen_format_loads(tmp_path, wrap: str) -> None:
+    target = tiny()
+    state = dict(target.state_dict())
+    assert not any("cache" in k or "freqs" in k for k in state)
+    state["freqs_cis"] = torch.zeros(3)  # some released files carry the derived RoPE table
+    args = argparse.Namespace(gpt_model="GPT-B", gpt_type="c2i", image_size=64, downsample_size=16, cls_token_num=1)
+    obj = state if wrap == "raw" else {wrap: state, "args": args, "steps": 10}
+    path = tmp_path / "ckpt.pt"
+    torch.save(obj, path)
+    loaded = load_target(path, "GPT-B", **TINY)
+    torch.testing.assert_close(_prefill_and_step(loaded), _prefill_and_step(target), atol=0, rtol=0)
+
+
+def test_checkpoint_errors_name_the_key(tmp_path) -> None:
+    state = dict(tiny().state_dict())
+    missing = dict(state)
+    del missing["layers.1.feed_forward.w2.weight"]
+    torch.save({"model": missing}, tmp_path / "missing.pt")
+    with pytest.raises(SpecimgError, match="layers.1.feed_forward.w2.weight"):
+        load_target(tmp_path / "missing.pt", "GPT-B", **TINY)
+    wrong = dict(state, **{"layers.0.attention.wqkv.weight": torch.zeros(3, 64)})
+    torch.save({"model": wrong}, tmp_path / "wrong.pt")
+    with pytest.raises(SpecimgError, match="layers.0.attention.wqkv.weight"):
+        load_target(tmp_path / "wrong.pt", "GPT-B", **TINY)
+    with pytest.raises(SpecimgError, match="not found"):
+        load_target(tmp_path / "absent.pt", "GPT-B", **TINY)
+
+
+def test_parameter_names_and_shapes_are_llamagens() -> None:
+    c2i, t2i = tiny(), tiny("t2i")
+    hd, ffn = 16, make_config("GPT-B", **TINY).ffn_hidden
+    expected = {
+        "tok_embeddings.weight": (64, 64),
+        "cls_embedding.embedding_table.weight": (11, 64),  # + the null class
+        "layers.0.attention.wqkv.weight": ((4 + 2 * 4) * hd, 64),
+        "layers.0.attention.wo.weight": (64, 64),
+        "layers.0.feed_forward.w1.weight": (ffn, 64),
+        "layers.0.feed_forward.w3.weight": (ffn, 64),
+        "layers.0.feed_forward.w2.weight": (64, ffn),
+        "layers.0.attention_norm.weight": (64,),
+        "layers.0.ffn_norm.weight": (64,),
+        "norm.weight": (64,),
+        "output.weight": (64, 64),
+    }
+    shapes = {k: tuple(v.shape) for k, v in c2i.state_dict().items()}
+    assert {k: shapes[k] for k in expected} == expected
+    assert len(shapes) == 4 + 7 * 2
+    t2i_shapes = {k: tuple(v.shape) for k, v in t2i.state_dict().items()}
+    assert t2i_shapes["cls_embedding.cap_proj.fc1.weight"] == (64, 24)
+    assert t2i_shapes["cls_embedding.cap_proj.fc2.weight"] == (64, 64)
+    assert t2i_shapes["cls_embedding.uncond_embedding"] == (6, 24)
+    assert "cls_embedding.embedding_table.weight" not in t2i_shapes
+    gqa = tiny(n_kv_head=2).state_dict()["layers.0.attention.wqkv.weight"]
+    assert gqa.shape == ((4 + 2 * 2) * hd, 64)
+
+
+@pytest.mark.parametrize(
+    "name,n_layer,n_head,dim,ffn",
+    [
+        ("GPT-B", 12, 12, 768, 2048),
+        ("GPT-L", 24, 16, 1024, 2816),
+        ("GPT-XL", 36, 20, 1280, 3584),
+        ("GPT-XXL", 48, 24, 1536, 4096),
+        ("GPT-XXXL", 48, 40, 2560, 6912),
+        ("GPT-1B", 22, 32, 2048, 5632),
+        ("GPT-3B", 24, 32, 3200, 8704),
+        ("GPT-7B", 32, 32, 4096, 11008),
+    ],
+)
+def test_presets_match_official_dims(name: str, n_layer: int, n_head: int, dim: int, ffn: int) -> None:
+    c = make_config(name)
+    assert (c.n_layer, c.n_head, c.dim, c.ffn_hidden) == (n_layer, n_head, dim, ffn)
+    assert (c.vocab_size, c.num_classes, c.block_size, c.cls_token_num, c.rope_base) == (16384, 1000, 256, 1, 10000.0)
+    assert make_config(name, model_type="t2i").cls_token_num == 120
+    assert len(PRESETS) == 8
+
+
+def test_rope_table_layout() -> None:
+    """Zero (cos, sin) on the condition; grid row drives the first head_dim/4 pairs, column the rest."""
+    c = make_config("GPT-B", dim=32, n_head=2, block_size=16, cls_token_num=3)
+    table = rope_table(c)
+    assert table.shape == (3 + 16, 8, 2)
+    assert table[:3].abs().max() == 0
+    freqs = 10000.0 ** (-torch.arange(4) * 2 / 8)
+    for cell in range(16):
+        row, col = divmod(cell, 4)
+        angles = torch.cat([row * freqs, col * freqs])
+        torch.testing.assert_close(table[3 + cell], torch.stack([angles.cos(), angles.sin()], -1))
+
+
+def test_user_errors() -> None:
+    with pytest.raises(SpecimgError, match="unknown LlamaGen preset"):
+        make_config("GPT-Z")
+    with pytest.raises(SpecimgError, match="square"):
+        make_config("GPT-B", block_size=15)
+    with pytest.raises(SpecimgError, match="override"):
+        make_config("GPT-B", no_such_field=1)
+    with pytest.raises(SpecimgError, match="class id"):
+        tiny().prefill(10, cfg=True)
+    with pytest.raises(SpecimgError, match="caption"):
+        tiny("t2i").prefill(Caption(torch.zeros(5, 24), torch.ones(5, dtype=torch.bool)), cfg=True)
+    with pytest.raises(SpecimgError, match="null class"):
+        tiny(class_dropout_prob=0.0).prefill(1, cfg=True)
+
+
+def test_inference_mode_caches_and_low_precision() -> None:
+    """Caches made under inference_mode are replaced outside it; bf16 weights keep a float32
+    RoPE table and float32 logits close to the float32 model's."""
+    target = tiny()
+    with torch.inference_mode():
+        ref = _prefill_and_step(target)
+    torch.testing.assert_close(_prefill_and_step(target), ref, atol=0, rtol=0)
+    target.to(torch.bfloat16)
+    assert target.rope.dtype == torch.float32
+    with pytest.raises(RuntimeError, match="prefill"):
+        target.forward_tree(torch.tensor([1]), torch.tensor([0]), causal_tree_mask(1))
+    low = _prefill_and_step(target)
+    assert low.dtype == torch.float32
+    torch.testing.assert_close(low, ref, atol=0.1, rtol=0.05)
