@@ -1,0 +1,121 @@
+"""The engine on tiny LlamaGen models: greedy speculative decoding reproduces AR."""
+
+import pytest
+import torch
+
+import specimg
+from specimg.errors import SpecimgError
+from specimg.models.base import Caption
+from specimg.models.eagle import build_drafter
+from specimg.models.llamagen import build_target
+
+TINY = dict(dim=64, n_layer=2, n_head=4, multiple_of=32, vocab_size=64, num_classes=5, block_size=16)
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = build_target("GPT-B", seed=0, **TINY)
+    return target, build_drafter(target, seed=1)
+
+
+GREEDY = specimg.Sampling(temperature=0.0, cfg_scale=3.0)
+
+
+@pytest.mark.parametrize(
+    "tree",
+    [
+        specimg.TreeConfig(depth=4, topk=4, total_tokens=20),
+        specimg.TreeConfig(kind="chain", depth=3),
+        specimg.TreeConfig(kind="static", rank_paths=((0,), (1,), (0, 0), (1, 0), (0, 0, 0))),
+    ],
+    ids=["dynamic", "chain", "static"],
+)
+def test_greedy_naive_equals_greedy_ar(models, tree):
+    target, drafter = models
+    ar = specimg.Engine(target, method="ar", sampling=GREEDY).generate(list(range(5)) * 2, seed=3)
+    spec = specimg.Engine(target, drafter, method="naive", sampling=GREEDY, tree=tree).generate(list(range(5)) * 2, seed=3)
+    assert torch.equal(spec.tokens, ar.tokens)
+    assert spec.stats.target_forwards <= ar.stats.target_forwards
+
+
+def test_drafter_equal_to_target_accepts_whole_chains(models):
+    """A drafter that is the target's own greedy oracle is accepted every time: tau = depth + 1."""
+    target, _ = models
+
+    class Oracle:
+        vocab_size = target.vocab_size
+
+        def prefill(self, condition, cfg):
+            self.condition, self.tokens = condition, []
+
+        def _next(self, tokens):
+            # forward_sequence's entry t predicts token t: append a placeholder to read the next one
+            out = target.forward_sequence(torch.tensor([self.condition]), torch.tensor([tokens + [0]]))
+            return out.logits[:, -1]
+
+        def start(self, hidden, tokens):
+            self.tokens += tokens.tolist()
+            self.fed = [list(self.tokens)]
+            return self._next(self.tokens)
+
+        def expand(self, parents, tokens):
+            rows = []
+            for parent, token in zip(parents.tolist(), tokens.tolist()):
+                self.fed.append(self.fed[parent] + [token])
+                rows.append(self._next(self.fed[-1]))
+            return torch.stack(rows, dim=1)
+
+    greedy = specimg.Sampling(temperature=0.0)
+    tree = specimg.TreeConfig(kind="chain", depth=4)
+    with torch.no_grad():
+        ar = specimg.Engine(target, method="ar", sampling=greedy).generate([2], seed=0)
+        out = specimg.Engine(target, Oracle(), method="naive", sampling=greedy, tree=tree).generate([2], seed=0)
+    assert torch.equal(out.tokens, ar.tokens)
+    # 1 prefill token, then 15 tokens in steps of 5 (4 accepted + 1 bonus)
+    assert out.stats.images[0].accepted == [4, 4, 4]
+    assert out.stats.target_forwards == 4
+
+
+def test_sampling_is_deterministic_per_seed_and_independent_of_batching(models):
+    target, drafter = models
+    engine = specimg.Engine(target, drafter, method="naive", sampling=specimg.Sampling(cfg_scale=2.0, top_k=20))
+    both = engine.generate([1, 4], seed=7).tokens
+    assert torch.equal(engine.generate([1, 4], seed=7).tokens, both)
+    assert torch.equal(engine.generate([4], seed=8).tokens[0], both[1])
+
+
+def test_stats_account_for_every_token(models):
+    target, drafter = models
+    out = specimg.Engine(target, drafter, method="naive").generate([0, 1], seed=0)
+    for image in out.stats.images:
+        assert image.tokens == target.num_tokens
+        assert image.target_forwards == 1 + len(image.accepted)
+        assert image.tokens == 1 + sum(a + 1 for a in image.accepted)
+        assert set(image.seconds) == set(specimg.stats.PHASES)
+
+
+def test_t2i_target_runs_through_the_engine():
+    target = build_target("GPT-B", seed=0, **{**TINY, "model_type": "t2i", "cls_token_num": 6, "caption_dim": 12})
+    drafter = build_drafter(target, seed=1)
+    features = torch.randn(6, 12, generator=torch.Generator().manual_seed(0))
+    caption = Caption(features, torch.tensor([0, 0, 1, 1, 1, 1]))
+    greedy = specimg.Sampling(temperature=0.0, cfg_scale=2.0)
+    ar = specimg.Engine(target, method="ar", sampling=greedy).generate([caption], seed=0)
+    spec = specimg.Engine(target, drafter, method="naive", sampling=greedy).generate([caption], seed=0)
+    assert torch.equal(ar.tokens, spec.tokens)
+
+
+def test_user_errors_are_specimg_errors(models):
+    target, drafter = models
+    with pytest.raises(SpecimgError, match="needs a drafter"):
+        specimg.Engine(target, method="naive")
+    with pytest.raises(SpecimgError, match="unknown method"):
+        specimg.Engine(target, drafter, method="naive+nothing")
+    with pytest.raises(SpecimgError, match="takes no options"):
+        specimg.Engine(target, method="ar", options={"naive": {}})
+
+    class WrongVocab:
+        vocab_size = 7
+
+    with pytest.raises(SpecimgError, match="vocabulary of 7"):
+        specimg.Engine(target, drafter, tokenizer=WrongVocab())
