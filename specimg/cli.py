@@ -17,12 +17,13 @@ from specimg.engine import Engine
 from specimg.errors import SpecimgError
 from specimg.methods import AR, parse_options
 from specimg.plugins import get_plugin_manager
+from specimg.train.drafter import TrainConfig
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """Entry point: user errors end with one line on stderr and exit status 2."""
     try:
-        cli.main(standalone_mode=False)
+        cli.main(args=argv, prog_name="specimg", standalone_mode=False)
     except SpecimgError as err:
         click.echo(f"specimg: error: {err}", err=True)
         sys.exit(2)
@@ -81,14 +82,33 @@ def _models(target: str | None, preset: str, drafter: str | None, tokenizer: str
         raise SpecimgError("--drafter and --tokenizer go with --target")
     if model == "tiny-random":
         return loading.tiny_random()
-    raise SpecimgError(f"unknown --model {model!r}")
+    if model == "demo":
+        from specimg.models.demo import load_demo
+
+        return load_demo()
+    raise SpecimgError(f"unknown --model {model!r}; choose demo or tiny-random")
+
+
+def _default_model() -> str:
+    from specimg.models.demo import bundle_exists
+
+    return "demo" if bundle_exists() else "tiny-random"
+
+
+def _default_cfg(model: str, target: str | None) -> float:
+    """The demo bundle records the CFG scale it was measured at; otherwise LlamaGen's 4.0."""
+    if model == "demo" and not target:
+        from specimg.models.demo import demo_defaults
+
+        return float(demo_defaults().get("cfg_scale", 4.0))
+    return 4.0
 
 
 @cli.command()
 @click.option("--method", "-m", default="naive", show_default=True, help="'ar' or a method stack such as cascade+lantern")
 @click.option("--option", "-o", "options", multiple=True, metavar="METHOD.KEY=VALUE", help="a method option (repeatable)")
 @click.option("--delta", type=float, default=None, help="the stack's total-variation budget [default: largest member delta]")
-@click.option("--model", default="tiny-random", show_default=True, help="built-in models to use when no --target is given")
+@click.option("--model", default=None, help="built-in models when no --target is given: demo or tiny-random [default: demo when its bundle is installed]")
 @click.option("--target", type=click.Path(dir_okay=False), help="LlamaGen GPT checkpoint")
 @click.option("--preset", default="GPT-B", show_default=True, help="shape of the --target checkpoint")
 @click.option("--drafter", type=click.Path(dir_okay=False), help="EAGLE drafter weights (safetensors)")
@@ -96,7 +116,7 @@ def _models(target: str | None, preset: str, drafter: str | None, tokenizer: str
 @click.option("--class-labels", help="comma-separated class ids, cycled over the images [default: 0, 1, 2, ...]")
 @click.option("--num-images", "-n", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="image i uses seed + i")
-@click.option("--cfg-scale", type=click.FloatRange(min=1.0), default=4.0, show_default=True)
+@click.option("--cfg-scale", type=click.FloatRange(min=1.0), default=None, help="classifier-free guidance [default: the demo's measured scale, else 4.0]")
 @click.option("--cfg-interval", type=click.IntRange(min=-1), default=-1, show_default=True)
 @click.option("--temperature", type=click.FloatRange(min=0.0), default=1.0, show_default=True)
 @click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True)
@@ -109,8 +129,10 @@ def _models(target: str | None, preset: str, drafter: str | None, tokenizer: str
 @click.option("--out", type=click.Path(file_okay=False), default="out", show_default=True)
 def generate(**kw: Any) -> None:
     """Generate images and write PNGs, a labelled grid and a JSONL manifest."""
-    models = _models(kw["target"], kw["preset"], kw["drafter"], kw["tokenizer"], kw["model"])
-    sampling = Sampling(kw["temperature"], kw["top_k"], kw["top_p"], kw["cfg_scale"], kw["cfg_interval"])
+    model = kw["model"] or _default_model()
+    models = _models(kw["target"], kw["preset"], kw["drafter"], kw["tokenizer"], model)
+    cfg_scale = kw["cfg_scale"] if kw["cfg_scale"] is not None else _default_cfg(model, kw["target"])
+    sampling = Sampling(kw["temperature"], kw["top_k"], kw["top_p"], cfg_scale, kw["cfg_interval"])
     tree = TreeConfig(kw["tree_kind"], kw["depth"], kw["topk"], kw["total_tokens"], sample=kw["sample_drafts"])
     engine = Engine(
         models.target, models.drafter, kw["method"], parse_options(kw["options"]), sampling, tree,
@@ -118,6 +140,33 @@ def generate(**kw: Any) -> None:
     )
     labels = _labels(kw["class_labels"], kw["num_images"], models.num_classes)
     _write_run(engine, models, labels, kw["seed"], kw["out"])
+
+
+@cli.command("train-demo")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="folder for the bundle (resumed if it holds a partial run)")
+@click.option("--scale", type=click.Choice(["full", "toy"]), default="full", show_default=True, help="toy: the same recipe at toy size, in seconds")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads [default: torch's choice]")
+@click.option("--keep-work", is_flag=True, help="keep the intermediate token sets and samples in OUT/work")
+def train_demo(out: str, scale: str, threads: int | None, keep_work: bool) -> None:
+    """Re-create the embedded demo bundle from scratch: data, VQ, GPT, classifier, drafters."""
+    from specimg.demo.recipe import train_demo as run_recipe
+
+    try:
+        import sklearn  # noqa: F401
+        import skimage  # noqa: F401
+    except ImportError as err:
+        raise SpecimgError(f"train-demo needs the demo extra ({err.name} is missing): pip install 'specimg[demo]'") from None
+    if threads is not None:
+        torch.set_num_threads(threads)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise SpecimgError(f"--out {out} is a file, not a folder")
+    manifest = run_recipe(out, scale, log=lambda m: click.echo(m, err=True), keep_work=keep_work)
+    q = manifest["stages"].get("quality", {})
+    click.echo(
+        f"demo bundle ({scale}) in {out}: {manifest['total_bytes'] / 1e6:.1f} MB, trained in {manifest['train_seconds']:.0f}s; "
+        f"classifier accuracy: real {q.get('classifier_acc_real_test', float('nan')):.3f}, "
+        f"AR samples at cfg {q.get('cfg_scale', float('nan'))} {q.get('classifier_acc_ar_samples', float('nan')):.3f}"
+    )
 
 
 def _write_run(engine: Engine, models: Any, labels: list[int], seed: int, out: str) -> None:
@@ -155,6 +204,138 @@ def _write_run(engine: Engine, models: Any, labels: list[int], seed: int, out: s
 def _decode(tokenizer: Any, codes: torch.Tensor) -> torch.Tensor:
     with torch.inference_mode():
         return tokenizer.decode(codes)
+
+
+# ----------------------------------------------------------------------------- drafter training
+
+
+def _train_target(spec: str, preset: str) -> Any:
+    """``--target`` of the training commands: a LlamaGen checkpoint, ``demo`` (the embedded
+    demo bundle's target) or ``tiny-random``."""
+    if spec == "tiny-random":
+        from specimg.models import loading
+
+        return loading.tiny_random().target
+    if spec == "demo":
+        import importlib
+
+        for name in ("specimg.models.demo", "specimg.demo"):
+            try:
+                load_demo = getattr(importlib.import_module(name), "load_demo", None)
+            except ImportError:
+                continue
+            if load_demo is not None:
+                bundle = load_demo()
+                return getattr(bundle, "target", bundle)
+        raise SpecimgError("the embedded demo bundle is not available in this install (no load_demo)")
+    from specimg.models.llamagen import load_target
+
+    return load_target(spec, preset)
+
+
+def _label_list(text: str | None, num_classes: int) -> tuple[int, ...]:
+    if not text:
+        return ()
+    return tuple(_labels(text, len([x for x in text.split(",") if x.strip()]), num_classes))
+
+
+@cli.command("make-drafter-data")
+@click.option("--target", required=True, help="LlamaGen GPT checkpoint, 'demo' or 'tiny-random'")
+@click.option("--preset", default="GPT-B", show_default=True, help="shape of the --target checkpoint")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="data folder (resumed if it holds the same run)")
+@click.option("--tokens", "tokens_file", type=click.Path(dir_okay=False), help="teacher-force these sequences (safetensors: 'tokens' [M, N], optional 'labels' [M]) instead of sampling")
+@click.option("--num-samples", "-n", type=click.IntRange(min=1), help="images to sample (self-distillation) or to take from --tokens")
+@click.option("--class-labels", help="comma-separated class ids, cycled over the samples [default: 0, 1, 2, ...]")
+@click.option("--seed", type=int, default=0, show_default=True, help="sample i uses seed + i")
+@click.option("--cfg-scale", type=click.FloatRange(min=1.0), default=None, help="classifier-free guidance [default: the demo's measured scale, else 4.0]")
+@click.option("--cfg-interval", type=click.IntRange(min=-1), default=-1, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0.0), default=1.0, show_default=True)
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=1.0, show_default=True)
+@click.option("--uncond/--no-uncond", default=None, help="also store every sequence under the null class [default: when the target has one]")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True, help="storage type of the features")
+@click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True, help="images sampled / teacher-forced at once")
+@click.option("--shard-size", type=click.IntRange(min=1), default=256, show_default=True, help="images per shard file")
+@click.option("--cpu", is_flag=True, help="stay on the CPU even if a GPU is present")
+def make_drafter_data_command(**kw: Any) -> None:
+    """Generate drafter training data once: the target's teacher-forced features on
+    self-sampled (or given) token sequences, as safetensors shards.  Runs on several
+    processes under `accelerate launch`."""
+    from accelerate import PartialState
+
+    from specimg.train.data import DataSpec, make_drafter_data
+
+    state = PartialState(cpu=kw["cpu"])
+    target = _train_target(kw["target"], kw["preset"]).to(state.device)
+    sampling = Sampling(kw["temperature"], kw["top_k"], kw["top_p"], kw["cfg_scale"], kw["cfg_interval"])
+    spec = DataSpec(
+        num_samples=kw["num_samples"], labels=_label_list(kw["class_labels"], target.config.num_classes),
+        tokens_file=kw["tokens_file"], sampling=sampling, seed=kw["seed"], uncond=kw["uncond"], dtype=kw["dtype"],
+        shard_size=kw["shard_size"], batch_size=kw["batch_size"],
+    )
+    start = time.perf_counter()
+    with tqdm(unit="img", desc="drafter data", disable=None if state.is_main_process else True) as bar:
+        meta = make_drafter_data(
+            target, kw["out"], spec, process_index=state.process_index, num_processes=state.num_processes,
+            barrier=state.wait_for_everyone, progress=bar.update,
+        )
+    if state.is_main_process:
+        click.echo(
+            f"{meta['num_examples']} examples ({meta['settings']['num_samples']} images x {1 + meta['settings']['uncond']} rows) "
+            f"in {meta['num_shards']} shards, {time.perf_counter() - start:.1f}s -> {kw['out']}"
+        )
+
+
+@cli.command("train-drafter")
+@click.option("--target", required=True, help="LlamaGen GPT checkpoint, 'demo' or 'tiny-random' (the one that made --data)")
+@click.option("--preset", default="GPT-B", show_default=True, help="shape of the --target checkpoint")
+@click.option("--data", required=True, type=click.Path(file_okay=False), help="a folder made by make-drafter-data")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="run folder; a run started again on it resumes")
+@click.option("--method", "-m", default=None, help="method stack whose train_loss hooks reweight the loss, e.g. cascade")
+@click.option("--option", "-o", "options", multiple=True, metavar="METHOD.KEY=VALUE", help="a method option (repeatable)")
+@click.option("--drafter-type", type=click.Choice(["eagle1", "eagle3"]), default="eagle1", show_default=True)
+@click.option("--init", type=click.Path(dir_okay=False), help="start from these drafter weights (safetensors)")
+@click.option("--steps", type=click.IntRange(min=1), default=TrainConfig().steps, show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=TrainConfig().batch_size, show_default=True, help="global batch (all processes), in images")
+@click.option("--lr", type=click.FloatRange(min=0.0, min_open=True), default=TrainConfig().lr, show_default=True)
+@click.option("--warmup", type=click.IntRange(min=0), default=None, help="warmup steps [default: 5% of --steps]")
+@click.option("--min-lr-ratio", type=click.FloatRange(0.0, 1.0), default=0.0, show_default=True, help="cosine floor, as a fraction of --lr")
+@click.option("--weight-decay", type=click.FloatRange(min=0.0), default=0.0, show_default=True)
+@click.option("--w-cls", type=click.FloatRange(min=0.0), default=0.1, show_default=True, help="weight of the soft cross-entropy (EAGLE p_w)")
+@click.option("--w-reg", type=click.FloatRange(min=0.0), default=1.0, show_default=True, help="weight of the SmoothL1 feature regression (EAGLE v_w)")
+@click.option("--clip-value", type=click.FloatRange(min=0.0, min_open=True), default=0.5, show_default=True, help="clip gradient values (EAGLE)")
+@click.option("--clip-norm", type=click.FloatRange(min=0.0, min_open=True), default=None, help="clip the gradient norm")
+@click.option("--noise", type=click.FloatRange(min=0.0), default=0.0, show_default=True, help="width of uniform noise on the input features")
+@click.option("--checkpoint-every", type=click.IntRange(min=1), default=500, show_default=True)
+@click.option("--keep-checkpoints", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--log-every", type=click.IntRange(min=1), default=10, show_default=True)
+@click.option("--mixed-precision", type=click.Choice(["no", "fp16", "bf16"]), default="no", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="drafter init and data order")
+@click.option("--cpu", is_flag=True, help="stay on the CPU even if a GPU is present")
+def train_drafter_command(**kw: Any) -> None:
+    """Train an EAGLE-1 drafter on drafter data (accelerate: `accelerate launch -m specimg.cli
+    train-drafter ...` for several GPUs).  Writes OUT/drafter.safetensors."""
+    from accelerate import Accelerator
+
+    from specimg.train.drafter import train_drafter
+
+    if kw["drafter_type"] == "eagle3":
+        raise SpecimgError("EAGLE-3 drafter training is not implemented yet; use --drafter-type eagle1")
+    config = TrainConfig(
+        steps=kw["steps"], batch_size=kw["batch_size"], lr=kw["lr"], weight_decay=kw["weight_decay"], warmup_steps=kw["warmup"],
+        min_lr_ratio=kw["min_lr_ratio"], w_cls=kw["w_cls"], w_reg=kw["w_reg"], clip_value=kw["clip_value"],
+        clip_norm=kw["clip_norm"], noise=kw["noise"], checkpoint_every=kw["checkpoint_every"],
+        keep_checkpoints=kw["keep_checkpoints"], log_every=kw["log_every"], seed=kw["seed"],
+        mixed_precision=kw["mixed_precision"], drafter_type=kw["drafter_type"],
+    )
+    target = _train_target(kw["target"], kw["preset"])
+    accelerator = Accelerator(mixed_precision=config.mixed_precision, cpu=kw["cpu"])
+    start = time.perf_counter()
+    result = train_drafter(
+        target, kw["data"], kw["out"], config, method=kw["method"], options=parse_options(kw["options"]), accelerator=accelerator,
+    )
+    if accelerator.is_main_process:
+        click.echo(f"{result.steps} steps in {time.perf_counter() - start:.1f}s -> {result.path}")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from specimg.errors import SpecimgError
 class Manifest:
     def __init__(self, path: str | os.PathLike[str], settings: dict[str, Any]):
         self.path = os.fspath(path)
-        self.settings = settings
+        self.settings = json.loads(json.dumps(settings))  # compare as read back (tuples become lists)
         self.done: dict[int, dict[str, Any]] = {}
         if os.path.exists(self.path):
             for entry in self._read():

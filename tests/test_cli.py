@@ -1,0 +1,74 @@
+"""The specimg command on tiny random models."""
+
+import json
+import os
+
+import pytest
+from PIL import Image
+
+from specimg.cli import main
+
+
+def run(*args: str) -> int:
+    try:
+        main(list(args))
+    except SystemExit as stop:
+        return int(stop.code)
+    return 0
+
+
+def test_generate_writes_images_grid_and_manifest(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run("generate", "--model", "tiny-random", "-n", "3", "--class-labels", "2,5", "--out", str(out)) == 0
+    assert sorted(os.listdir(out / "images")) == ["00000.png", "00001.png", "00002.png"]
+    assert Image.open(out / "grid.png").size[0] > Image.open(out / "images" / "00000.png").size[0]
+    lines = [json.loads(x) for x in (out / "manifest.jsonl").read_text().splitlines()]
+    assert [e["condition"] for e in lines] == [2, 5, 2]
+    assert [e["seed"] for e in lines] == [0, 1, 2]
+    assert all(len(e["tokens"]) == 64 and e["settings"]["method"] == "naive" for e in lines)
+    assert "tau" in capsys.readouterr().out
+
+
+def test_same_seed_same_images_and_resume_skips_finished_ones(tmp_path, capsys):
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert run("generate", "--model", "tiny-random", "-n", "2", "--out", str(a)) == 0
+    assert run("generate", "--model", "tiny-random", "-n", "1", "--out", str(b)) == 0
+    assert run("generate", "--model", "tiny-random", "-n", "2", "--out", str(b)) == 0
+    assert (a / "manifest.jsonl").read_text() != ""
+    tokens = lambda d: [json.loads(x)["tokens"] for x in (d / "manifest.jsonl").read_text().splitlines()]
+    assert tokens(a) == tokens(b)
+    assert "1 images" in capsys.readouterr().out.splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["generate", "--method", "nope"], "unknown method 'nope'"),
+        (["generate", "-o", "naive.k=1"], "has no option 'k'"),
+        (["generate", "--class-labels", "1,x"], "comma-separated integers"),
+        (["generate", "--class-labels", "99"], "outside [0, 10)"),
+        (["generate", "--target", "missing.pt"], "checkpoint not found"),
+        (["generate", "--cfg-scale", "0.5"], "cfg-scale"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_status_2(tmp_path, capsys, args, message):
+    assert run(*args, "--model", "tiny-random", "--out", str(tmp_path / "o")) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_a_run_with_other_settings_does_not_touch_an_existing_manifest(tmp_path, capsys):
+    out = tmp_path / "o"
+    assert run("generate", "--model", "tiny-random", "-n", "1", "--out", str(out)) == 0
+    before = (out / "manifest.jsonl").read_text()
+    assert run("generate", "--model", "tiny-random", "-n", "1", "--seed", "5", "--out", str(out)) == 2
+    assert "other settings" in capsys.readouterr().err
+    assert (out / "manifest.jsonl").read_text() == before
+
+
+def test_methods_and_plugins_listings(capsys):
+    assert run("methods") == 0
+    listing = capsys.readouterr().out
+    assert listing.startswith("ar ") and "naive" in listing
+    assert run("plugins") == 0
+    assert "specimg_plugins.naive" in capsys.readouterr().out
