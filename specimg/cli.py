@@ -217,17 +217,9 @@ def _train_target(spec: str, preset: str) -> Any:
 
         return loading.tiny_random().target
     if spec == "demo":
-        import importlib
+        from specimg.models.demo import load_demo
 
-        for name in ("specimg.models.demo", "specimg.demo"):
-            try:
-                load_demo = getattr(importlib.import_module(name), "load_demo", None)
-            except ImportError:
-                continue
-            if load_demo is not None:
-                bundle = load_demo()
-                return getattr(bundle, "target", bundle)
-        raise SpecimgError("the embedded demo bundle is not available in this install (no load_demo)")
+        return load_demo().target
     from specimg.models.llamagen import load_target
 
     return load_target(spec, preset)

@@ -22,7 +22,7 @@ class Manifest:
         self.done: dict[int, dict[str, Any]] = {}
         if os.path.exists(self.path):
             for entry in self._read():
-                if entry.get("settings") != settings:
+                if entry.get("settings") != self.settings:
                     raise SpecimgError(
                         f"{self.path} holds a run with other settings; use another output folder or remove it"
                     )
