@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -73,11 +74,32 @@ def _labels(text: str | None, num_images: int, num_classes: int) -> list[int]:
     return [labels[i % len(labels)] for i in range(num_images)]
 
 
-def _models(target: str | None, preset: str, drafter: str | None, tokenizer: str | None, model: str):
+def _overrides(pairs: tuple[str, ...], flag: str) -> dict[str, Any]:
+    """``("block_size=576", "model_type=t2i")`` -> keyword overrides, values read as JSON
+    where they parse (numbers, booleans, lists) and as strings otherwise."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SpecimgError(f"{flag} takes KEY=VALUE, not {pair!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+        if isinstance(out[key], list):
+            out[key] = tuple(out[key])
+    return out
+
+
+def _models(kw: dict[str, Any], model: str):
     from specimg.models import loading
 
+    target, drafter, tokenizer = kw["target"], kw["drafter"], kw["tokenizer"]
     if target:
-        return loading.from_paths(target, preset, drafter, tokenizer)
+        return loading.from_paths(
+            target, kw["preset"], drafter, tokenizer,
+            _overrides(kw["target_config"], "--target-config"), _overrides(kw["tokenizer_config"], "--tokenizer-config"),
+        )
     if drafter or tokenizer:
         raise SpecimgError("--drafter and --tokenizer go with --target")
     if model == "tiny-random":
@@ -111,8 +133,10 @@ def _default_cfg(model: str, target: str | None) -> float:
 @click.option("--model", default=None, help="built-in models when no --target is given: demo or tiny-random [default: demo when its bundle is installed]")
 @click.option("--target", type=click.Path(dir_okay=False), help="LlamaGen GPT checkpoint")
 @click.option("--preset", default="GPT-B", show_default=True, help="shape of the --target checkpoint")
+@click.option("--target-config", multiple=True, metavar="KEY=VALUE", help="override a GPTConfig field, e.g. block_size=576")
 @click.option("--drafter", type=click.Path(dir_okay=False), help="EAGLE drafter weights (safetensors)")
 @click.option("--tokenizer", type=click.Path(dir_okay=False), help="LlamaGen VQ tokenizer checkpoint")
+@click.option("--tokenizer-config", multiple=True, metavar="KEY=VALUE", help="override a VQConfig field")
 @click.option("--class-labels", help="comma-separated class ids, cycled over the images [default: 0, 1, 2, ...]")
 @click.option("--num-images", "-n", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="image i uses seed + i")
@@ -130,7 +154,7 @@ def _default_cfg(model: str, target: str | None) -> float:
 def generate(**kw: Any) -> None:
     """Generate images and write PNGs, a labelled grid and a JSONL manifest."""
     model = kw["model"] or _default_model()
-    models = _models(kw["target"], kw["preset"], kw["drafter"], kw["tokenizer"], model)
+    models = _models(kw, model)
     cfg_scale = kw["cfg_scale"] if kw["cfg_scale"] is not None else _default_cfg(model, kw["target"])
     sampling = Sampling(kw["temperature"], kw["top_k"], kw["top_p"], cfg_scale, kw["cfg_interval"])
     tree = TreeConfig(kw["tree_kind"], kw["depth"], kw["topk"], kw["total_tokens"], sample=kw["sample_drafts"])
@@ -234,6 +258,7 @@ def _label_list(text: str | None, num_classes: int) -> tuple[int, ...]:
 @cli.command("make-drafter-data")
 @click.option("--target", required=True, help="LlamaGen GPT checkpoint, 'demo' or 'tiny-random'")
 @click.option("--preset", default="GPT-B", show_default=True, help="shape of the --target checkpoint")
+@click.option("--target-config", multiple=True, metavar="KEY=VALUE", help="override a GPTConfig field, e.g. block_size=576")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="data folder (resumed if it holds the same run)")
 @click.option("--tokens", "tokens_file", type=click.Path(dir_okay=False), help="teacher-force these sequences (safetensors: 'tokens' [M, N], optional 'labels' [M]) instead of sampling")
 @click.option("--num-samples", "-n", type=click.IntRange(min=1), help="images to sample (self-distillation) or to take from --tokens")
@@ -281,6 +306,7 @@ def make_drafter_data_command(**kw: Any) -> None:
 @cli.command("train-drafter")
 @click.option("--target", required=True, help="LlamaGen GPT checkpoint, 'demo' or 'tiny-random' (the one that made --data)")
 @click.option("--preset", default="GPT-B", show_default=True, help="shape of the --target checkpoint")
+@click.option("--target-config", multiple=True, metavar="KEY=VALUE", help="override a GPTConfig field, e.g. block_size=576")
 @click.option("--data", required=True, type=click.Path(file_okay=False), help="a folder made by make-drafter-data")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="run folder; a run started again on it resumes")
 @click.option("--method", "-m", default=None, help="method stack whose train_loss hooks reweight the loss, e.g. cascade")

@@ -72,3 +72,26 @@ def test_methods_and_plugins_listings(capsys):
     assert listing.startswith("ar ") and "naive" in listing
     assert run("plugins") == 0
     assert "specimg_plugins.naive" in capsys.readouterr().out
+
+
+def test_generate_from_checkpoints_in_llamagen_format(tmp_path, capsys):
+    import argparse
+
+    import torch
+
+    from specimg.models.llamagen import build_target
+    from specimg.models.loading import TINY_GPT, TINY_VQ
+    from specimg.models.vq import build_tokenizer
+
+    target_path, vq_path = tmp_path / "c2i.pt", tmp_path / "vq.pt"
+    torch.save({"model": build_target("GPT-B", seed=3, **TINY_GPT).state_dict(), "args": argparse.Namespace(gpt_model="GPT-B")}, target_path)
+    torch.save({"model": build_tokenizer(seed=4, **TINY_VQ).state_dict()}, vq_path)
+    config = [f"--target-config={k}={v}" for k, v in TINY_GPT.items()]
+    vq_config = [f"--tokenizer-config={k}={list(v) if isinstance(v, tuple) else v}" for k, v in TINY_VQ.items()]
+    for method in ("ar", "naive"):
+        out = tmp_path / method
+        args = ["generate", "--target", str(target_path), *config, "--tokenizer", str(vq_path), *vq_config, "-m", method, "-n", "2", "--out", str(out)]
+        assert run(*args) == 0, capsys.readouterr().err
+        assert len(os.listdir(out / "images")) == 2
+    assert run("generate", "--target", str(target_path), "--out", str(tmp_path / "x")) == 2
+    assert "missing key" in capsys.readouterr().err
