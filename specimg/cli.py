@@ -233,9 +233,12 @@ def _decode(tokenizer: Any, codes: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- drafter training
 
 
-def _train_target(spec: str, preset: str) -> Any:
-    """``--target`` of the training commands: a LlamaGen checkpoint, ``demo`` (the embedded
-    demo bundle's target) or ``tiny-random``."""
+def _train_target(spec: str, preset: str, config: tuple[str, ...] = ()) -> Any:
+    """``--target`` of the training commands: a LlamaGen checkpoint (shaped by ``--preset``
+    and ``--target-config``), ``demo`` (the embedded demo bundle's target) or ``tiny-random``."""
+    overrides = _overrides(config, "--target-config")
+    if overrides and spec in ("tiny-random", "demo"):
+        raise SpecimgError(f"--target-config goes with a checkpoint path, not --target {spec}")
     if spec == "tiny-random":
         from specimg.models import loading
 
@@ -246,7 +249,7 @@ def _train_target(spec: str, preset: str) -> Any:
         return load_demo().target
     from specimg.models.llamagen import load_target
 
-    return load_target(spec, preset)
+    return load_target(spec, preset, **overrides)
 
 
 def _label_list(text: str | None, num_classes: int) -> tuple[int, ...]:
@@ -283,8 +286,9 @@ def make_drafter_data_command(**kw: Any) -> None:
     from specimg.train.data import DataSpec, make_drafter_data
 
     state = PartialState(cpu=kw["cpu"])
-    target = _train_target(kw["target"], kw["preset"]).to(state.device)
-    sampling = Sampling(kw["temperature"], kw["top_k"], kw["top_p"], kw["cfg_scale"], kw["cfg_interval"])
+    target = _train_target(kw["target"], kw["preset"], kw["target_config"]).to(state.device)
+    cfg_scale = kw["cfg_scale"] if kw["cfg_scale"] is not None else _default_cfg(kw["target"], None)
+    sampling = Sampling(kw["temperature"], kw["top_k"], kw["top_p"], cfg_scale, kw["cfg_interval"])
     spec = DataSpec(
         num_samples=kw["num_samples"], labels=_label_list(kw["class_labels"], target.config.num_classes),
         tokens_file=kw["tokens_file"], sampling=sampling, seed=kw["seed"], uncond=kw["uncond"], dtype=kw["dtype"],
@@ -346,7 +350,7 @@ def train_drafter_command(**kw: Any) -> None:
         keep_checkpoints=kw["keep_checkpoints"], log_every=kw["log_every"], seed=kw["seed"],
         mixed_precision=kw["mixed_precision"], drafter_type=kw["drafter_type"],
     )
-    target = _train_target(kw["target"], kw["preset"])
+    target = _train_target(kw["target"], kw["preset"], kw["target_config"])
     accelerator = Accelerator(mixed_precision=config.mixed_precision, cpu=kw["cpu"])
     start = time.perf_counter()
     result = train_drafter(

@@ -105,7 +105,8 @@ def accept(
 
 @hookspec
 def train_loss(loss: Tensor, features: Tensor, tokens: Tensor, mask: Tensor, options: Any) -> Tensor | None:
-    """Reweight or extend the drafter's per-position training loss ``loss`` [B, T].
+    """Reweight or extend the drafter's per-position training loss ``loss`` [B, T] (EAGLE's
+    w_cls * soft cross-entropy + w_reg * feature regression, before the masked mean).
 
     ``features`` [B, T, D] are the target's hidden states, ``tokens`` [B, T] the tokens,
     ``mask`` [B, T] the valid positions.  Return the new per-position loss or None to pass;

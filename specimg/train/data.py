@@ -1,0 +1,368 @@
+"""Drafter training data: the target's teacher-forced features, generated once, stored as shards.
+
+An *example* is one image's token sequence ``tokens`` [N] (N = the target's image tokens),
+its class ``label`` and the target's last hidden states ``features`` [N, D] after the
+final norm, teacher-forced on those tokens: ``features[t]`` is the state at the position
+before ``tokens[t]`` (``forward_sequence``'s convention), so ``output(features[t])`` are the
+target's logits for ``tokens[t]``.  The target's distributions are not stored: the output
+head is frozen and shared with the drafter, so the trainer recomputes them exactly from
+the features, as EAGLE does (a [N, V] float table per image would be ~V/D times larger).
+
+Token sequences come from
+
+- a tokens file (a dataset tokenised with the VQ): safetensors with ``tokens`` [M, N]
+  (integers) and optionally ``labels`` [M]; or
+- self-distillation: sampled from the target itself with its own sampling settings
+  (CFG, temperature, top-k, top-p), as EAGLE and LANTERN do.  Sample i uses seed
+  ``seed + i``, so the samples do not depend on the batch size or the number of
+  processes, and equal ``Engine(method="ar").generate([label], seed=seed + i)``.
+
+With ``uncond`` (the default when the target has a null class) every sequence is also
+teacher-forced under the null class and stored as a second example with
+``label = num_classes``: under CFG the drafter drafts the unconditional row too.
+
+Layout of a data folder::
+
+    meta.json                   format, settings, counts, the target's fingerprint
+    shard-00000.safetensors     features [n, N, D], tokens [n, N], labels [n], sample [n]
+    ...
+
+Shard k holds samples [k * shard_size, (k + 1) * shard_size) and is written atomically,
+so a killed run started again with the same settings only makes the missing shards;
+several processes (``accelerate launch``) share the shards round-robin.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import torch
+from torch import Tensor
+
+from specimg.config import Sampling
+from specimg.errors import SpecimgError
+from specimg.models.base import cfg_rows
+from specimg.models.llamagen import KVSlot, LlamaGenTarget
+from specimg.sampling import probabilities
+
+FORMAT = "specimg-drafter-data/1"
+META = "meta.json"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.safetensors"
+
+
+def target_fingerprint(target: LlamaGenTarget) -> dict[str, Any]:
+    """The target's shape and a hash of its output head rounded to bfloat16 (so an fp32
+    and a bf16 copy of one checkpoint agree): data made with one target is refused by a
+    drafter trained against another."""
+    head = target.output.weight.detach().to("cpu", torch.bfloat16).view(torch.int16)
+    digest = hashlib.sha256(head.numpy().tobytes()).hexdigest()[:16]
+    return {"config": attrs.asdict(target.config), "head_sha256": digest}
+
+
+def _atomic_write_json(path: str, obj: Any) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(obj, fh, indent=1)
+        fh.write("\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+@torch.inference_mode()
+def sample_tokens(target: LlamaGenTarget, labels: Sequence[int], seeds: Sequence[int], sampling: Sampling) -> Tensor:
+    """Sample one image per class label from the target, batched, with a KV cache: tokens
+    [len(labels), num_tokens].  Image i draws with its own generator seeded ``seeds[i]``
+    exactly as the engine's AR loop does, so the result equals ``Engine(target,
+    method="ar", sampling=sampling).generate([labels[i]], seed=seeds[i])`` (up to
+    floating-point differences between batched and single-row matmuls)."""
+    c = target.config
+    if c.model_type != "c2i":
+        raise SpecimgError("self-distilled drafter data needs a class-conditional (c2i) target; t2i is not supported yet")
+    if len(labels) != len(seeds):
+        raise ValueError("one seed per label")
+    bad = [x for x in labels if not 0 <= x < c.num_classes]
+    if bad:
+        raise SpecimgError(f"class label {bad[0]} is outside [0, {c.num_classes})")
+    if sampling.cfg and c.class_dropout_prob <= 0:
+        raise SpecimgError("this target has no null class (class_dropout_prob = 0): sample without CFG (--cfg-scale 1)")
+    n, rows, vocab = len(labels), cfg_rows(sampling.cfg), c.vocab_size
+    cls, num = c.cls_token_num, c.block_size
+    w = target.tok_embeddings.weight
+    ids = torch.tensor(list(labels) + [c.num_classes] * n * (rows - 1), device=w.device)
+    shape = (rows * n, c.kv_heads, cls + num, c.head_dim)
+    caches: list[KVSlot] = [(w.new_zeros(shape), w.new_zeros(shape)) for _ in target.layers]
+    generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+    out = torch.empty(n, num, dtype=torch.long)
+
+    def run(x: Tensor, start: int, width: int) -> Tensor:
+        rope = target.rope[start : start + width]
+        for layer, cache in zip(target.layers, caches):
+            x = layer(x, rope, None, cache, start)
+        return target.output(target.norm(x[:, -1])).float().view(rows, n, vocab)
+
+    def draw(logits: Tensor, k: int, cfg_on: bool) -> None:
+        probs = probabilities(logits, sampling, cfg_on).cpu()
+        if sampling.greedy:
+            out[:, k] = probs.argmax(dim=-1)
+            return
+        for i, g in enumerate(generators):
+            out[i, k] = torch.multinomial(probs[i], 1, generator=g)[0]
+
+    # the condition (c2i: one class embedding); the first token is always guided, as in the engine
+    draw(run(target.cls_embedding.embedding_table(ids)[:, None], 0, cls), 0, True)
+    for k in range(1, num):
+        last = out[:, k - 1].to(w.device).repeat(rows)
+        cfg_on = sampling.cfg_interval < 0 or k - 1 <= sampling.cfg_interval
+        draw(run(target.tok_embeddings(last)[:, None], cls + k - 1, 1), k, cfg_on)
+    return out
+
+
+@torch.inference_mode()
+def teacher_features(target: LlamaGenTarget, labels: Tensor, tokens: Tensor) -> Tensor:
+    """The target's last hidden states [B, N, D] teacher-forced on ``tokens`` [B, N]."""
+    device = target.tok_embeddings.weight.device
+    return target.forward_sequence(labels.to(device), tokens.to(device)).hidden
+
+
+def read_tokens_file(path: str | os.PathLike[str], target: LlamaGenTarget) -> tuple[Tensor, Tensor | None]:
+    """A tokenised dataset: safetensors with ``tokens`` [M, N] and optionally ``labels`` [M]."""
+    from safetensors.torch import load_file
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise SpecimgError(f"tokens file not found: {path}")
+    try:
+        data = load_file(path)
+    except Exception as err:
+        raise SpecimgError(f"cannot read tokens file {path} (safetensors with 'tokens' [M, N] and 'labels' [M]): {err}") from None
+    c = target.config
+    tokens, labels = data.get("tokens"), data.get("labels")
+    if tokens is None:
+        raise SpecimgError(f"{path} has no 'tokens' tensor (found: {', '.join(data) or 'nothing'})")
+    if tokens.dim() != 2 or tokens.shape[1] != c.block_size or tokens.is_floating_point():
+        raise SpecimgError(f"{path}: 'tokens' must be integers [M, {c.block_size}] for this target, got {tuple(tokens.shape)} {tokens.dtype}")
+    tokens = tokens.long()
+    if tokens.numel() and not (0 <= int(tokens.min()) and int(tokens.max()) < c.vocab_size):
+        raise SpecimgError(f"{path}: tokens outside the target's vocabulary [0, {c.vocab_size})")
+    if labels is not None:
+        if labels.shape != (tokens.shape[0],) or labels.is_floating_point():
+            raise SpecimgError(f"{path}: 'labels' must be integers [{tokens.shape[0]}], got {tuple(labels.shape)} {labels.dtype}")
+        labels = labels.long()
+        if labels.numel() and not (0 <= int(labels.min()) and int(labels.max()) < c.num_classes):
+            raise SpecimgError(f"{path}: labels outside [0, {c.num_classes})")
+    return tokens, labels
+
+
+def _file_digest(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+@attrs.frozen
+class DataSpec:
+    """What to generate.  ``tokens_file`` None means self-distillation with ``sampling``;
+    ``labels`` are cycled over the samples (default 0, 1, 2, ... mod num_classes; a tokens
+    file's own labels win)."""
+
+    num_samples: int | None = None
+    labels: tuple[int, ...] = ()
+    tokens_file: str | None = None
+    sampling: Sampling = Sampling(cfg_scale=4.0)
+    seed: int = 0
+    uncond: bool | None = None
+    dtype: str = attrs.field(default="float32", validator=attrs.validators.in_(tuple(DTYPES)))
+    shard_size: int = attrs.field(default=256, validator=attrs.validators.ge(1))
+    batch_size: int = attrs.field(default=16, validator=attrs.validators.ge(1))
+
+
+def make_drafter_data(
+    target: LlamaGenTarget,
+    out: str | os.PathLike[str],
+    spec: DataSpec,
+    *,
+    process_index: int = 0,
+    num_processes: int = 1,
+    barrier: Callable[[], None] = lambda: None,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Generate (or finish generating) a data folder; returns its meta.  With several
+    processes, call it in each with its index, the count and a barrier: the shards are
+    shared round-robin.  ``progress`` is called with the samples each batch finished."""
+    c = target.config
+    if c.model_type != "c2i":
+        raise SpecimgError("drafter data needs a class-conditional (c2i) target; t2i (caption features) is not supported yet")
+    out = os.fspath(out)
+    tokens_all: Tensor | None = None
+    file_labels: Tensor | None = None
+    source: dict[str, Any]
+    if spec.tokens_file:
+        tokens_all, file_labels = read_tokens_file(spec.tokens_file, target)
+        available = tokens_all.shape[0]
+        num = available if spec.num_samples is None else spec.num_samples
+        if num > available:
+            raise SpecimgError(f"--num-samples {num} exceeds the {available} sequences in {spec.tokens_file}")
+        source = {"kind": "tokens", "file": os.path.abspath(spec.tokens_file), "sha256": _file_digest(spec.tokens_file)}
+    else:
+        if spec.num_samples is None:
+            raise SpecimgError("self-distilled data needs --num-samples")
+        num = spec.num_samples
+        source = {"kind": "self", "sampling": attrs.asdict(spec.sampling), "seed": spec.seed}
+    if num < 1:
+        raise SpecimgError("drafter data needs at least one sample")
+    bad = [x for x in spec.labels if not 0 <= x < c.num_classes]
+    if bad:
+        raise SpecimgError(f"class label {bad[0]} is outside [0, {c.num_classes})")
+    if file_labels is not None:
+        labels = file_labels[:num]
+    else:
+        cycle = list(spec.labels) or list(range(c.num_classes))
+        labels = torch.tensor([cycle[i % len(cycle)] for i in range(num)], dtype=torch.long)
+    has_null = c.class_dropout_prob > 0
+    uncond = has_null if spec.uncond is None else spec.uncond
+    if uncond and not has_null:
+        raise SpecimgError("this target has no null class (class_dropout_prob = 0): use --no-uncond")
+    num_shards = -(-num // spec.shard_size)
+    fingerprint = target_fingerprint(target)
+    settings = {
+        "source": source, "num_samples": num, "labels": labels.tolist(), "uncond": uncond,
+        "dtype": spec.dtype, "shard_size": spec.shard_size,
+    }
+    meta = {
+        "format": FORMAT, "settings": settings, "target": fingerprint, "num_shards": num_shards,
+        "num_examples": num * (1 + uncond), "num_tokens": c.block_size, "hidden_size": c.dim,
+        "vocab_size": c.vocab_size, "num_classes": c.num_classes,
+    }
+    meta_path = os.path.join(out, META)
+    if process_index == 0:
+        os.makedirs(out, exist_ok=True)
+        if os.path.exists(meta_path):
+            old = _read_meta(out)
+            if old.get("settings") != settings or old.get("target") != fingerprint:
+                raise SpecimgError(f"{out} holds drafter data made with other settings or another target; use another --out or remove it")
+        else:
+            _atomic_write_json(meta_path, meta)
+    barrier()
+    if process_index != 0 and not os.path.exists(meta_path):  # the main process refused the folder
+        raise SpecimgError(f"{out} could not be prepared by the main process")
+    dtype = DTYPES[spec.dtype]
+    for shard in range(process_index, num_shards, num_processes):
+        path = os.path.join(out, shard_name(shard))
+        lo, hi = shard * spec.shard_size, min(num, (shard + 1) * spec.shard_size)
+        if os.path.exists(path):
+            if progress:
+                progress(hi - lo)
+            continue
+        # conditional examples of the shard's samples first, then their null-class twins:
+        # the layout does not depend on the batch size
+        parts = [{"features": [], "tokens": [], "labels": [], "sample": []} for _ in range(1 + uncond)]
+        for start in range(lo, hi, spec.batch_size):
+            idx = torch.arange(start, min(hi, start + spec.batch_size))
+            lab = labels[idx]
+            if tokens_all is not None:
+                tok = tokens_all[idx]
+            else:
+                tok = sample_tokens(target, lab.tolist(), [spec.seed + int(i) for i in idx], spec.sampling)
+            variants = [lab] + ([torch.full_like(lab, c.num_classes)] if uncond else [])
+            for part, variant in zip(parts, variants):
+                part["features"].append(teacher_features(target, variant, tok).to("cpu", dtype))
+                part["tokens"].append(tok)
+                part["labels"].append(variant)
+                part["sample"].append(idx)
+            if progress:
+                progress(len(idx))
+        _write_shard(path, {k: torch.cat([t for part in parts for t in part[k]]).contiguous() for k in parts[0]})
+    barrier()
+    return meta
+
+
+def _write_shard(path: str, tensors: dict[str, Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    tmp = f"{path}.tmp{os.getpid()}"
+    save_file(tensors, tmp, metadata={"format": FORMAT})
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def _read_meta(path: str) -> dict[str, Any]:
+    meta_path = os.path.join(path, META)
+    if not os.path.isfile(meta_path):
+        raise SpecimgError(f"{path} is not a drafter data folder (no {META}); make one with `specimg make-drafter-data`")
+    try:
+        with open(meta_path, encoding="utf-8") as fh:
+            meta = json.load(fh)
+    except (OSError, json.JSONDecodeError) as err:
+        raise SpecimgError(f"cannot read {meta_path}: {err}") from None
+    if meta.get("format") != FORMAT:
+        raise SpecimgError(f"{meta_path} has format {meta.get('format')!r}, expected {FORMAT!r}")
+    return meta
+
+
+class DrafterData:
+    """A finished data folder, read lazily (memory-mapped safetensors shards)."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = os.fspath(path)
+        self.meta = _read_meta(self.path)
+        missing = [shard_name(k) for k in range(self.meta["num_shards"]) if not os.path.isfile(os.path.join(self.path, shard_name(k)))]
+        if missing:
+            raise SpecimgError(
+                f"{self.path} is incomplete ({len(missing)} of {self.meta['num_shards']} shards missing, e.g. {missing[0]}); "
+                "run make-drafter-data again with the same settings to finish it"
+            )
+        from safetensors import safe_open
+
+        self._files = [safe_open(os.path.join(self.path, shard_name(k)), framework="pt") for k in range(self.meta["num_shards"])]
+        sizes = [f.get_slice("labels").get_shape()[0] for f in self._files]
+        self._locate = [(k, j) for k, size in enumerate(sizes) for j in range(size)]
+        if len(self._locate) != self.meta["num_examples"]:
+            raise SpecimgError(f"{self.path}: shards hold {len(self._locate)} examples, meta.json says {self.meta['num_examples']}")
+
+    def __len__(self) -> int:
+        return len(self._locate)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.meta["num_tokens"])
+
+    def check_target(self, target: LlamaGenTarget) -> None:
+        """Refuse a target other than the one that made the data."""
+        mine = target_fingerprint(target)
+        theirs = self.meta["target"]
+        if mine["config"] != theirs["config"]:
+            diff = sorted(k for k in mine["config"] if mine["config"][k] != theirs["config"].get(k))
+            raise SpecimgError(f"{self.path} was made with a target of another shape (differs in {', '.join(diff)})")
+        if mine["head_sha256"] != theirs["head_sha256"]:
+            raise SpecimgError(f"{self.path} was made with another target checkpoint (output heads differ)")
+
+    def get(self, indices: Sequence[int]) -> dict[str, Tensor]:
+        """Examples ``indices`` stacked: features [b, N, D] float32, tokens [b, N], labels [b]."""
+        out: dict[str, list[Tensor]] = {"features": [], "tokens": [], "labels": []}
+        for i in indices:
+            k, j = self._locate[int(i)]
+            for key in out:
+                out[key].append(self._files[k].get_slice(key)[j : j + 1])
+        batch = {k: torch.cat(v) for k, v in out.items()}
+        batch["features"] = batch["features"].float()
+        return batch

@@ -1,0 +1,421 @@
+"""EAGLE-1 drafter training with accelerate: one CPU, one GPU or many processes, same code.
+
+Loss (EAGLE-1, ``eagle/train/main.py``), per position [B, T]:
+
+    loss[b, t] = w_cls * soft_CE(p_target, q_drafter) + w_reg * mean_D SmoothL1(pred_feature, target_feature)
+
+with EAGLE's weights ``w_cls = 0.1`` (``p_w``) and ``w_reg = 1.0`` (``v_w``).  Position t
+is the drafter's pair t = (the target's feature before token t, token t), t < N - 1: it
+regresses the target's state after consuming token t, ``F_t``, and matches the target's
+distribution for token t + 1, ``softmax(output(F_t))`` (the frozen shared head, so the
+distribution is recomputed exactly from the stored features).  Then the ``train_loss``
+hooks of the method stack reweight it, in method-string order, each with its own options
+(``--method cascade`` applies CASCADE's reweighting); they receive ``features`` = F [B, T, D]
+(``features[:, t]`` is the state produced by consuming ``tokens[:, t]``), ``tokens`` [B, T]
+and ``mask`` [B, T].  Finally the masked mean over the *global* batch.
+
+``batch_size`` is the global batch: each of P processes takes its own B / P examples of
+the same global batch, the local loss is scaled so that DDP's gradient average is the
+gradient of the global masked mean, and data order depends only on (seed, step) — so a
+run gives the same drafter on 1 or P processes (up to reduction order), and a resumed run
+continues exactly where the checkpoint stood.
+
+Output folder::
+
+    run.json                    the run's settings; a folder is never reused for other settings
+    state.json                  {step, epoch, checkpoint, done}: written last, the commit point
+    checkpoints/step-000500/    accelerator.save_state (drafter, optimizer, RNG states)
+    log.jsonl                   one line per logged step: loss, ce, kl, reg, acc, lr, grad_norm, seconds
+    drafter.safetensors         the final drafter (save_drafter)
+
+A run started again on a folder with a state resumes from its last checkpoint; log lines
+after that checkpoint are dropped and made again, so nothing is lost or duplicated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+import torch
+import torch.nn.functional as F
+from attrs import validators as v
+from torch import Tensor, nn
+
+from specimg.errors import SpecimgError
+from specimg.models.eagle import EagleDrafter, build_drafter, load_drafter, save_drafter
+from specimg.models.llamagen import LlamaGenTarget
+from specimg.plugins import PluginManager, get_plugin_manager
+from specimg.train.data import DrafterData, _atomic_write_json
+
+DRAFTER_TYPES = ("eagle1", "eagle3")
+RUN, STATE, LOG, FINAL = "run.json", "state.json", "log.jsonl", "drafter.safetensors"
+
+
+@attrs.frozen
+class TrainConfig:
+    """Hyper-parameters.  Defaults follow EAGLE-1 where it has one (lr 3e-5, AdamW betas
+    (0.9, 0.95), p_w 0.1, v_w 1.0, gradient values clipped at 0.5); EAGLE decays linearly,
+    here warmup + cosine."""
+
+    steps: int = attrs.field(default=1000, validator=v.ge(1))
+    batch_size: int = attrs.field(default=8, validator=v.ge(1))
+    """Global batch (all processes together), in examples (images)."""
+    lr: float = attrs.field(default=3e-5, validator=v.gt(0.0))
+    weight_decay: float = attrs.field(default=0.0, validator=v.ge(0.0))
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int | None = None
+    """Linear warmup; None: 5% of the steps."""
+    min_lr_ratio: float = attrs.field(default=0.0, validator=[v.ge(0.0), v.le(1.0)])
+    """The cosine decays to lr * min_lr_ratio at the last step."""
+    w_cls: float = attrs.field(default=0.1, validator=v.ge(0.0))
+    w_reg: float = attrs.field(default=1.0, validator=v.ge(0.0))
+    clip_value: float | None = 0.5
+    """Clip each gradient element to [-clip_value, clip_value] (EAGLE); None: off."""
+    clip_norm: float | None = None
+    """Clip the global gradient norm; None: off."""
+    noise: float = attrs.field(default=0.0, validator=v.ge(0.0))
+    """Uniform noise of this width added to the input features (EAGLE's data noise; EAGLE
+    uses 0.2 * 512 / length for LLM features)."""
+    checkpoint_every: int = attrs.field(default=500, validator=v.ge(1))
+    keep_checkpoints: int = attrs.field(default=2, validator=v.ge(1))
+    log_every: int = attrs.field(default=10, validator=v.ge(1))
+    seed: int = 0
+    mixed_precision: str = attrs.field(default="no", validator=v.in_(("no", "fp16", "bf16")))
+    drafter_type: str = attrs.field(default="eagle1", validator=v.in_(DRAFTER_TYPES))
+
+    @property
+    def warmup(self) -> int:
+        return self.steps // 20 if self.warmup_steps is None else self.warmup_steps
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step ``step`` (0-based)."""
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        progress = (step - self.warmup) / max(1, self.steps - self.warmup)
+        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+@attrs.frozen
+class StepInfo:
+    """What ``on_step`` gets after each optimizer step (``step`` = steps done)."""
+
+    step: int
+    epoch: int
+    indices: tuple[int, ...]
+    """This process's examples in the step's batch."""
+    metrics: dict[str, float]
+
+
+@attrs.frozen(eq=False)
+class TrainResult:
+    drafter: EagleDrafter
+    steps: int
+    path: str
+    """The final drafter file."""
+
+
+# ----------------------------------------------------------------------------- loss
+
+
+def eagle_loss(
+    drafter: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]],
+    head: nn.Module,
+    features: Tensor,
+    tokens: Tensor,
+    w_cls: float,
+    w_reg: float,
+    noise: Tensor | None = None,
+) -> dict[str, Tensor]:
+    """Per-position EAGLE-1 terms for whole images: ``features`` [B, N, D] as
+    ``forward_sequence`` returns them, ``tokens`` [B, N].  Returns ``loss``, ``ce``, ``kl``
+    (ce minus the target's entropy), ``reg`` and ``correct`` (drafter argmax == target
+    argmax), each [B, N - 1], and ``target``
+    (the features F the positions regress to) [B, N - 1, D]."""
+    inputs, target = features[:, :-1], features[:, 1:]
+    if noise is not None:
+        inputs = inputs + noise
+    pred, logits = drafter(inputs, tokens[:, :-1])
+    with torch.no_grad():
+        target_logits = head(target).float()
+        log_p = target_logits.log_softmax(dim=-1)
+        p = log_p.exp()
+        entropy = -(p * log_p).sum(dim=-1)
+    logits = logits.float()
+    ce = -(p * logits.log_softmax(dim=-1)).sum(dim=-1)
+    reg = F.smooth_l1_loss(pred.float(), target.float(), reduction="none").mean(dim=-1)
+    correct = (logits.argmax(dim=-1) == target_logits.argmax(dim=-1)).float()
+    return {"loss": w_cls * ce + w_reg * reg, "ce": ce, "kl": ce.detach() - entropy, "reg": reg, "correct": correct, "target": target}
+
+
+LossHook = tuple[str, Callable[..., Any], Any]
+
+
+def loss_hooks(plugins: PluginManager, method: str | None, options: Mapping[str, Mapping[str, Any]] | None) -> tuple[list[LossHook], dict[str, Any]]:
+    """The ``train_loss`` callers of the stack's members that implement it, in method-string
+    order, each with that member's options; and the stack's options (for the run record)."""
+    if not method:
+        if options:
+            raise SpecimgError("method options (-o) given without --method")
+        return [], {}
+    stack = plugins.stack(method, options)
+    hooks = [
+        (m.spec.name, plugins.caller("train_loss", [m.spec.plugin], with_defaults=False), m.options)
+        for m in stack.members
+        if plugins.implementers("train_loss", [m])
+    ]
+    return hooks, {"method": stack.name, "options": stack.options_dict()}
+
+
+def apply_loss_hooks(hooks: list[LossHook], loss: Tensor, features: Tensor, tokens: Tensor, mask: Tensor) -> Tensor:
+    """Fold the per-position ``loss`` [B, T] through the hooks in order."""
+    for name, caller, options in hooks:
+        results = caller(loss=loss, features=features, tokens=tokens, mask=mask, options=options)
+        new = next((r for r in results if r is not None), None)
+        if new is None:
+            continue
+        if not isinstance(new, Tensor) or new.shape != loss.shape:
+            shape = tuple(new.shape) if isinstance(new, Tensor) else type(new).__name__
+            raise SpecimgError(f"method {name!r}: train_loss returned {shape}, expected a per-position loss {tuple(loss.shape)}")
+        loss = new
+    return loss
+
+
+class _Trainable(nn.Module):
+    """Routes ``forward`` to the drafter's teacher-forced pass, so DDP syncs its gradients."""
+
+    def __init__(self, drafter: EagleDrafter):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, features: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        return self.drafter.forward_train(features, tokens)
+
+
+# ----------------------------------------------------------------------------- run folder
+
+
+def _read_json(path: str) -> dict[str, Any] | None:
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (OSError, json.JSONDecodeError) as err:
+        raise SpecimgError(f"cannot read {path}: {err}") from None
+
+
+def _truncate_log(path: str, step: int) -> None:
+    """Keep the log lines of steps before ``step`` (a cut last line is dropped too)."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            try:
+                if json.loads(line)["step"] < step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+            except (json.JSONDecodeError, KeyError, TypeError):
+                break
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.writelines(kept)
+    os.replace(tmp, path)
+
+
+def _prune(out: str, keep: int) -> None:
+    ckpts = os.path.join(out, "checkpoints")
+    if not os.path.isdir(ckpts):
+        return
+    names = sorted(n for n in os.listdir(ckpts) if n.startswith("step-") and ".tmp" not in n)
+    for name in names[:-keep]:
+        shutil.rmtree(os.path.join(ckpts, name), ignore_errors=True)
+    for name in os.listdir(ckpts):
+        if ".tmp" in name:  # a checkpoint cut by a kill
+            shutil.rmtree(os.path.join(ckpts, name), ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def train_drafter(
+    target: LlamaGenTarget,
+    data: DrafterData | str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    config: TrainConfig = TrainConfig(),
+    *,
+    method: str | None = None,
+    options: Mapping[str, Mapping[str, Any]] | None = None,
+    plugins: PluginManager | None = None,
+    init: str | os.PathLike[str] | None = None,
+    accelerator: Any = None,
+    on_step: Callable[[StepInfo], None] | None = None,
+    progress: bool = True,
+) -> TrainResult:
+    """Train an EAGLE-1 drafter for ``target`` on a data folder; resume if ``out`` holds a
+    state of the same run.  ``init`` starts from a drafter file.  The target is moved to the
+    accelerator's device in float32 and stays frozen.  Call it in every process
+    (``accelerate launch`` or ``accelerate.debug_launcher``); each returns the drafter,
+    identical in all of them.  ``on_step`` is called after every optimizer step."""
+    if config.drafter_type == "eagle3":
+        raise SpecimgError("EAGLE-3 drafter training is not implemented yet; use --drafter-type eagle1")
+    from accelerate import Accelerator
+
+    plugins = plugins or get_plugin_manager()
+    hooks, stack_record = loss_hooks(plugins, method, options)
+    data = data if isinstance(data, DrafterData) else DrafterData(data)
+    data.check_target(target)
+    if data.num_tokens < 2:
+        raise SpecimgError("drafter training needs images of at least 2 tokens")
+    accelerator = accelerator or Accelerator(mixed_precision=config.mixed_precision)
+    world, rank = accelerator.num_processes, accelerator.process_index
+    if config.batch_size % world:
+        raise SpecimgError(f"--batch-size {config.batch_size} (the global batch) is not a multiple of the {world} processes")
+    local = config.batch_size // world
+    per_epoch = len(data) // config.batch_size
+    if per_epoch == 0:
+        raise SpecimgError(f"the data holds {len(data)} examples, fewer than one batch of {config.batch_size}")
+
+    out = os.fspath(out)
+    settings = {
+        "config": attrs.asdict(config), **stack_record, "data": data.meta["settings"], "target": data.meta["target"],
+        "init": os.path.abspath(init) if init else None, "processes": world,
+    }
+    settings = json.loads(json.dumps(settings))  # tuples -> lists, as they come back from disk
+    run_path, state_path, log_path = (os.path.join(out, n) for n in (RUN, STATE, LOG))
+    old = _read_json(run_path)
+    state = _read_json(state_path)
+    if old is not None and old != settings:
+        diff = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
+        if diff == ["config"]:
+            diff = [f"--{k.replace('_', '-')}" for k in sorted(settings["config"]) if old["config"].get(k) != settings["config"][k]]
+        raise SpecimgError(f"{out} holds a training run with other settings (differs in {', '.join(diff)}); use another --out")
+    accelerator.wait_for_everyone()  # everyone has read the folder before it changes
+    if accelerator.is_main_process:
+        os.makedirs(out, exist_ok=True)
+        if old is None:
+            _atomic_write_json(run_path, settings)
+        _truncate_log(log_path, state["step"] if state else 0)
+        _prune(out, config.keep_checkpoints)
+
+    device = accelerator.device
+    # frozen (build_drafter turns its gradients off); the drafter shares its embeddings and head,
+    # and trains in float32 (mixed precision comes from the accelerator's autocast)
+    target.to(device=device, dtype=torch.float32).eval()
+    drafter = load_drafter(target, init) if init else build_drafter(target, seed=config.seed)
+    drafter.float().train()
+    if any(p.requires_grad for p in target.parameters()):
+        raise AssertionError("the target must be frozen")
+    model = _Trainable(drafter)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+    model, optimizer = accelerator.prepare(model, optimizer)
+
+    step = 0
+    if state is not None:
+        ckpt = os.path.join(out, state["checkpoint"])
+        if not os.path.isdir(ckpt):
+            raise SpecimgError(f"{state_path} points to {ckpt}, which is missing")
+        accelerator.load_state(ckpt)
+        step = int(state["step"])
+    if state is not None and state.get("done") and os.path.exists(os.path.join(out, FINAL)):
+        return TrainResult(accelerator.unwrap_model(model).drafter.eval(), step, os.path.join(out, FINAL))
+
+    head = target.output
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    order: dict[int, Tensor] = {}
+    from tqdm import tqdm
+
+    bar = tqdm(total=config.steps, initial=step, unit="step", desc="train-drafter", disable=(not accelerator.is_main_process) or (None if progress else True))
+    tick = time.perf_counter()
+    while step < config.steps:
+        epoch, b = divmod(step, per_epoch)
+        if epoch not in order:
+            order.clear()
+            order[epoch] = torch.randperm(len(data), generator=torch.Generator().manual_seed(config.seed * 1_000_003 + epoch))
+        first = b * config.batch_size + rank * local
+        indices = order[epoch][first : first + local].tolist()
+        batch = data.get(indices)
+        features, tokens = batch["features"].to(device), batch["tokens"].to(device)
+        noise = None
+        if config.noise > 0:  # per example and step: the same whatever the number of processes
+            shape = features.shape[1:]
+            noise = torch.stack([torch.rand(shape, generator=_generator(config.seed, step, i)) for i in indices])
+            noise = ((noise[:, :-1] - 0.5) * config.noise).to(device)
+        lr = config.lr_at(step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        with accelerator.autocast():
+            terms = eagle_loss(model, head, features, tokens, config.w_cls, config.w_reg, noise)
+        mask = torch.ones_like(terms["loss"], dtype=torch.bool)
+        loss = apply_loss_hooks(hooks, terms["loss"], terms["target"], tokens[:, :-1], mask)
+        m = mask.float()
+        count = accelerator.reduce(m.sum().detach().reshape(1), "sum").clamp(min=1)
+        local_loss = (loss * m).sum() * world / count[0]
+        accelerator.backward(local_loss)
+        accelerator.unscale_gradients()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, config.clip_norm if config.clip_norm else float("inf"))
+        if config.clip_value is not None:
+            torch.nn.utils.clip_grad_value_(params, config.clip_value)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sums = torch.stack([(terms[k] * m).sum() if k != "loss" else (loss * m).sum() for k in ("loss", "ce", "kl", "reg", "correct")]).detach()
+        sums = accelerator.reduce(sums, "sum") / count
+        step += 1
+        now = time.perf_counter()
+        metrics = {
+            "loss": float(sums[0]), "ce": float(sums[1]), "kl": float(sums[2]), "reg": float(sums[3]), "acc": float(sums[4]),
+            "lr": lr, "grad_norm": float(grad_norm), "seconds": now - tick,
+        }
+        tick = now
+        if accelerator.is_main_process:
+            if (step - 1) % config.log_every == 0 or step == config.steps:
+                with open(log_path, "a", encoding="utf-8") as fh:
+                    fh.write(json.dumps({"step": step - 1, "epoch": epoch, **metrics}) + "\n")
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['loss']:.4f}", acc=f"{metrics['acc']:.3f}")
+        if step % config.checkpoint_every == 0 or step == config.steps:
+            _checkpoint(accelerator, out, step, epoch, done=step == config.steps, keep=config.keep_checkpoints)
+        if on_step:
+            on_step(StepInfo(step, epoch, tuple(indices), metrics))
+    bar.close()
+    final = accelerator.unwrap_model(model).drafter.eval()
+    path = os.path.join(out, FINAL)
+    if accelerator.is_main_process:
+        save_drafter(final, path)
+    accelerator.wait_for_everyone()
+    return TrainResult(final, step, path)
+
+
+def _generator(*key: int) -> torch.Generator:
+    digest = hashlib.sha256("/".join(map(str, key)).encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:7], "little"))
+
+
+def _checkpoint(accelerator: Any, out: str, step: int, epoch: int, done: bool, keep: int) -> None:
+    """Save to a temporary folder, rename it, then point state.json at it: a kill at any
+    moment leaves the previous checkpoint intact and referenced."""
+    name = f"step-{step:06d}"
+    final = os.path.join(out, "checkpoints", name)
+    tmp = f"{final}.tmp"
+    if accelerator.is_main_process and os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(tmp)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _atomic_write_json(
+            os.path.join(out, STATE),
+            {"step": step, "epoch": epoch, "checkpoint": os.path.join("checkpoints", name), "done": done},
+        )
+        _prune(out, keep)
+    accelerator.wait_for_everyone()

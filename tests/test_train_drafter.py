@@ -1,0 +1,290 @@
+"""Drafter data and training: self-distillation, loss hooks, resume after a kill, two processes, CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specimg import Engine, MethodSpec, Sampling, hookimpl
+from specimg.errors import SpecimgError
+from specimg.models.llamagen import LlamaGenTarget, build_target
+from specimg.plugins import PluginManager
+from specimg.train.data import DataSpec, DrafterData, make_drafter_data, sample_tokens, shard_name
+from specimg.train.drafter import TrainConfig, train_drafter
+
+TINY = dict(dim=64, n_layer=2, n_head=4, vocab_size=64, block_size=16, multiple_of=32, num_classes=10, initializer_range=0.1)
+FAST = dict(lr=3e-3, log_every=1, warmup_steps=2)
+
+
+def tiny(seed: int = 0) -> LlamaGenTarget:
+    return build_target("GPT-B", seed=seed, **TINY)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """16 self-distilled images (x2 rows: conditional and null class) in 3 shards."""
+    path = str(tmp_path_factory.mktemp("data") / "data")
+    make_drafter_data(tiny(), path, DataSpec(num_samples=16, shard_size=6, batch_size=8, seed=5))
+    return path
+
+
+def read_log(path: str) -> list[dict]:
+    with open(os.path.join(path, "log.jsonl")) as fh:
+        return [json.loads(line) for line in fh]
+
+
+def weights(path: str) -> dict[str, torch.Tensor]:
+    return load_file(os.path.join(path, "drafter.safetensors"))
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def test_batched_sampler_equals_engine_ar() -> None:
+    target = tiny()
+    for sampling in (Sampling(cfg_scale=4.0, top_k=20), Sampling(temperature=0.0, cfg_scale=2.0, cfg_interval=4)):
+        labels, seeds = [3, 7, 3], [11, 12, 13]
+        batched = sample_tokens(target, labels, seeds, sampling)
+        engine = Engine(target, method="ar", sampling=sampling)
+        single = torch.cat([engine.generate([label], seed=seed).tokens for label, seed in zip(labels, seeds)])
+        assert torch.equal(batched, single)
+
+
+def test_data_holds_teacher_forced_features_and_resumes(data_dir: str, tmp_path) -> None:
+    target = tiny()
+    data = DrafterData(data_dir)
+    assert len(data) == 32 and data.meta["num_shards"] == 3
+    batch = data.get(range(len(data)))
+    cond, null = batch["labels"] < 10, batch["labels"] == 10
+    assert cond.sum() == null.sum() == 16
+    with torch.no_grad():
+        ref = target.forward_sequence(batch["labels"], batch["tokens"]).hidden
+    torch.testing.assert_close(batch["features"], ref, atol=1e-5, rtol=0)
+    sampled = sample_tokens(target, [i % 10 for i in range(16)], [5 + i for i in range(16)], Sampling(cfg_scale=4.0))
+    assert torch.equal(batch["tokens"][cond], sampled)
+
+    # a kill between shards: the run started again only makes what is missing, identically
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name in os.listdir(data_dir):
+        if name != shard_name(1):
+            (copy / name).write_bytes(open(os.path.join(data_dir, name), "rb").read())
+    with pytest.raises(SpecimgError, match="incomplete"):
+        DrafterData(copy)
+    make_drafter_data(target, copy, DataSpec(num_samples=16, shard_size=6, batch_size=5, seed=5))
+    again = load_file(str(copy / shard_name(1)))
+    for key, value in load_file(os.path.join(data_dir, shard_name(1))).items():
+        torch.testing.assert_close(again[key], value, atol=1e-5, rtol=0)
+    with pytest.raises(SpecimgError, match="other settings"):
+        make_drafter_data(target, copy, DataSpec(num_samples=16, shard_size=6, seed=6))
+    with pytest.raises(SpecimgError, match="another target checkpoint"):
+        DrafterData(data_dir).check_target(tiny(seed=1))
+
+
+def test_data_from_a_tokens_file(tmp_path) -> None:
+    target = tiny()
+    tokens = torch.randint(0, 64, (5, 16), generator=torch.Generator().manual_seed(0))
+    save_file({"tokens": tokens, "labels": torch.tensor([0, 1, 2, 3, 4])}, str(tmp_path / "tok.safetensors"))
+    make_drafter_data(target, tmp_path / "d", DataSpec(tokens_file=str(tmp_path / "tok.safetensors"), uncond=False))
+    batch = DrafterData(tmp_path / "d").get(range(5))
+    assert torch.equal(batch["tokens"], tokens) and batch["labels"].tolist() == [0, 1, 2, 3, 4]
+    save_file({"tokens": tokens[:, :8].contiguous()}, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(SpecimgError, match=r"\[M, 16\]"):
+        make_drafter_data(target, tmp_path / "e", DataSpec(tokens_file=str(tmp_path / "bad.safetensors")))
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def test_loss_decreases_and_only_the_drafter_trains(data_dir: str, tmp_path) -> None:
+    target = tiny()
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    result = train_drafter(target, data_dir, tmp_path / "run", TrainConfig(steps=40, batch_size=8, **FAST), progress=False)
+    log = read_log(str(tmp_path / "run"))
+    assert [e["step"] for e in log] == list(range(40))
+    first, last = log[0]["loss"], sum(e["loss"] for e in log[-5:]) / 5
+    assert last < 0.75 * first, (first, last)
+    assert log[-1]["acc"] > log[0]["acc"]
+    for key, value in target.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    saved = weights(str(tmp_path / "run"))
+    assert set(saved) == set(result.drafter.state_dict()) and not any(k.startswith(("tok_embeddings", "output")) for k in saved)
+
+
+class Scale:
+    """A runtime plugin: method ``name`` multiplies (or shifts) the per-position loss."""
+
+    def __init__(self, name: str, factor: float = 1.0, shift: float = 0.0):
+        self.name, self.factor, self.shift = name, factor, shift
+
+    @hookimpl
+    def register_methods(self, register):
+        register(MethodSpec(self.name, description="test"))
+
+    @hookimpl
+    def train_loss(self, loss, mask):
+        assert loss.shape == mask.shape
+        return loss * self.factor + self.shift
+
+
+def test_train_loss_hooks_fold_in_method_string_order(data_dir: str, tmp_path) -> None:
+    pm = PluginManager()
+    pm.register(Scale("double", factor=2.0), "double")
+    pm.register(Scale("plusone", shift=1.0), "plusone")
+    config = TrainConfig(steps=1, batch_size=8, **FAST)
+
+    def step0(method: str | None) -> dict:
+        out = tmp_path / (method or "plain")
+        train_drafter(tiny(), data_dir, out, config, method=method, plugins=pm, progress=False)
+        return read_log(str(out))[0]
+
+    plain, doubled = step0(None), step0("double")
+    assert doubled["loss"] == 2 * plain["loss"]
+    assert (doubled["ce"], doubled["reg"]) == (plain["ce"], plain["reg"])
+    assert step0("naive")["loss"] == plain["loss"]  # a method without train_loss passes
+    assert step0("double+plusone")["loss"] == pytest.approx(2 * plain["loss"] + 1, rel=1e-6)
+    assert step0("plusone+double")["loss"] == pytest.approx(2 * (plain["loss"] + 1), rel=1e-6)
+
+
+def test_cascade_reweights_the_loss(data_dir: str, tmp_path) -> None:
+    pm = PluginManager()
+    if "cascade" not in pm.methods():
+        pytest.skip("cascade is not installed")
+    config = TrainConfig(steps=1, batch_size=8, **FAST)
+    losses = {}
+    for name, opts in (("plain", None), ("b0", {"beta": "0"}), ("b1", {"beta": "1", "tau_seq": "-1"})):
+        train_drafter(tiny(), data_dir, tmp_path / name, config, method=None if opts is None else "cascade",
+                      options=None if opts is None else {"cascade": opts}, plugins=pm, progress=False)
+        losses[name] = read_log(str(tmp_path / name))[0]["loss"]
+    assert losses["b0"] == losses["plain"]
+    # tau_seq -1: every position after the first is convergent and counts (1 + beta) = 2 times
+    assert losses["plain"] < losses["b1"] < 2 * losses["plain"]
+
+
+class Killed(Exception):
+    pass
+
+
+def test_a_killed_run_resumes_to_the_same_weights(data_dir: str, tmp_path) -> None:
+    config = TrainConfig(steps=8, batch_size=8, checkpoint_every=3, noise=0.05, **FAST)
+    train_drafter(tiny(), data_dir, tmp_path / "whole", config, progress=False)
+
+    def kill_after_5(info):
+        if info.step == 5:
+            raise Killed
+
+    with pytest.raises(Killed):  # killed 2 steps after the checkpoint of step 3
+        train_drafter(tiny(), data_dir, tmp_path / "cut", config, on_step=kill_after_5, progress=False)
+    state = json.loads((tmp_path / "cut" / "state.json").read_text())
+    assert state["step"] == 3 and not state["done"]
+    assert not (tmp_path / "cut" / "drafter.safetensors").exists()
+    train_drafter(tiny(), data_dir, tmp_path / "cut", config, progress=False)
+    whole, cut = weights(str(tmp_path / "whole")), weights(str(tmp_path / "cut"))
+    for key in whole:
+        assert torch.equal(whole[key], cut[key]), key
+    strip = lambda log: [{k: v for k, v in e.items() if k != "seconds"} for e in log]  # noqa: E731
+    assert strip(read_log(str(tmp_path / "cut"))) == strip(read_log(str(tmp_path / "whole")))
+    assert sorted(os.listdir(tmp_path / "cut" / "checkpoints")) == ["step-000006", "step-000008"]
+    again = train_drafter(tiny(), data_dir, tmp_path / "cut", config, on_step=kill_after_5, progress=False)  # finished: no step runs
+    assert again.steps == 8 and all(torch.equal(v, whole[k]) for k, v in again.drafter.state_dict().items())
+    with pytest.raises(SpecimgError, match="other settings.*--steps"):
+        train_drafter(tiny(), data_dir, tmp_path / "cut", TrainConfig(steps=9, batch_size=8, **FAST), progress=False)
+
+
+def test_user_errors(data_dir: str, tmp_path) -> None:
+    with pytest.raises(SpecimgError, match="EAGLE-3.*not implemented"):
+        train_drafter(tiny(), data_dir, tmp_path / "a", TrainConfig(steps=1, drafter_type="eagle3"))
+    with pytest.raises(SpecimgError, match="another target"):
+        train_drafter(tiny(seed=3), data_dir, tmp_path / "b", TrainConfig(steps=1))
+    with pytest.raises(SpecimgError, match="fewer than one batch"):
+        train_drafter(tiny(), data_dir, tmp_path / "c", TrainConfig(steps=1, batch_size=64))
+    with pytest.raises(SpecimgError, match="unknown method"):
+        train_drafter(tiny(), data_dir, tmp_path / "d", TrainConfig(steps=1), method="nope")
+    with pytest.raises(SpecimgError, match="not a drafter data folder"):
+        train_drafter(tiny(), tmp_path, tmp_path / "e", TrainConfig(steps=1))
+
+
+# ----------------------------------------------------------------------------- two processes
+
+
+def _two_process_worker(data_dir: str, out: str, results: str) -> None:
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    torch.set_num_threads(1)
+    AcceleratorState._reset_state(reset_partial_state=True)  # forked from a process that had a single-process state
+    accelerator = Accelerator()
+    seen: list[list[int]] = []
+    result = train_drafter(
+        tiny(), data_dir, out, TrainConfig(steps=4, batch_size=8, checkpoint_every=2, **FAST),
+        accelerator=accelerator, on_step=lambda info: seen.append(list(info.indices)), progress=False,
+    )
+    rank = accelerator.process_index
+    torch.save({"world": accelerator.num_processes, "seen": seen, "state": result.drafter.state_dict()}, os.path.join(results, f"rank{rank}.pt"))
+    # no destroy_process_group: the FileStore would delete debug_launcher's rendezvous file before it does
+
+
+def test_two_cpu_processes_train_their_own_shards_to_one_drafter(data_dir: str, tmp_path) -> None:
+    from accelerate import debug_launcher
+
+    single: list[list[int]] = []
+    train_drafter(
+        tiny(), data_dir, tmp_path / "one", TrainConfig(steps=4, batch_size=8, checkpoint_every=2, **FAST),
+        on_step=lambda info: single.append(list(info.indices)), progress=False,
+    )
+    debug_launcher(_two_process_worker, args=(data_dir, str(tmp_path / "two"), str(tmp_path)), num_processes=2)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert r0["world"] == r1["world"] == 2
+    for step, (a, b) in enumerate(zip(r0["seen"], r1["seen"])):
+        assert len(a) == len(b) == 4 and not set(a) & set(b)  # each rank its own half of the global batch
+        assert a + b == single[step]
+    for key, value in r0["state"].items():
+        assert torch.equal(value, r1["state"][key]), key  # DDP keeps the ranks identical
+        torch.testing.assert_close(value, weights(str(tmp_path / "one"))[key], atol=1e-5, rtol=1e-4)  # = one process
+    log = read_log(str(tmp_path / "two"))
+    assert [e["step"] for e in log] == [0, 1, 2, 3]
+    torch.testing.assert_close(log[0]["loss"], read_log(str(tmp_path / "one"))[0]["loss"], atol=1e-6, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def test_cli_makes_data_and_trains(tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from specimg.cli import cli
+
+    runner = CliRunner()
+    data, run = str(tmp_path / "data"), str(tmp_path / "run")
+    result = runner.invoke(cli, ["make-drafter-data", "--target", "tiny-random", "--out", data, "-n", "4", "--cfg-scale", "2", "--cpu"])
+    assert result.exit_code == 0, result.output
+    args = ["train-drafter", "--target", "tiny-random", "--data", data, "--out", run, "--steps", "3", "--batch-size", "4", "--cpu"]
+    result = runner.invoke(cli, args + ["--method", "naive"])
+    assert result.exit_code == 0, result.output
+    assert os.path.exists(os.path.join(run, "drafter.safetensors")) and len(read_log(run)) == 2  # steps 0 and 2 (the last)
+    result = runner.invoke(cli, args + ["--drafter-type", "eagle3"])
+    assert isinstance(result.exception, SpecimgError) and "not implemented" in str(result.exception)
+
+    # a checkpoint file, shaped by --preset and --target-config
+    save_file(tiny().state_dict(), str(tmp_path / "gpt.safetensors"))
+    shape = [x for key, value in TINY.items() for x in ("--target-config", f"{key}={value}")]
+    target = ["--target", str(tmp_path / "gpt.safetensors"), *shape]
+    result = runner.invoke(cli, ["make-drafter-data", *target, "--out", str(tmp_path / "d2"), "-n", "8", "--cpu"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(cli, ["train-drafter", *target, "--data", str(tmp_path / "d2"), "--out", str(tmp_path / "r2"), "--steps", "2", "--batch-size", "8", "--cpu"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(cli, ["train-drafter", "--target", "tiny-random", "--data", str(tmp_path / "d2"), "--out", str(tmp_path / "r3"), "--cpu"])
+    assert isinstance(result.exception, SpecimgError) and "another shape" in str(result.exception)
+
+
+def test_processes_share_the_shards(tmp_path) -> None:
+    target, spec = tiny(), DataSpec(num_samples=5, shard_size=2)
+    make_drafter_data(target, tmp_path / "one", spec)
+    for rank in (0, 1):  # what two processes of `accelerate launch` do, one after the other
+        make_drafter_data(target, tmp_path / "two", spec, process_index=rank, num_processes=2)
+    one, two = DrafterData(tmp_path / "one").get(range(10)), DrafterData(tmp_path / "two").get(range(10))
+    assert all(torch.equal(one[k], two[k]) for k in one)
