@@ -184,7 +184,7 @@ class Engine:
             with self._timed(stats, "accept"):
                 result = accept(
                     tree=tree, dist=dist, scores=scores, sampling=sampling, generator=generator,
-                    exact=dist is scores.probs, options=accept_options,
+                    exact=self.stack.delta == 0.0, options=accept_options,
                 )
             with self._timed(stats, "commit"):
                 path = torch.tensor(result.path, dtype=torch.long)

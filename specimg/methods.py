@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -113,7 +114,7 @@ def resolve_stack(
 
     The stack's budget is ``delta`` if given, else the largest member delta.
     """
-    names = [n.strip() for n in method.split("+")]
+    names = [n.strip() for n in re.split(r"\+(?=[^+])", method)]  # a name may end in "+": lantern++
     options = dict(options or {})
     for name in names:
         if name not in registry:

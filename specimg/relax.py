@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-_TOL = 1e-5
+_TOL = 1e-4
 
 
 def tvd(a: Tensor, b: Tensor) -> Tensor:
@@ -81,18 +81,24 @@ class BudgetError(RuntimeError):
     """A relaxation broke the contract: a bug in that method, named in the message."""
 
 
-def check_relaxed(name: str, new: Tensor, before: Tensor, target_dist: Tensor, budget: Tensor, stack_delta: float) -> None:
-    """Enforce the contract on one method's output."""
+def check_relaxed(name: str, new: Tensor, before: Tensor, target_dist: Tensor, budget: Tensor, stack_delta: float) -> Tensor:
+    """Enforce the contract on one method's output; return its TVD to the target per node.
+
+    Runs every step, so it works in float32 with a tolerance for float32 rounding over V
+    entries.
+    """
     if new.shape != target_dist.shape:
         raise BudgetError(f"method {name!r} returned shape {tuple(new.shape)}, expected {tuple(target_dist.shape)}")
-    if bool((new < 0).any()) or bool(((new.sum(-1) - 1).abs() > 1e-4).any()):
+    if not bool(new.min() >= 0) or bool(((new.sum(-1) - 1).abs() > _TOL).any()):
         raise BudgetError(f"method {name!r} returned something that is not a distribution")
-    if bool(((target_dist == 0) & (new > 0)).any()):
+    if bool(new.masked_fill(target_dist > 0, 0).any()):
         raise BudgetError(f"method {name!r} put mass where the target's distribution is zero")
-    if bool((tvd(new, before) > budget + _TOL).any()):
+    if bool((0.5 * (new - before).abs().sum(-1) > budget + _TOL).any()):
         raise BudgetError(f"method {name!r} spent more than its budget")
-    if bool((tvd(new, target_dist) > stack_delta + _TOL).any()):
+    distance = 0.5 * (new - target_dist).abs().sum(-1)
+    if bool((distance > stack_delta + _TOL).any()):
         raise BudgetError(f"method {name!r} took the stack past its total-variation budget {stack_delta}")
+    return distance
 
 
 def fold(
@@ -103,15 +109,14 @@ def fold(
     """Apply relaxations in stack order: each gets the previous result and the budget left
     (at most its own delta), and is checked before the next one runs."""
     dist = target_dist
-    spent = torch.zeros(target_dist.shape[0], dtype=torch.float64)
+    spent = torch.zeros(target_dist.shape[0], dtype=target_dist.dtype, device=target_dist.device)
     for name, delta, relax in members:
-        budget = torch.clamp(torch.minimum(torch.full_like(spent, delta), stack_delta - spent), min=0.0)
+        budget = (stack_delta - spent).clamp(min=0.0, max=delta)
         if not bool((budget > 0).any()):
             continue
         new = relax(dist=dist, budget=budget)
         if new is None:
             continue
-        check_relaxed(name, new, dist, target_dist, budget, stack_delta)
+        spent = check_relaxed(name, new, dist, target_dist, budget, stack_delta)
         dist = new
-        spent = tvd(dist, target_dist)
     return dist

@@ -228,7 +228,8 @@ def build_static(
 ) -> DraftTree:
     """A fixed tree: each path (r1, ..., rd) is the node reached by taking the drafter's
     r1-th choice at the root, then its r2-th choice, and so on (Medusa/LANTERN++ trees)."""
-    paths = sorted({tuple(p) for p in rank_paths if 0 < len(p) <= (max_depth or len(p))}, key=lambda p: (len(p), p))
+    limit = max_depth if max_depth is not None else max((len(p) for p in rank_paths), default=0)
+    paths = sorted({tuple(p) for p in rank_paths if 0 < len(p) <= limit}, key=lambda p: (len(p), p))
     known = set(paths) | {()}
     for path in paths:
         if path[:-1] not in known or (path[-1] > 0 and path[:-1] + (path[-1] - 1,) not in known):

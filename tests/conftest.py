@@ -1,5 +1,14 @@
-"""Tiny models run fastest on one thread; more threads only contend on a shared machine."""
+"""Tiny models run fastest on one thread; more threads only contend on a shared machine.
+Neighbour tables and other caches go to a per-session temporary folder, never the user's."""
 
+import pytest
 import torch
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECIMG_CACHE_DIR", str(tmp_path_factory.mktemp("specimg-cache")))
+        yield

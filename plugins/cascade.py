@@ -1,0 +1,82 @@
+"""cascade: CASCADE, context-aware relaxation from the verification pass's own hidden states.
+
+The target's last hidden state F_v (after the final norm, conditional row) at tree node v
+says what the model "sees" after consuming v's token in v's context; the verification
+forward computes it for every node anyway.  Where two nodes' states agree, their tokens
+are interchangeable in this context.  Per tree node u (depth d), for each child c of u in
+draft-rank order:
+
+    I(c)    = nodes v at depth d+1 in other branches (parent(v) != u) with cos(F_c, F_v) >= tau_pos
+    C(c)    = nodes v at depth d or d+2 with cos(F_c, F_v) >= tau_seq   (the sequence converges)
+    q_R(c) += mass under p_u of the tokens of I(c) and C(c), most similar first,
+              while the node's budget delta lasts
+
+c's siblings are excluded from I(c): their tokens are candidates of u and never donate.
+Drafter training: the loss at position t is scaled by (1 + beta) where cos(F_t, F_{t-1})
+>= tau_seq, a convergent, redundant region whose tokens the relaxation can swap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+import torch
+import torch.nn.functional as F
+from attrs import validators as v
+from torch import Tensor
+
+from specimg import DraftTree, MethodSpec, hookimpl
+from specimg.relax import transfer
+from specimg.step import Scores
+
+
+@attrs.frozen
+class CascadeOptions:
+    """tau_pos, tau_seq: cosine thresholds for I(c) and C(c) (provisional, to be calibrated
+    on the demo); delta: TVD budget per node; beta: extra drafter-loss weight in
+    convergent regions."""
+
+    tau_pos: float = attrs.field(default=0.9, validator=[v.ge(-1.0), v.le(1.0)])
+    tau_seq: float = attrs.field(default=0.9, validator=[v.ge(-1.0), v.le(1.0)])
+    delta: float = 0.5
+    beta: float = attrs.field(default=1.0, validator=v.ge(0.0))
+
+
+@hookimpl
+def register_methods(register: Callable[[MethodSpec], None]) -> None:
+    register(MethodSpec("cascade", CascadeOptions, "CASCADE: candidates take the mass of tokens whose tree states match theirs"))
+
+
+@hookimpl
+def build_relaxed_dist(dist: Tensor, target_dist: Tensor, budget: Tensor, tree: DraftTree, scores: Scores, options: CascadeOptions) -> Tensor:
+    candidates, ids = (t.to(dist.device) for t in tree.candidates())
+    donors = context_donors(tree, scores.hidden[0].to(dist.device), ids, options.tau_pos, options.tau_seq)
+    return transfer(dist, target_dist, candidates, donors, budget.to(dist.device))[0]
+
+
+def context_donors(tree: DraftTree, hidden: Tensor, ids: Tensor, tau_pos: float, tau_seq: float) -> Tensor:
+    """Donor tokens [n, C, K] of each candidate node ``ids`` [n, C] (-1 = none), from one
+    n x n cosine matrix of the node states ``hidden`` [n, D]."""
+    device = hidden.device
+    feats = F.normalize(hidden.float(), dim=-1)
+    sim = feats @ feats.T
+    depths, parents, tokens = (t.to(device) for t in (tree.depths, tree.parents, tree.tokens))
+    node = ids.clamp(min=0)
+    gap = depths[None, None, :] - depths[node][..., None]
+    other_branch = (gap == 0) & (parents[None, None, :] != parents[node][..., None])
+    s = sim[node]
+    keep = ((other_branch & (s >= tau_pos)) | ((gap.abs() == 1) & (s >= tau_seq))) & (ids >= 0)[..., None]
+    width = max(1, int(keep.sum(dim=-1).max()))
+    order = torch.where(keep, s, torch.full_like(s, -torch.inf)).argsort(dim=-1, descending=True, stable=True)[..., :width]
+    return torch.where(keep.gather(-1, order), tokens[order], torch.full_like(order, -1))
+
+
+@hookimpl
+def train_loss(loss: Tensor, features: Tensor, mask: Tensor, options: CascadeOptions) -> Tensor:
+    feats = F.normalize(features.float(), dim=-1)
+    valid = mask.bool()
+    convergent = ((feats[:, 1:] * feats[:, :-1]).sum(dim=-1) >= options.tau_seq) & valid[:, 1:] & valid[:, :-1]
+    weight = torch.ones_like(loss)
+    weight[:, 1:] += options.beta * convergent.to(loss.dtype)
+    return loss * weight

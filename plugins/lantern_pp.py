@@ -1,0 +1,91 @@
+"""lantern++: LANTERN++ (Park et al., 2025), static tree drafting plus a relative cap.
+
+Dynamic trees stay shallow on image targets: the drafter's confidence is low everywhere,
+so cumulative draft probabilities fall fast.  LANTERN++ fixes the tree's shape in advance
+(rank paths over the drafter's top-k, Medusa-style) and relaxes acceptance with a cap
+relative to the target's own probability.  Per tree node u, for each child c of u in
+draft-rank order:
+
+    B_k(c)  = the k codes nearest to c in the tokenizer's codebook (nearest first)
+    q_R(c) += whole neighbours of B_k(c), while q_R(c) <= lam * p_u(c) and the node's
+              budget delta lasts
+
+A token the target finds unlikely stays unlikely: the cap scales with p_u(c).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+from attrs import validators as v
+from torch import Tensor
+
+from specimg import DraftTree, MethodSpec, hookimpl
+from specimg.config import TreeConfig
+from specimg.neighbours import codebook_donors
+from specimg.relax import transfer
+from specimg.tree import DraftSession, build_static
+
+RankPaths = tuple[tuple[int, ...], ...]
+
+
+def likely_paths(size: int, first: float = 0.7, decay: float = 0.6, width: int = 10) -> RankPaths:
+    """The ``size`` most likely rank paths if the drafter's rank-r token is accepted with
+    probability ``first * decay**r`` independently per depth: how Medusa's trees are
+    chosen, best first, so every path's parent and previous sibling are included."""
+    accept = [first * decay**r for r in range(width)]
+    frontier: list[tuple[float, tuple[int, ...]]] = [(-accept[0], (0,))]
+    paths: list[tuple[int, ...]] = []
+    while frontier and len(paths) < size:
+        score, path = heapq.heappop(frontier)
+        paths.append(path)
+        heapq.heappush(frontier, (score * accept[0], path + (0,)))
+        if path[-1] + 1 < width:
+            heapq.heappush(frontier, (score / accept[path[-1]] * accept[path[-1] + 1], path[:-1] + (path[-1] + 1,)))
+    return tuple(paths)
+
+
+TREES: dict[str, RankPaths] = {
+    "default": likely_paths(59),  # 60 nodes with the root, 7 deep, up to 5 children
+    "small": likely_paths(15),  # 16 nodes with the root, 5 deep
+    "chain": tuple((0,) * d for d in range(1, 7)),  # the drafter's top choice, 6 deep
+}
+
+
+@attrs.frozen
+class LanternPPOptions:
+    """k: codebook neighbours per token; lam: cap on q_R(c) / p(c); delta: TVD budget per
+    node; tree: the static tree's name (see TREES)."""
+
+    k: int = attrs.field(default=10, validator=v.ge(1))
+    lam: float = attrs.field(default=5.0, validator=v.ge(1.0))
+    delta: float = 0.1
+    tree: str = attrs.field(default="default", validator=v.in_(tuple(TREES)))
+
+
+@hookimpl
+def register_methods(register: Callable[[MethodSpec], None]) -> None:
+    register(MethodSpec("lantern++", LanternPPOptions, "LANTERN++: static draft tree, codebook neighbours, cap lam * p"))
+
+
+@hookimpl
+def propose_tree(
+    session: DraftSession, root_token: int, tree_config: TreeConfig, max_depth: int, generator: torch.Generator, options: LanternPPOptions
+) -> DraftTree:
+    if max_depth <= 0:
+        return DraftTree.from_parents([root_token], [-1])
+    return build_static(session, root_token, TREES[options.tree], tree_config.sample, generator, max_depth=max_depth)
+
+
+@hookimpl
+def build_relaxed_dist(
+    dist: Tensor, target_dist: Tensor, budget: Tensor, tree: DraftTree, tokenizer: Any, options: LanternPPOptions
+) -> Tensor:
+    candidates = tree.candidates()[0].to(dist.device)
+    donors = codebook_donors(tokenizer, candidates, options.k, target_dist.shape[-1], "lantern++")
+    cap = options.lam * target_dist.gather(1, candidates.clamp(min=0))
+    return transfer(dist, target_dist, candidates, donors, budget.to(dist.device), cap=cap, whole=True)[0]

@@ -1,0 +1,106 @@
+"""Nearest-neighbour tables over a VQ codebook: which codes the decoder renders almost
+alike, for relaxations that let close codes stand in for each other (LANTERN, LANTERN++).
+
+A table keeps only each code's k nearest other codes ([K, k] int32, nearest first, by L2
+between the vectors the decoder uses).  It is computed once per codebook in row chunks,
+so a 16384-code book never holds its full distance matrix, and cached in memory and on
+disk under a hash of the codebook's bytes and k (``$SPECIMG_CACHE_DIR``, else
+``~/.cache/specimg``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from specimg.errors import SpecimgError
+
+CACHE_ENV = "SPECIMG_CACHE_DIR"
+_CHUNK_ROWS = 512
+_memory: dict[tuple[str, int, str], Tensor] = {}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "specimg")
+
+
+def codebook_key(codebook: Tensor) -> str:
+    """A hash of the codebook's shape and float32 bytes: the table's identity."""
+    data = codebook.detach().to("cpu", torch.float32).contiguous()
+    digest = hashlib.sha256(repr(tuple(data.shape)).encode())
+    digest.update(data.numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
+def nearest_codes(codebook: Tensor, k: int, chunk_rows: int = _CHUNK_ROWS) -> Tensor:
+    """[K, min(k, K-1)] int32: each code's nearest other codes by L2, nearest first.
+
+    A row's order only needs |b|^2 - 2ab (its own |a|^2 is constant), in float64 so that
+    near-duplicate codes, the ones that matter here, keep their order; one chunk of rows
+    at a time, on the codebook's device.
+    """
+    x = codebook.detach().double()
+    size = x.shape[0]
+    k = min(k, size - 1)
+    norms = (x * x).sum(dim=1)[None, :]
+    out = torch.empty(size, k, dtype=torch.int32)
+    for start in range(0, size, chunk_rows):
+        rows = torch.arange(start, min(start + chunk_rows, size), device=x.device)
+        key = torch.addmm(norms, x[rows], x.T, alpha=-2.0)
+        key[torch.arange(rows.numel(), device=x.device), rows] = float("inf")
+        out[start : start + rows.numel()] = key.topk(k, dim=1, largest=False).indices.to("cpu", torch.int32)
+    return out
+
+
+def neighbour_table(codebook: Tensor, k: int, device: torch.device | str | None = None) -> Tensor:
+    """The cached table for ``codebook`` [K, d], on ``device`` (default: the codebook's)."""
+    device = torch.device(device if device is not None else codebook.device)
+    key = codebook_key(codebook)
+    k = min(k, codebook.shape[0] - 1)
+    table = _memory.get((key, k, str(device)))
+    if table is None:
+        cpu = _memory.get((key, k, "cpu"))
+        if cpu is None:
+            cpu = _load_or_build(codebook, key, k)
+            _memory[(key, k, "cpu")] = cpu
+        table = _memory[(key, k, str(device))] = cpu.to(device)
+    return table
+
+
+def _load_or_build(codebook: Tensor, key: str, k: int) -> Tensor:
+    path = cache_dir() / f"neighbours-{key}-k{k}.pt"
+    if path.exists():
+        try:
+            table = torch.load(path, weights_only=True)
+            if isinstance(table, Tensor) and table.dtype == torch.int32 and table.shape == (codebook.shape[0], k):
+                return table
+        except Exception:  # an unreadable cache entry is rebuilt, never fatal
+            pass
+    table = nearest_codes(codebook, k)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        with os.fdopen(fd, "wb") as file:
+            torch.save(table, file)
+        os.replace(tmp, path)
+    except OSError:  # a read-only cache only costs the rebuild next time
+        pass
+    return table
+
+
+def codebook_donors(tokenizer: Any, candidates: Tensor, k: int, vocab_size: int, method: str) -> Tensor:
+    """Each candidate's k nearest codes as donors [n, C, k] (-1 where no candidate)."""
+    if tokenizer is None:
+        raise SpecimgError(f"method {method!r} needs the image tokenizer's codebook; pass the VQ tokenizer to the engine")
+    codebook = tokenizer.codebook_vectors()
+    if codebook.shape[0] != vocab_size:
+        raise SpecimgError(f"the tokenizer's codebook has {codebook.shape[0]} codes, the target's vocabulary {vocab_size} tokens")
+    table = neighbour_table(codebook, k, candidates.device)
+    near = table[candidates.clamp(min=0)].long()
+    return torch.where(candidates[..., None] >= 0, near, torch.full_like(near, -1))

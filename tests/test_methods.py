@@ -1,0 +1,262 @@
+"""The relaxation methods (lantern, lantern++, gsd, cascade) and their stacks, on a toy
+world whose target spreads its mass over groups of near-identical tokens."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import attrs
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specimg import DraftTree, Engine, MethodSpec, Sampling, SpecimgError, TreeConfig, defaults, hookimpl
+from specimg.methods import Member, make_options
+from specimg.plugins import PluginManager
+from specimg.relax import tvd
+from specimg.testing.markov import MarkovDrafter, MarkovTarget
+from specimg.tree import DraftSession, build_tree
+from specimg_plugins import cascade, gsd, lantern, lantern_pp
+
+GROUPS, MEMBERS = 6, 4
+VOCAB = GROUPS * MEMBERS
+TOKENS = 24
+METHODS = {"lantern": lantern, "lantern++": lantern_pp, "gsd": gsd, "cascade": cascade}
+OPTIONS = {"lantern": lantern.LanternOptions, "lantern++": lantern_pp.LanternPPOptions, "gsd": gsd.GSDOptions, "cascade": cascade.CascadeOptions}
+
+
+class ToyTokenizer:
+    """Stands in for the VQ tokenizer: a vocabulary size and a codebook."""
+
+    def __init__(self, codebook: torch.Tensor):
+        self.vocab_size = codebook.shape[0]
+        self._codebook = codebook
+
+    def codebook_vectors(self) -> torch.Tensor:
+        return self._codebook
+
+
+def _clustered(dim: int, noise: float, seed: int) -> torch.Tensor:
+    """One random unit centre per group, each member a slightly jittered copy."""
+    g = torch.Generator().manual_seed(seed)
+    centres = F.normalize(torch.randn(GROUPS, dim, generator=g), dim=-1).repeat_interleave(MEMBERS, dim=0)
+    return centres + noise * torch.randn(VOCAB, dim, generator=g)
+
+
+def world() -> tuple[MarkovTarget, MarkovDrafter, ToyTokenizer]:
+    """After a token of group g the target spreads 90% over group g+1's members (nearly
+    uniform) and the rest unevenly (no ties at the top-k cut); the drafter prefers the next group's members m+1 and m+2 after member m, so
+    different branches propose different members."""
+    group, member = torch.arange(VOCAB) // MEMBERS, torch.arange(VOCAB) % MEMBERS
+    background = torch.linspace(1.0, 2.0, VOCAB)
+    target = (0.1 * background / background.sum()).repeat(VOCAB, 1)
+    draft = torch.full((VOCAB, VOCAB), 0.02)
+    for prev in range(VOCAB):
+        nxt = (int(group[prev]) + 1) % GROUPS * MEMBERS
+        target[prev, nxt : nxt + MEMBERS] = 0.9 * torch.tensor([0.26, 0.25, 0.25, 0.24])
+        draft[prev, nxt + (int(member[prev]) + 1) % MEMBERS] = 1.0
+        draft[prev, nxt + (int(member[prev]) + 2) % MEMBERS] = 0.6
+    first = torch.zeros(VOCAB).fill_(-8.0)
+    first[:MEMBERS] = 0.0
+    return (
+        MarkovTarget(target.log(), first, TOKENS, features=_clustered(16, 0.05, 1)),
+        MarkovDrafter(draft.log()),
+        ToyTokenizer(_clustered(4, 0.01, 2)),
+    )
+
+
+@pytest.fixture(autouse=True)
+def _cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECIMG_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def one_step(name: str, sampling: Sampling = Sampling(top_k=10)) -> dict[str, Any]:
+    """A verified tree from the toy world: everything build_relaxed_dist may ask for."""
+    target, drafter, tokenizer = world()
+    options = OPTIONS[name]()
+    target.prefill(0, sampling.cfg)
+    drafter.prefill(0, sampling.cfg)
+    session = DraftSession(drafter, sampling, drafter.start(torch.zeros(1, 1, 16), torch.tensor([1])), root_index=0)
+    if name == "lantern++":
+        tree = lantern_pp.propose_tree(
+            session=session, root_token=1, tree_config=TreeConfig(), max_depth=4, generator=torch.Generator(), options=options
+        )
+    else:
+        tree = build_tree(session, 1, TreeConfig(depth=3, topk=3, total_tokens=14), max_depth=3)
+    scores = defaults.score(target=target, tree=tree, sampling=sampling, token_index=1)
+    return dict(dist=scores.probs, target_dist=scores.probs, tree=tree, scores=scores, target=target, tokenizer=tokenizer, options=options)
+
+
+def relax(name: str, context: dict[str, Any], budget: float, **options: Any) -> torch.Tensor:
+    """Call the method's hook with only the arguments it declares, as pluggy does."""
+    hook = METHODS[name].build_relaxed_dist
+    context = dict(context, options=attrs.evolve(context["options"], **options))
+    context["budget"] = torch.full((context["tree"].size,), budget, dtype=torch.float64)
+    return hook(**{k: context[k] for k in inspect.signature(hook).parameters})
+
+
+def assert_contract(q: torch.Tensor, p: torch.Tensor, tree: DraftTree, delta: float) -> None:
+    assert bool((q >= 0).all())
+    torch.testing.assert_close(q.sum(-1).double(), torch.ones(tree.size, dtype=torch.float64), atol=1e-5, rtol=0)
+    assert not bool(((p == 0) & (q > 0)).any())
+    assert bool((tvd(q, p) <= delta + 1e-6).all())
+    gain = q.double() - p.double()
+    for node, kids in enumerate(tree.children):
+        is_candidate = torch.zeros(p.shape[-1], dtype=torch.bool)
+        is_candidate[tree.tokens[list(kids)]] = True
+        assert bool((gain[node][~is_candidate] <= 1e-7).all()), "a non-candidate gained mass"
+        assert bool((gain[node][is_candidate] >= -1e-7).all()), "a candidate lost mass"
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_relaxation_keeps_the_contract(name):
+    context = one_step(name)
+    p = context["target_dist"]
+    for delta in (0.05, 0.3, 1.0):
+        q = relax(name, context, delta, delta=delta)
+        assert_contract(q, p, context["tree"], delta)
+        assert delta < 0.3 or float(tvd(q, p).max()) > 0.2, "the toy world gives every method something to move"
+    assert torch.equal(relax(name, context, 0.0), p)
+    assert torch.equal(relax(name, context, 0.3), relax(name, context, 0.3))
+
+
+@pytest.mark.parametrize("name", ["lantern", "lantern++", "gsd", "cascade"])
+def test_relaxed_methods_accept_more_than_naive(name):
+    target, drafter, tokenizer = world()
+    tree = TreeConfig(depth=5, topk=3, total_tokens=30)  # CASCADE's donors are other branches: a bushy tree
+    if name == "lantern++":
+        tree = TreeConfig(kind="static", rank_paths=lantern_pp.TREES["small"])
+
+    def run(method: str, options: dict[str, dict[str, Any]] | None = None) -> Any:
+        engine = Engine(target, drafter, method=method, options=options, tree=tree, tokenizer=tokenizer)
+        return engine.generate([0, 1], seed=7)
+
+    options = {name: {"delta": 0.5, **({"tree": "small"} if name == "lantern++" else {})}}
+    naive, relaxed = run("naive"), run(name, options)
+    assert relaxed.tokens.shape == naive.tokens.shape == (2, TOKENS)
+    assert relaxed.stats.tau > 1.3 * naive.stats.tau
+    assert torch.equal(run(name, options).tokens, relaxed.tokens)
+
+
+def test_lantern_whole_neighbours_move_all_or_nothing():
+    context = one_step("lantern")
+    p = context["target_dist"]
+    # group-mates hold ~0.22 each: a 0.1 budget fits no whole neighbour, but 0.1 of one
+    assert torch.equal(relax("lantern", context, 0.1, k=3), p)
+    partial = relax("lantern", context, 0.1, k=3, whole_neighbours=False)
+    inner = [i for i, kids in enumerate(context["tree"].children) if kids]
+    torch.testing.assert_close(tvd(partial, p)[inner], torch.full((len(inner),), 0.1, dtype=torch.float64), atol=1e-6, rtol=0)
+
+
+def test_lantern_needs_a_tokenizer():
+    target, drafter, _ = world()
+    with pytest.raises(SpecimgError, match="needs the image tokenizer's codebook"):
+        Engine(target, drafter, method="lantern").generate([0])
+
+
+def test_lantern_pp_runs_through_the_engine_with_its_own_tree():
+    target, drafter, tokenizer = world()
+    for tree in (TreeConfig(), TreeConfig(sample=True)):
+        engine = Engine(target, drafter, method="lantern++", options={"lantern++": {"tree": "small"}}, tree=tree, tokenizer=tokenizer)
+        out = engine.generate([0], seed=3)
+        assert out.tokens.shape == (1, TOKENS)
+        assert max(out.stats.images[0].tree_sizes) == 16
+
+
+def test_lantern_pp_static_trees_and_cap():
+    for name, paths in lantern_pp.TREES.items():
+        known = set(paths) | {()}
+        assert all(p[:-1] in known and (p[-1] == 0 or p[:-1] + (p[-1] - 1,) in known) for p in paths), name
+    assert len(lantern_pp.TREES["default"]) + 1 == 60
+    context = one_step("lantern++")
+    tree, p = context["tree"], context["target_dist"]
+    assert tree.size == 1 + sum(len(path) <= 4 for path in lantern_pp.TREES["default"])
+    q = relax("lantern++", context, 1.0, delta=1.0, lam=1.5)
+    candidates = tree.candidates()[0]
+    valid = candidates >= 0
+    rows = torch.arange(tree.size)[:, None].expand_as(candidates)[valid]
+    assert bool((q[rows, candidates[valid]] <= 1.5 * p[rows, candidates[valid]] + 1e-6).all())
+    assert torch.equal(relax("lantern++", context, 1.0, lam=1.0), p)
+    sampled = lantern_pp.propose_tree(
+        session=DraftSession(world()[1], Sampling(), torch.zeros(1, VOCAB), root_index=0), root_token=0,
+        tree_config=TreeConfig(sample=True), max_depth=2, generator=torch.Generator().manual_seed(0), options=context["options"],
+    )
+    assert sampled.sampled and int(sampled.depths.max()) == 2
+    with pytest.raises(SpecimgError, match="'tree' must be in"):
+        make_options(PluginManager().methods()["lantern++"], {"tree": "nope"})
+
+
+def test_gsd_groups_by_rank_probability_and_embedding():
+    probs = torch.tensor([[0.30, 0.25, 0.20, 0.10, 0.08, 0.04, 0.02, 0.01, 0.0, 0.0]])
+    emb = torch.eye(10)
+    emb[:, 0] += 2.0  # tokens 0-7 lean the same way ...
+    emb[8:, 0] = 0.0
+    emb[4] = -emb[4]  # ... except token 4
+    candidates = torch.tensor([[2, -1]])
+    donors = gsd.group_donors(probs, candidates, emb, gsd.GSDOptions(w=3, p_thr=0.15))
+    # 2's rank neighbours, closest first: 1, 3, 0, 4 (opposite embedding), 5 (p gap 0.16)
+    assert [t for t in donors[0, 0].tolist() if t >= 0] == [1, 3, 0]
+    assert bool((donors[0, 1] == -1).all())
+    tight = gsd.group_donors(probs, candidates, emb, gsd.GSDOptions(w=3, p_thr=0.06))
+    assert [t for t in tight[0, 0].tolist() if t >= 0] == [1]
+    loose = gsd.group_donors(probs, candidates, emb, gsd.GSDOptions(w=3, p_thr=0.2))
+    assert [t for t in loose[0, 0].tolist() if t >= 0] == [1, 3, 0, 5]
+
+
+def test_cascade_donors_come_from_other_branches_and_adjacent_depths():
+    # root 0 -> a 1, b 2;  a -> c 3, d 4;  b -> e 5;  c -> f 6
+    tree = DraftTree.from_parents([10, 11, 12, 13, 14, 15, 16], [-1, 0, 0, 1, 1, 2, 3])
+    hidden = torch.zeros(7, 4)
+    hidden[:, 3] = 1.0  # unrelated by default
+    hidden[3] = torch.tensor([1.0, 0.0, 0.0, 0.0])  # c
+    hidden[4] = torch.tensor([1.0, 0.0, 0.0, 0.0])  # d: c's sibling, never a donor
+    hidden[5] = torch.tensor([1.0, 0.3, 0.0, 0.0])  # e: other branch, same depth
+    hidden[1] = torch.tensor([1.0, 0.1, 0.0, 0.0])  # a: c's parent, depth d
+    hidden[6] = torch.tensor([1.0, 0.0, 0.6, 0.0])  # f: c's child, depth d+2, less similar
+    ids = tree.candidates()[1]
+    donors = cascade.context_donors(tree, hidden, ids, tau_pos=0.9, tau_seq=0.8)
+    c_col = tree.children[1].index(3)
+    assert [t for t in donors[1, c_col].tolist() if t >= 0] == [11, 15, 16]
+    only_pos = cascade.context_donors(tree, hidden, ids, tau_pos=0.9, tau_seq=1.0)
+    assert [t for t in only_pos[1, c_col].tolist() if t >= 0] == [15]
+
+
+def test_cascade_train_loss_upweights_convergent_positions():
+    features = torch.tensor([[[1.0, 0.0], [2.0, 0.1], [0.0, 1.0], [0.0, 3.0]], [[1.0, 0.0], [1.0, 0.0], [1.0, 0.0], [0.0, 1.0]]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 1]], dtype=torch.bool)
+    loss = torch.full((2, 4), 2.0)
+    out = cascade.train_loss(loss=loss, features=features, mask=mask, options=cascade.CascadeOptions(beta=0.5))
+    assert out.tolist() == [[2.0, 3.0, 2.0, 3.0], [2.0, 3.0, 2.0, 2.0]]
+
+
+@pytest.mark.parametrize("method", ["cascade+lantern", "lantern+gsd", "naive+cascade"])
+def test_stacks_run_end_to_end(method):
+    target, drafter, tokenizer = world()
+    engine = Engine(target, drafter, method=method, tree=TreeConfig(depth=3, topk=2, total_tokens=8), tokenizer=tokenizer)
+    out = engine.generate([0, 1], seed=1)
+    assert out.tokens.shape == (2, TOKENS)
+    assert engine.stack is not None and engine.stack.delta == max(m.delta for m in engine.stack.members)
+
+
+class DummyTree:
+    @hookimpl
+    def register_methods(self, register):
+        register(MethodSpec("dummytree", description="a second tree supplier"))
+
+    @hookimpl
+    def propose_tree(self, root_token):
+        return DraftTree.from_parents([root_token], [-1])
+
+
+def test_lantern_pp_supplies_the_tree():
+    pm = PluginManager()
+    assert pm.implementers("propose_tree", [Member(pm.methods()["lantern++"], lantern_pp.LanternPPOptions())]) == ["lantern++"]
+
+
+def test_two_tree_suppliers_are_refused():
+    pm = PluginManager()
+    pm.register(DummyTree(), "dummytree")
+    target, drafter, tokenizer = world()
+    with pytest.raises(SpecimgError, match="'dummytree' and 'lantern\\+\\+' both implement 'propose_tree'"):
+        Engine(target, drafter, method="dummytree+lantern++", tokenizer=tokenizer, plugins=pm)
