@@ -58,8 +58,9 @@ def recursive_rejection(tree: DraftTree, target_dist: Tensor, generator: torch.G
             if torch.rand((), generator=generator, dtype=torch.float64) * draft[x] <= residual[x]:
                 accepted = child
                 break
-            residual = (residual - draft).clamp_(min=0)
-            residual /= residual.sum()
+            left = (residual - draft).clamp_(min=0)
+            if left.sum() > 0:  # no mass left only through float rounding (r == q), where rejecting had probability ~0
+                residual = left / left.sum()
             draft[x] = 0
             if draft.sum() <= 0:
                 break

@@ -1,0 +1,360 @@
+"""The conformance kit: the contract every relaxation method and stack keeps (DESIGN.md
+sections 4-5), checked through the engine's own relaxation fold and accept hook.
+
+Each ``check_*`` function raises AssertionError naming the broken property.  For a test
+suite, ``make_conformance_tests("mymethod", "cascade+mymethod")`` returns a pytest class
+that runs all of them on hypothesis-drawn steps and end to end on Markov toy models::
+
+    from specimg.testing.conformance import make_conformance_tests
+
+    TestMyMethod = make_conformance_tests("mymethod", "cascade+mymethod")
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import attrs
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import Tensor
+
+from specimg import relax
+from specimg.config import Sampling
+from specimg.engine import Engine, _bind
+from specimg.methods import AR, Member
+from specimg.neighbours import CACHE_ENV
+from specimg.plugins import PluginManager, get_plugin_manager
+from specimg.step import Acceptance, Scores
+from specimg.testing import statistics
+from specimg.testing.exact import outcomes
+from specimg.testing.strategies import RelaxCase, budgets, deltas, relax_cases
+from specimg.tree import DraftTree
+
+ATOL = 1e-6
+"""Slack for float32 rounding in per-token comparisons (mass flow, exact acceptance)."""
+TOL = 1e-5
+"""Slack on a row's sum and on a total-variation distance."""
+
+Options = Mapping[str, Mapping[str, Any]]
+
+
+# --- the step the engine runs -------------------------------------------------------------
+
+
+class _NoDrafter:
+    """The kit feeds trees itself; the engine only wants a drafter to exist."""
+
+
+def step_engine(method: str, case: RelaxCase, options: Options | None = None, delta: float | None = None, plugins: PluginManager | None = None) -> Engine:
+    """An engine for ``method`` around the case's target and tokenizer stand-ins; the kit
+    uses its stack, its relaxation fold and its accept hook."""
+    return Engine(case.target, _NoDrafter(), method, options, case.sampling, delta=delta, tokenizer=case.tokenizer, plugins=plugins)
+
+
+def relaxers(engine: Engine, tree: DraftTree, scores: Scores) -> list[tuple[str, float, Callable[..., Tensor | None]]]:
+    """The stack's build_relaxed_dist hooks bound to one step, as the engine folds them."""
+    return [(name, delta, _bind(caller, options, tree, scores, engine.target, engine.tokenizer)) for name, delta, caller, options in engine._relaxers]
+
+
+def relaxed(engine: Engine, tree: DraftTree, scores: Scores) -> Tensor:
+    """q_R [n, V] for one step, by the engine's fold (the stack shares one budget)."""
+    assert engine.stack is not None
+    return relax.fold(scores.probs, relaxers(engine, tree, scores), engine.stack.delta)
+
+
+def accepted(engine: Engine, tree: DraftTree, dist: Tensor, scores: Scores, generator: torch.Generator) -> Acceptance:
+    """The stack's accept hook (or the core's default) on one step, as the engine calls it."""
+    assert engine.stack is not None
+    accept, options = engine._accept
+    return accept(
+        tree=tree, dist=dist, scores=scores, sampling=engine.sampling, generator=generator, exact=engine.stack.delta == 0.0, options=options
+    )
+
+
+# --- properties of q_R ----------------------------------------------------------------------
+
+
+def candidate_mask(tree: DraftTree, vocab: int) -> Tensor:
+    """[n, V] true where a token is a child of the node (a candidate)."""
+    tokens, _ = tree.candidates()
+    index = torch.where(tokens >= 0, tokens, vocab)
+    return torch.zeros(tree.size, vocab + 1, dtype=torch.bool).scatter_(1, index, True)[:, :vocab]
+
+
+def check_distribution(q: Tensor, p: Tensor, name: str = "") -> None:
+    """q is a probability distribution per row, zero wherever p is."""
+    assert q.shape == p.shape, f"{name}: q_R has shape {tuple(q.shape)}, p {tuple(p.shape)}"
+    assert bool(torch.isfinite(q).all()) and bool((q >= 0).all()), f"{name}: q_R has negative or non-finite entries"
+    sums = q.double().sum(-1)
+    assert bool(((sums - 1).abs() <= TOL).all()), f"{name}: q_R rows sum to {sums.tolist()}"
+    leaked = (p == 0) & (q > 0)
+    assert not bool(leaked.any()), f"{name}: q_R puts mass on tokens p masks: (node, token) {leaked.nonzero().tolist()}"
+
+
+def check_within(q: Tensor, p: Tensor, delta: Tensor | float, name: str = "") -> None:
+    """TVD(q, p) <= delta at every node."""
+    distance = relax.tvd(q, p)
+    over = distance > torch.as_tensor(delta, dtype=torch.float64) + TOL
+    assert not bool(over.any()), f"{name}: TVD(q_R, p) = {distance.tolist()} exceeds the budget {delta} at nodes {over.nonzero().flatten().tolist()}"
+
+
+def check_mass_flow(q: Tensor, p: Tensor, tree: DraftTree, name: str = "") -> None:
+    """Mass only moves from non-candidates to candidates: q >= p on each node's children's
+    tokens and q <= p elsewhere, so the chance of accepting some child never falls."""
+    cand = candidate_mask(tree, p.shape[-1])
+    lost = cand & (q < p - ATOL)
+    gained = ~cand & (q > p + ATOL)
+    assert not bool(lost.any()), f"{name}: candidates lost mass: (node, token) {lost.nonzero().tolist()}"
+    assert not bool(gained.any()), f"{name}: non-candidates gained mass: (node, token) {gained.nonzero().tolist()}"
+
+
+def check_relaxation(engine: Engine, case: RelaxCase) -> Tensor:
+    """q_R from the engine's fold is a distribution, zero where p is, within the stack's
+    delta of p, moves mass only onto candidates, and leaves p untouched; returns q_R."""
+    assert engine.stack is not None
+    name, p = engine.stack.name, case.p
+    before = p.clone()
+    q = relaxed(engine, case.tree, case.scores)
+    assert torch.equal(p, before), f"{name}: the relaxation changed the target's distribution in place"
+    check_distribution(q, p, name)
+    check_within(q, p, engine.stack.delta, name)
+    check_mass_flow(q, p, case.tree, name)
+    return q
+
+
+def check_member_budgets(engine: Engine, case: RelaxCase, budget: Tensor) -> None:
+    """Each member alone, given per-node ``budget`` [n], spends at most it, and leaves a
+    node whose budget is 0 bit-for-bit unchanged; with the stack's delta 0 the engine's
+    q_R is p itself."""
+    assert engine.stack is not None
+    p = case.p
+    for name, _, relax_step in relaxers(engine, case.tree, case.scores):
+        q = relax_step(dist=p, budget=budget)
+        if q is None:
+            continue
+        check_distribution(q, p, name)
+        check_within(q, p, budget, name)
+        frozen = budget == 0
+        assert torch.equal(q[frozen], p[frozen]), f"{name}: changed nodes {frozen.nonzero().flatten().tolist()} whose budget is 0"
+    zero = step_engine(engine.stack.name, case, engine.stack.options_dict(), delta=0.0, plugins=engine.plugins)
+    assert relaxed(zero, case.tree, case.scores) is case.scores.probs, f"{engine.stack.name}: delta 0 did not leave p as it is"
+
+
+# --- exact acceptance -----------------------------------------------------------------------
+
+
+def emission(run: Callable[[torch.Generator], Acceptance], tree: DraftTree, vocab: int) -> tuple[Tensor, Tensor]:
+    """The exact law of an accept call, by enumerating its draws: per node u, the
+    probability the walk reaches u [n], and the joint probability of reaching u and then
+    emitting each token [n, V] (the accepted child's token, or the final next token)."""
+    reach = torch.zeros(tree.size, dtype=torch.float64)
+    joint = torch.zeros(tree.size, vocab, dtype=torch.float64)
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    for weight, result in outcomes(lambda: run(torch.Generator().manual_seed(0))):
+        path = list(result.path)
+        walk = path[0] == 0 and all(parents[child] == node for node, child in zip(path, path[1:]))
+        assert walk and 0 <= result.next_token < vocab, f"accept returned an invalid walk {path} -> {result.next_token}"
+        emitted = [tokens[child] for child in path[1:]] + [result.next_token]
+        for node, token in zip(path, emitted):
+            reach[node] += weight
+            joint[node, token] += weight
+    return reach, joint
+
+
+def _redraws(tree: DraftTree, node: int) -> Iterator[tuple[float, DraftTree]]:
+    """Every draw of ``node``'s children without replacement from its draft distribution,
+    in order, with its probability: the randomness recursive rejection averages over."""
+    assert tree.draft_probs is not None
+    q = tree.draft_probs[node].double()
+    children = list(tree.children[node])
+    for draw in itertools.permutations(q.nonzero().flatten().tolist(), len(children)):
+        weight, left = 1.0, float(q.sum())
+        for token in draw:
+            weight, left = weight * float(q[token]) / left, left - float(q[token])
+        tokens, logprobs = tree.tokens.clone(), tree.logprobs.clone()
+        tokens[children] = torch.tensor(draw)
+        logprobs[children] = q[list(draw)].log().float()
+        yield weight, DraftTree.from_parents(tokens.tolist(), tree.parents.tolist(), logprobs.tolist(), tree.draft_probs, sampled=True)
+
+
+def check_accept(engine: Engine, case: RelaxCase) -> None:
+    """The token emitted after every node the walk can reach follows that node's q_R
+    (argmax q_R when greedy), computed exactly by enumerating accept's draws.  For sampled
+    trees a node's law is averaged over the draw of its children, as recursive rejection
+    is exact only on average over the drafts (DESIGN.md section 5)."""
+    assert engine.stack is not None
+    tree, vocab = case.tree, case.p.shape[-1]
+    internal = [u for u in range(tree.size) if tree.children[u]] if tree.sampled else []
+    groups: list[tuple[list[int], Iterator[tuple[float, DraftTree]]]] = [
+        ([u for u in range(tree.size) if u not in internal], iter([(1.0, tree)])),
+        *(([u], _redraws(tree, u)) for u in internal),
+    ]
+    for nodes, draws in groups:
+        got = torch.zeros(tree.size, vocab, dtype=torch.float64)
+        want = torch.zeros_like(got)
+        for weight, drawn in draws:
+            q = relaxed(engine, drawn, case.scores)
+            reach, joint = emission(lambda g: accepted(engine, drawn, q, case.scores, g), drawn, vocab)
+            law = torch.nn.functional.one_hot(q.argmax(-1), vocab).double() if case.sampling.greedy else q.double()
+            got += weight * joint
+            want += weight * reach[:, None] * law
+        for u in nodes:
+            assert torch.allclose(got[u], want[u], atol=ATOL, rtol=0), (
+                f"{engine.stack.name}: accept's output after node {u} is {got[u].tolist()}, but reach x q_R is {want[u].tolist()}"
+            )
+
+
+def check_deterministic(engine: Engine, case: RelaxCase, seed: int) -> None:
+    """The same step and seed give the same q_R and the same accepted path."""
+    assert engine.stack is not None
+    q = relaxed(engine, case.tree, case.scores)
+    assert torch.equal(q, relaxed(engine, case.tree, case.scores)), f"{engine.stack.name}: q_R differs between calls"
+    runs = [accepted(engine, case.tree, q, case.scores, torch.Generator().manual_seed(seed)) for _ in range(2)]
+    assert runs[0] == runs[1], f"accept gave {runs[0]} and {runs[1]} with the same seed"
+
+
+def check_conformance(method: str, case: RelaxCase, options: Options | None = None, delta: float | None = None,
+                      plugins: PluginManager | None = None, seed: int = 0) -> None:
+    """Every step-level check on one case."""
+    engine = step_engine(method, case, options, delta, plugins)
+    check_relaxation(engine, case)
+    check_member_budgets(engine, case, torch.full((case.tree.size,), engine.stack.delta if engine.stack else 0.0, dtype=torch.float64))
+    check_accept(engine, case)
+    check_deterministic(engine, case, seed)
+
+
+# --- stacks to cover ------------------------------------------------------------------------
+
+_FIRSTRESULT = ("propose_tree", "score", "accept")
+
+
+def pair_stacks(plugins: PluginManager | None = None) -> list[str]:
+    """Each method that implements a step hook stacked in front of the next one (names in
+    order, a cycle), leaving out pairs the engine refuses (both members supply the same
+    firstresult hook)."""
+    plugins = plugins or get_plugin_manager()
+    members = {name: Member(spec, spec.defaults) for name, spec in sorted(plugins.methods().items())}
+    names = [name for name, m in members.items() if any(plugins.implementers(h, [m]) for h in (*_FIRSTRESULT, "build_relaxed_dist"))]
+    pairs = [(a, b) for a, b in zip(names, names[1:] + names[:1]) if a != b]
+    return [f"{a}+{b}" for a, b in pairs if all(len(plugins.implementers(h, [members[a], members[b]])) < 2 for h in _FIRSTRESULT)]
+
+
+# --- the pytest factory ---------------------------------------------------------------------
+
+
+def _budget_options(data: st.DataObject, method: str, options: Options | None, plugins: PluginManager) -> tuple[dict[str, dict[str, Any]], float | None]:
+    """The user's options with each member's delta (unless the user set it) and the stack's
+    delta drawn, so budgets of every size, shared or not, are exercised."""
+    chosen = {name: dict(values) for name, values in (options or {}).items()}
+    for member in plugins.stack(method, options).members:
+        name = member.spec.name
+        if "delta" in attrs.fields_dict(member.spec.options) and "delta" not in chosen.get(name, {}):
+            chosen.setdefault(name, {})["delta"] = data.draw(deltas(), label=f"{name}.delta")
+    return chosen, data.draw(st.none() | deltas(), label="stack delta")
+
+
+def make_conformance_tests(
+    *methods: str,
+    options: Options | None = None,
+    plugins: PluginManager | None = None,
+    examples: int = 20,
+    images: int = statistics.IMAGES,
+) -> type:
+    """A pytest test class checking each of ``methods`` (names or stacks such as
+    ``"cascade+mymethod"``) against the contract; assign it to a ``Test*`` name in a test
+    module.  ``options`` are per-method option values (as the engine takes them), held
+    fixed while budgets are drawn; ``examples`` is hypothesis's count per step-level test,
+    ``images`` the sample size of the end-to-end tests (DESIGN.md sections 4-5)."""
+    manager = plugins or get_plugin_manager()
+    run = settings(max_examples=examples, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    over_methods = pytest.mark.parametrize("method", methods)
+
+    def engine_for(method: str, case: RelaxCase, data: st.DataObject) -> Engine:
+        chosen, delta = _budget_options(data, method, options, manager)
+        return step_engine(method, case, chosen, delta, manager)
+
+    def markov_engine(method: str, problem: statistics.MarkovProblem, delta: float | None, **kwargs: Any) -> Engine:
+        if method == AR:
+            return Engine(problem.target, method=AR, **kwargs)
+        return Engine(problem.target, problem.drafter, method, options, delta=delta, tokenizer=problem.tokenizer, plugins=manager, **kwargs)
+
+    class TestConformance:
+        @pytest.fixture(autouse=True, scope="class")
+        @classmethod
+        def _isolated(cls, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+            """Tiny tensors run fastest on one thread; caches go to a temporary folder."""
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("specimg-cache")))
+                yield
+            torch.set_num_threads(threads)
+
+        @over_methods
+        @run
+        @given(case=relax_cases(), data=st.data())
+        def test_relaxation(self, method: str, case: RelaxCase, data: st.DataObject) -> None:
+            check_relaxation(engine_for(method, case, data), case)
+
+        @over_methods
+        @run
+        @given(case=relax_cases(), data=st.data())
+        def test_member_budgets(self, method: str, case: RelaxCase, data: st.DataObject) -> None:
+            check_member_budgets(engine_for(method, case, data), case, data.draw(budgets(case.tree.size), label="budget"))
+
+        @over_methods
+        @run
+        @given(case=relax_cases(vocab=st.integers(2, 4), max_nodes=5), data=st.data())
+        def test_accept_exact(self, method: str, case: RelaxCase, data: st.DataObject) -> None:
+            check_accept(engine_for(method, case, data), case)
+
+        @over_methods
+        @run
+        @given(case=relax_cases(vocab=st.integers(2, 4), max_nodes=4, max_children=2, sampled=True), data=st.data())
+        def test_accept_exact_sampled_tree(self, method: str, case: RelaxCase, data: st.DataObject) -> None:
+            check_accept(engine_for(method, case, data), case)
+
+        @over_methods
+        @run
+        @given(case=relax_cases(), seed=st.integers(0, 2**32 - 1), data=st.data())
+        def test_deterministic(self, method: str, case: RelaxCase, seed: int, data: st.DataObject) -> None:
+            check_deterministic(engine_for(method, case, data), case, seed)
+
+        @over_methods
+        @pytest.mark.parametrize("sample", [False, True], ids=["topk-tree", "sampled-tree"])
+        def test_exact_law_at_delta_0(self, method: str, sample: bool) -> None:
+            """delta = 0: the images' token sequences follow the AR law (chi-square)."""
+            problem = statistics.markov_problem(seed=1)
+            engine = markov_engine(method, problem, 0.0, sampling=statistics.SAMPLING, tree=attrs.evolve(statistics.TREE, sample=sample))
+            statistics.check_exact_law(engine, images, seed=10)
+
+        @over_methods
+        def test_next_token_within_delta(self, method: str) -> None:
+            """delta > 0: each next-token law given the previous token stays within delta."""
+            problem = statistics.markov_problem(seed=2)
+            engine = markov_engine(method, problem, 0.3, sampling=statistics.SAMPLING, tree=statistics.TREE)
+            statistics.check_within_delta(engine, images, seed=20)
+
+        @over_methods
+        def test_greedy_is_ar_at_delta_0(self, method: str) -> None:
+            """Temperature 0, delta 0: the same tokens as AR greedy decoding."""
+            for seed in range(10):
+                problem = statistics.markov_problem(seed=seed)
+                greedy = Sampling(temperature=0.0, cfg_scale=2.0)
+                tokens = [markov_engine(m, problem, 0.0, sampling=greedy).generate([0, 1], seed=seed).tokens for m in (method, AR)]
+                assert torch.equal(*tokens), f"{method}: greedy tokens {tokens[0].tolist()} differ from AR's {tokens[1].tolist()}"
+
+        @over_methods
+        def test_same_seed_same_images(self, method: str) -> None:
+            problem = statistics.markov_problem(seed=3)
+            engine = markov_engine(method, problem, None, sampling=statistics.SAMPLING, tree=attrs.evolve(statistics.TREE, sample=True))
+            assert torch.equal(engine.generate([0] * 20, seed=5).tokens, engine.generate([0] * 20, seed=5).tokens)
+
+    return TestConformance
+
+
