@@ -18,7 +18,8 @@ from specimg.models.base import Condition, Drafter, Target
 from specimg.plugins import PluginManager, get_plugin_manager
 from specimg.sampling import probabilities
 from specimg.stats import ImageStats, RunStats
-from specimg.tree import DraftSession
+from specimg.step import Acceptance, Scores
+from specimg.tree import DraftSession, DraftTree
 
 
 class Generation(NamedTuple):
@@ -140,6 +141,27 @@ class Engine:
             if progress:
                 progress(1)
 
+    def relaxers(self, tree: DraftTree, scores: Scores) -> list[tuple[str, float, Callable[..., Tensor | None]]]:
+        """The stack's build_relaxed_dist hooks bound to one step: (method, delta, relax)."""
+        return [
+            (name, delta, _bind(caller, options, tree, scores, self.target, self.tokenizer))
+            for name, delta, caller, options in self._relaxers
+        ]
+
+    def relax(self, tree: DraftTree, scores: Scores) -> Tensor:
+        """q_R [n, V] for one step: the stack's relaxations folded under its one budget."""
+        assert self.stack is not None
+        return relax.fold(scores.probs, self.relaxers(tree, scores), self.stack.delta)
+
+    def accept(self, tree: DraftTree, dist: Tensor, scores: Scores, generator: torch.Generator) -> Acceptance:
+        """One step's acceptance by the stack's accept hook or the core's default."""
+        assert self.stack is not None
+        accept, options = self._accept
+        return accept(
+            tree=tree, dist=dist, scores=scores, sampling=self.sampling, generator=generator,
+            exact=self.stack.delta == 0.0, options=options,
+        )
+
     @contextmanager
     def _timed(self, stats: ImageStats, phase: str):
         start = time.perf_counter()
@@ -159,7 +181,6 @@ class Engine:
         target, drafter, sampling = self.target, self.drafter, self.sampling
         propose, propose_options = self._propose
         score, _ = self._score
-        accept, accept_options = self._accept
         drafter.prefill(condition, sampling.cfg)
         new_tokens = tokens[-1:]
         while len(tokens) < target.num_tokens:
@@ -173,19 +194,9 @@ class Engine:
             with self._timed(stats, "verify"):
                 scores = score(target=target, tree=tree, sampling=sampling, token_index=len(tokens))
             with self._timed(stats, "relax"):
-                dist = relax.fold(
-                    scores.probs,
-                    [
-                        (name, delta, _bind(caller, options, tree, scores, target, self.tokenizer))
-                        for name, delta, caller, options in self._relaxers
-                    ],
-                    self.stack.delta,
-                )
+                dist = self.relax(tree, scores)
             with self._timed(stats, "accept"):
-                result = accept(
-                    tree=tree, dist=dist, scores=scores, sampling=sampling, generator=generator,
-                    exact=self.stack.delta == 0.0, options=accept_options,
-                )
+                result = self.accept(tree, dist, scores, generator)
             with self._timed(stats, "commit"):
                 path = torch.tensor(result.path, dtype=torch.long)
                 target.commit(path)

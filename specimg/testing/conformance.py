@@ -25,7 +25,7 @@ from torch import Tensor
 
 from specimg import relax
 from specimg.config import Sampling
-from specimg.engine import Engine, _bind
+from specimg.engine import Engine
 from specimg.methods import AR, Member
 from specimg.neighbours import CACHE_ENV
 from specimg.plugins import PluginManager, get_plugin_manager
@@ -56,24 +56,14 @@ def step_engine(method: str, case: RelaxCase, options: Options | None = None, de
     return Engine(case.target, _NoDrafter(), method, options, case.sampling, delta=delta, tokenizer=case.tokenizer, plugins=plugins)
 
 
-def relaxers(engine: Engine, tree: DraftTree, scores: Scores) -> list[tuple[str, float, Callable[..., Tensor | None]]]:
-    """The stack's build_relaxed_dist hooks bound to one step, as the engine folds them."""
-    return [(name, delta, _bind(caller, options, tree, scores, engine.target, engine.tokenizer)) for name, delta, caller, options in engine._relaxers]
-
-
 def relaxed(engine: Engine, tree: DraftTree, scores: Scores) -> Tensor:
     """q_R [n, V] for one step, by the engine's fold (the stack shares one budget)."""
-    assert engine.stack is not None
-    return relax.fold(scores.probs, relaxers(engine, tree, scores), engine.stack.delta)
+    return engine.relax(tree, scores)
 
 
 def accepted(engine: Engine, tree: DraftTree, dist: Tensor, scores: Scores, generator: torch.Generator) -> Acceptance:
     """The stack's accept hook (or the core's default) on one step, as the engine calls it."""
-    assert engine.stack is not None
-    accept, options = engine._accept
-    return accept(
-        tree=tree, dist=dist, scores=scores, sampling=engine.sampling, generator=generator, exact=engine.stack.delta == 0.0, options=options
-    )
+    return engine.accept(tree, dist, scores, generator)
 
 
 # --- properties of q_R ----------------------------------------------------------------------
@@ -133,7 +123,7 @@ def check_member_budgets(engine: Engine, case: RelaxCase, budget: Tensor) -> Non
     q_R is p itself."""
     assert engine.stack is not None
     p = case.p
-    for name, _, relax_step in relaxers(engine, case.tree, case.scores):
+    for name, _, relax_step in engine.relaxers(case.tree, case.scores):
         q = relax_step(dist=p, budget=budget)
         if q is None:
             continue
