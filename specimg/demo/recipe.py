@@ -1,0 +1,543 @@
+"""Re-create the embedded demo bundle from scratch: data -> VQ -> tokens -> GPT -> classifier
+-> drafters -> quality.  ``specimg train-demo --out DIR [--scale full|toy]``.
+
+Every stage writes its result into DIR and records itself in ``DIR/manifest.json``; a run
+started again on the same folder skips the stages already done (same scale only).
+Intermediate data (token sets, sample images) lives in ``DIR/work`` and is removed when the
+bundle is complete.  Matrix products run under bfloat16 autocast on CPU (``autocast``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from tqdm import tqdm
+
+from specimg.demo.data import NUM_CLASSES, RECIPE, make_dataset
+from specimg.errors import SpecimgError
+
+MANIFEST = "manifest.json"
+TOKENIZER, TARGET, CLASSIFIER = "tokenizer.safetensors", "target.safetensors", "classifier.safetensors"
+DRAFTER, DRAFTER_CASCADE = "drafter.safetensors", "drafter-cascade.safetensors"
+TARGET_CONFIG_KEY = "specimg.gpt_config"
+
+
+@attrs.frozen
+class Scale:
+    """Sizes and step counts of one recipe scale."""
+
+    name: str
+    vq: dict[str, Any]
+    gpt: dict[str, Any]
+    vq_images: int
+    vq_steps: int
+    vq_batch: int
+    vq_crop: int
+    gpt_images: int
+    gpt_steps: int
+    gpt_batch: int
+    gpt_lr: float
+    gpt_cycles: tuple[tuple[int, float], ...]
+    """Further cosine cycles (warm restarts) on the same token set: (steps, peak lr) each."""
+    cls_images: int
+    cls_steps: int
+    cls_batch: int
+    drafter_images: int
+    drafter_steps: int
+    drafter_batch: int
+    drafter_lr: float
+    eval_real: int
+    eval_per_class: int
+    cfg_scale: float
+    """Fallback default CFG scale; the quality stage picks the default from ``cfg_sweep``."""
+    cfg_sweep: tuple[float, ...]
+    sweep_per_class: int
+    seed: int = 0
+
+
+FULL = Scale(
+    name="full",
+    vq=dict(codebook_size=512, codebook_embed_dim=8, ch=32, encoder_ch_mult=(1, 2, 2), decoder_ch_mult=(1, 2, 2),
+            z_channels=64, num_res_blocks=1, norm_groups=8),
+    gpt=dict(dim=128, n_layer=12, n_head=4, multiple_of=32, vocab_size=512, num_classes=NUM_CLASSES, block_size=256,
+             class_dropout_prob=0.1),
+    vq_images=4000, vq_steps=260, vq_batch=32, vq_crop=16,
+    gpt_images=6000, gpt_steps=450, gpt_batch=16, gpt_lr=3e-3, gpt_cycles=((250, 1.5e-3),),
+    cls_images=3000, cls_steps=700, cls_batch=32,
+    drafter_images=400, drafter_steps=200, drafter_batch=8, drafter_lr=1e-3,
+    eval_real=500, eval_per_class=5, cfg_scale=4.0, cfg_sweep=(2.0, 3.0, 4.0, 6.0), sweep_per_class=4,
+)
+TOY = Scale(
+    name="toy",
+    vq=dict(codebook_size=64, codebook_embed_dim=4, ch=8, encoder_ch_mult=(1, 2, 2), decoder_ch_mult=(1, 2, 2),
+            z_channels=16, num_res_blocks=1, norm_groups=4),
+    gpt=dict(dim=32, n_layer=2, n_head=2, multiple_of=16, vocab_size=64, num_classes=NUM_CLASSES, block_size=256,
+             class_dropout_prob=0.1),
+    vq_images=32, vq_steps=3, vq_batch=8, vq_crop=16,
+    gpt_images=32, gpt_steps=3, gpt_batch=8, gpt_lr=2e-3, gpt_cycles=((2, 1e-3),),
+    cls_images=32, cls_steps=3, cls_batch=16,
+    drafter_images=8, drafter_steps=2, drafter_batch=4, drafter_lr=1e-3,
+    eval_real=20, eval_per_class=1, cfg_scale=4.0, cfg_sweep=(4.0,), sweep_per_class=1,
+)
+SCALES = {"full": FULL, "toy": TOY}
+
+
+def autocast() -> Any:
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+def _cosine(step: int, total: int, lr: float, warmup: int) -> float:
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    return lr * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+
+
+def _set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    for group in opt.param_groups:
+        group["lr"] = lr
+
+
+class _Run:
+    def __init__(self, out: str, scale: Scale, log: Callable[[str], None]) -> None:
+        self.out, self.scale, self.log = out, scale, log
+        self.work = os.path.join(out, "work")
+        os.makedirs(self.work, exist_ok=True)
+        self.path = os.path.join(out, MANIFEST)
+        self.manifest: dict[str, Any] = {}
+        if os.path.exists(self.path):
+            with open(self.path) as f:
+                self.manifest = json.load(f)
+            if self.manifest.get("scale", {}).get("name") != scale.name:
+                raise SpecimgError(f"{out} holds a bundle of another scale; use an empty folder")
+            self.manifest["scale"] = attrs.asdict(scale)
+        else:
+            self.manifest = _fresh_manifest(scale)
+            self.save()
+
+    def save(self) -> None:
+        tmp = f"{self.path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(self.manifest, f, indent=2, sort_keys=False)
+            f.write("\n")
+        os.replace(tmp, self.path)
+
+    def stage(self, name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        done = self.manifest["stages"].get(name)
+        if done is not None:
+            self.log(f"[{name}] done already ({done.get('seconds', 0):.0f}s), skipping")
+            return done
+        self.log(f"[{name}] ...")
+        start = time.perf_counter()
+        result = fn()
+        result["seconds"] = round(time.perf_counter() - start, 1)
+        self.manifest["stages"][name] = result
+        self.save()
+        self.log(f"[{name}] {json.dumps({k: v for k, v in result.items() if not isinstance(v, (list, dict))})}")
+        return result
+
+    def file(self, name: str) -> str:
+        return os.path.join(self.out, name)
+
+    def work_file(self, name: str) -> str:
+        return os.path.join(self.work, name)
+
+
+def _fresh_manifest(scale: Scale) -> dict[str, Any]:
+    import numpy
+    import safetensors
+
+    import specimg
+
+    versions = {"specimg": getattr(specimg, "__version__", "?"), "python": platform.python_version(),
+                "torch": torch.__version__, "numpy": numpy.__version__, "safetensors": safetensors.__version__}
+    for mod in ("sklearn", "skimage", "scipy"):
+        try:
+            versions[mod] = __import__(mod).__version__
+        except ImportError:
+            pass
+    return {
+        "format": "specimg-demo-bundle/1",
+        "name": "demo",
+        "versions": versions,
+        "command": f"specimg train-demo --out DIR --scale {scale.name}",
+        "data": RECIPE,
+        "scale": attrs.asdict(scale),
+        "files": {},
+        "stages": {},
+        "defaults": {"cfg_scale": scale.cfg_scale, "temperature": 1.0, "top_k": 0, "top_p": 1.0},
+        "hardware": {"machine": platform.machine(), "processor": platform.processor(), "threads": torch.get_num_threads()},
+    }
+
+
+# ----------------------------------------------------------------------------- stages
+
+
+def _train_vq(run: _Run) -> dict[str, Any]:
+    from specimg.models.vq import build_tokenizer, save_tokenizer
+
+    s = run.scale
+    images, _ = make_dataset(s.vq_images, seed=s.seed + 1)
+    tok = build_tokenizer(seed=s.seed, **s.vq).train()
+    opt = torch.optim.AdamW(tok.parameters(), lr=2e-3, betas=(0.9, 0.95), weight_decay=0.0)
+    g = torch.Generator().manual_seed(s.seed + 11)
+    k = s.vq["codebook_size"]
+    used = torch.zeros(k, dtype=torch.bool)
+    history: list[dict[str, float]] = []
+    bar = tqdm(range(s.vq_steps), desc="vq", disable=None)
+    for step in bar:
+        _set_lr(opt, _cosine(step, s.vq_steps, 2e-3, max(1, s.vq_steps // 20)))
+        idx = torch.randint(0, images.shape[0], (s.vq_batch,), generator=g)
+        y, x = torch.randint(0, 64 - s.vq_crop + 1, (2,), generator=g).tolist()
+        batch = images[idx, :, y : y + s.vq_crop, x : x + s.vq_crop]
+        with autocast():
+            z_q, losses, codes = tok._quantize(batch)
+            recon = tok.decoder(tok.post_quant_conv(z_q)).float()
+        rec = (recon - batch).abs().mean() + F.mse_loss(recon, batch)
+        loss = rec + losses["codebook"].float() + losses["commitment"].float()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        used[codes.flatten()] = True
+        if (step + 1) % 25 == 0 or step + 1 == s.vq_steps:
+            usage = used.float().mean().item()
+            history.append({"step": step + 1, "rec": round(rec.item(), 4), "usage": round(usage, 3)})
+            bar.set_postfix(rec=f"{rec.item():.4f}", usage=f"{usage:.2f}")
+            run.log(f"  vq step {step + 1}/{s.vq_steps} rec {rec.item():.4f} usage {usage:.2f}")
+            # revive dead codes from current encoder outputs (k-means style restarts), early on
+            if step + 1 <= s.vq_steps // 2 and usage < 0.98:
+                with torch.no_grad():
+                    z = F.normalize(tok.quant_conv(tok.encoder(batch)).permute(0, 2, 3, 1).reshape(-1, s.vq["codebook_embed_dim"]).float(), dim=-1)
+                    dead = (~used).nonzero().flatten()
+                    pick = torch.randint(0, z.shape[0], (dead.numel(),), generator=g)
+                    tok.quantize.embedding.weight[dead] = z[pick] + 0.01 * torch.randn(dead.numel(), z.shape[1], generator=g)
+            used.zero_()
+    tok.eval()
+    save_tokenizer(tok, run.file(TOKENIZER))
+    with torch.no_grad():
+        test, _ = make_dataset(min(256, s.eval_real), seed=s.seed + 2, split="test")
+        recon = tok.decode(tok.encode(test))
+        codes = tok.encode(test)
+    return {"final_rec_loss": history[-1]["rec"], "test_l1": round((recon - test).abs().mean().item(), 4),
+            "test_mse": round(F.mse_loss(recon, test).item(), 4),
+            "codebook_usage_test": round(codes.unique().numel() / k, 3), "log": history}
+
+
+def _encode(tok: Any, images: Tensor, batch: int = 128) -> Tensor:
+    out = []
+    with torch.no_grad():
+        for i in tqdm(range(0, images.shape[0], batch), desc="tokenise", disable=None):
+            out.append(tok.encode(images[i : i + batch]))
+    return torch.cat(out)
+
+
+def _tokenise(run: _Run) -> dict[str, Any]:
+    from safetensors.torch import save_file
+
+    from specimg.models.vq import load_tokenizer
+
+    s = run.scale
+    tok = load_tokenizer(run.file(TOKENIZER))
+    images, labels = make_dataset(s.gpt_images, seed=s.seed + 3)
+    codes = _encode(tok, images)
+    save_file({"codes": codes.to(torch.int16).contiguous(), "labels": labels}, run.work_file("tokens.safetensors"))
+    hist = torch.bincount(codes.flatten(), minlength=tok.vocab_size).float()
+    p = hist / hist.sum()
+    entropy = -(p[p > 0] * p[p > 0].log()).sum().item()
+    return {"images": s.gpt_images, "unigram_entropy_nats": round(entropy, 3), "codes_used": int((hist > 0).sum())}
+
+
+def save_target(target: Any, path: str) -> None:
+    from safetensors.torch import save_file
+
+    tmp = f"{path}.tmp{os.getpid()}"
+    meta = {TARGET_CONFIG_KEY: json.dumps(attrs.asdict(target.config))}
+    save_file({k: v.detach().contiguous().cpu() for k, v in target.state_dict().items()}, tmp, metadata=meta)
+    os.replace(tmp, path)
+
+
+def load_target_file(path: str, max_tree_nodes: int = 128) -> Any:
+    from safetensors import safe_open
+
+    from specimg.models.llamagen import GPTConfig, load_target
+
+    with safe_open(path, framework="pt") as f:
+        text = (f.metadata() or {}).get(TARGET_CONFIG_KEY)
+    if text is None:
+        raise SpecimgError(f"{path} has no {TARGET_CONFIG_KEY} header")
+    return load_target(path, GPTConfig(**json.loads(text)), max_tree_nodes=max_tree_nodes)
+
+
+def _train_gpt(run: _Run, cycle: int | None = None) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    from specimg.models.llamagen import build_target
+
+    s = run.scale
+    data = load_file(run.work_file("tokens.safetensors"))
+    codes, labels = data["codes"].long(), data["labels"]
+    if cycle is not None:  # a warm restart from the saved target
+        model = load_target_file(run.file(TARGET)).train()
+        (steps, lr), seed = s.gpt_cycles[cycle], s.seed + 22 + cycle
+    else:
+        model = build_target("GPT-B", seed=s.seed, **s.gpt).train()
+        steps, lr, seed = s.gpt_steps, s.gpt_lr, s.seed + 21
+    model.requires_grad_(True)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embedding" not in n]
+    other = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embedding" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": other, "weight_decay": 0.0}],
+                            lr=lr, betas=(0.9, 0.95))
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(codes.shape[0], generator=g)
+    null = s.gpt["num_classes"]
+    history: list[dict[str, float]] = []
+    ema = None
+    bar = tqdm(range(steps), desc="gpt", disable=None)
+    t0 = time.perf_counter()
+    pos = 0
+    for step in bar:
+        _set_lr(opt, _cosine(step, steps, lr, max(1, steps // 20)))
+        if pos + s.gpt_batch > order.numel():
+            order, pos = torch.randperm(codes.shape[0], generator=g), 0
+        idx = order[pos : pos + s.gpt_batch]
+        pos += s.gpt_batch
+        cond = labels[idx].clone()
+        cond[torch.rand(cond.shape[0], generator=g) < s.gpt["class_dropout_prob"]] = null
+        tokens = codes[idx]
+        with autocast():
+            out = model.forward_sequence(cond, tokens)
+        loss = F.cross_entropy(out.logits.flatten(0, 1), tokens.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+        bar.set_postfix(loss=f"{ema:.3f}")
+        if (step + 1) % 25 == 0 or step + 1 == steps:
+            history.append({"step": step + 1, "loss": round(ema, 4)})
+            run.log(f"  gpt step {step + 1}/{steps} loss {ema:.4f} ({time.perf_counter() - t0:.0f}s)")
+    model.eval().requires_grad_(False)
+    save_target(model, run.file(TARGET))
+    # held-out loss (teacher-forced, real test images)
+    from specimg.models.vq import load_tokenizer
+
+    tok = load_tokenizer(run.file(TOKENIZER))
+    test, test_labels = make_dataset(min(256, s.eval_real), seed=s.seed + 2, split="test")
+    test_codes = _encode(tok, test)
+    with torch.no_grad(), autocast():
+        out = model.forward_sequence(test_labels, test_codes)
+    test_loss = F.cross_entropy(out.logits.flatten(0, 1).float(), test_codes.flatten()).item()
+    return {"final_train_loss": history[-1]["loss"], "test_loss": round(test_loss, 4),
+            "params": sum(p.numel() for p in model.parameters()), "log": history}
+
+
+def _train_classifier(run: _Run) -> dict[str, Any]:
+    from specimg.eval.classifier import DemoClassifier, save_classifier
+    from specimg.models.vq import load_tokenizer
+
+    s = run.scale
+    images, labels = make_dataset(s.cls_images, seed=s.seed + 4)
+    # half the examples go through the VQ round trip: the classifier must read decoded samples too
+    tok = load_tokenizer(run.file(TOKENIZER))
+    half = s.cls_images // 2
+    with torch.no_grad():
+        for i in tqdm(range(0, half, 128), desc="vq round trip", disable=None):
+            j = min(half, i + 128)
+            with autocast():
+                images[i:j] = tok.decode(tok.encode(images[i:j])).float().clamp(-1, 1)
+    torch.manual_seed(s.seed + 31)
+    model = DemoClassifier(NUM_CLASSES).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
+    g = torch.Generator().manual_seed(s.seed + 32)
+    ema = None
+    bar = tqdm(range(s.cls_steps), desc="classifier", disable=None)
+    for step in bar:
+        _set_lr(opt, _cosine(step, s.cls_steps, 2e-3, max(1, s.cls_steps // 20)))
+        idx = torch.randint(0, images.shape[0], (s.cls_batch,), generator=g)
+        x = images[idx]
+        shift = torch.randint(-3, 4, (2,), generator=g).tolist()
+        x = torch.roll(x, shifts=shift, dims=(2, 3))
+        with autocast():
+            logits = model(x).float()
+        loss = F.cross_entropy(logits, labels[idx])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+        bar.set_postfix(loss=f"{ema:.3f}")
+    model.eval()
+    save_classifier(model, run.file(CLASSIFIER))
+    test, test_labels = make_dataset(s.eval_real, seed=s.seed + 2, split="test")
+    with torch.no_grad():
+        acc_real = (model.predict(test) == test_labels).float().mean().item()
+        recon = torch.cat([tok.decode(tok.encode(test[i : i + 128])) for i in range(0, test.shape[0], 128)])
+        acc_recon = (model.predict(recon) == test_labels).float().mean().item()
+    return {"final_train_loss": round(ema or 0.0, 4), "acc_real_test": round(acc_real, 4), "acc_vq_recon_test": round(acc_recon, 4)}
+
+
+def _drafter_data(run: _Run) -> dict[str, Any]:
+    """Teacher-forced target features (both CFG rows) on the first ``drafter_images`` of the
+    GPT's training token set, with ``specimg.train.data`` (what make-drafter-data does)."""
+    from safetensors.torch import load_file, save_file
+
+    from specimg.train.data import DataSpec, make_drafter_data
+
+    s = run.scale
+    data = load_file(run.work_file("tokens.safetensors"))
+    m = min(s.drafter_images, data["codes"].shape[0])
+    path = run.work_file("drafter-tokens.safetensors")
+    save_file({"tokens": data["codes"][:m].long().contiguous(), "labels": data["labels"][:m].contiguous()}, path)
+    target = load_target_file(run.file(TARGET))
+    with tqdm(total=m, unit="img", desc="drafter data", disable=None) as bar:
+        meta = make_drafter_data(target, run.work_file("drafter-data"), DataSpec(num_samples=m, tokens_file=path, uncond=True, dtype="bfloat16", batch_size=32), progress=bar.update)
+    return {"images": m, "examples": meta["num_examples"], "tool": "specimg.train.data.make_drafter_data",
+            "command": f"specimg make-drafter-data --target demo --tokens TOKENS --num-samples {m} --uncond --dtype bfloat16 --out DATA"}
+
+
+def _train_drafter(run: _Run, name: str, method: str) -> dict[str, Any]:
+    """EAGLE-1 with the project's trainer (``specimg train-drafter``; ``--method cascade``
+    for CASCADE's loss reweighting)."""
+    from specimg.train.drafter import TrainConfig, train_drafter
+
+    s = run.scale
+    target = load_target_file(run.file(TARGET))
+    config = TrainConfig(steps=s.drafter_steps, batch_size=s.drafter_batch, lr=s.drafter_lr, log_every=max(1, s.drafter_steps // 20),
+                         checkpoint_every=max(1, s.drafter_steps // 2), seed=s.seed + 41)
+    stack = None if method == "plain" else method
+    folder = run.work_file(f"run-{method}")
+    result = train_drafter(target, run.work_file("drafter-data"), folder, config, method=stack, progress=True)
+    shutil.copyfile(result.path, run.file(name) + ".tmp")
+    os.replace(run.file(name) + ".tmp", run.file(name))
+    with open(os.path.join(folder, "log.jsonl")) as f:
+        log = [json.loads(line) for line in f if line.strip()]
+    keep = ("step", "loss", "ce", "reg", "acc")
+    last = log[-1] if log else {}
+    flags = f" --method {method}" if stack else ""
+    return {"method": method, "trainer": "specimg.train.drafter.train_drafter",
+            "command": f"specimg train-drafter --target demo --data DATA --out RUN{flags} --steps {s.drafter_steps} --batch-size {s.drafter_batch} --lr {s.drafter_lr}",
+            "final_loss": round(last.get("loss", float("nan")), 4), "top1_agreement": round(last.get("acc", float("nan")), 4),
+            "log": [{k: round(e[k], 4) if isinstance(e.get(k), float) else e.get(k) for k in keep} for e in log]}
+
+
+def _evaluate(run: _Run) -> dict[str, Any]:
+    from specimg.config import Sampling
+    from specimg.engine import Engine
+    from specimg.eval.classifier import frechet_distance, load_classifier
+    from specimg.images import make_grid, save_png_atomic
+    from specimg.models.vq import load_tokenizer
+
+    from specimg.train.data import sample_tokens
+
+    s = run.scale
+    target = load_target_file(run.file(TARGET))
+    tok = load_tokenizer(run.file(TOKENIZER))
+    clf = load_classifier(run.file(CLASSIFIER))
+    test, test_labels = make_dataset(s.eval_real, seed=s.seed + 2, split="test")
+    with torch.no_grad():
+        f_real = clf.all_features(test)
+
+    def decode(codes: Tensor) -> Tensor:
+        with torch.no_grad():
+            return torch.cat([tok.decode(codes[i : i + 64]) for i in range(0, codes.shape[0], 64)]).clamp(-1, 1)
+
+    # CFG sweep with the batched AR sampler (same draws as the engine's AR loop), then the
+    # default = the smallest scale whose accuracy is within 0.02 of the best one
+    sweep: dict[str, dict[str, float]] = {}
+    sweep_labels = [c for c in range(NUM_CLASSES) for _ in range(s.sweep_per_class)]
+    for cfg in tqdm(s.cfg_sweep, desc="cfg sweep", disable=None):
+        with torch.inference_mode():
+            codes = sample_tokens(target, sweep_labels, [20_000 + i for i in range(len(sweep_labels))], Sampling(cfg_scale=cfg))
+        imgs = decode(codes)
+        acc = (clf.predict(imgs) == torch.tensor(sweep_labels)).float().mean().item()
+        sweep[str(cfg)] = {"acc": round(acc, 4), "frechet_real_vs_ar": round(frechet_distance(f_real, clf.all_features(imgs)), 3)}
+        run.log(f"  cfg {cfg}: accuracy {acc:.3f}, Frechet {sweep[str(cfg)]['frechet_real_vs_ar']:.2f}")
+    best = max(v["acc"] for v in sweep.values())
+    default_cfg = min(float(k) for k, v in sweep.items() if v["acc"] >= best - 0.02)
+    run.manifest["defaults"]["cfg_scale"] = default_cfg
+    sampling = Sampling(cfg_scale=default_cfg)
+    engine = Engine(target, None, "ar", sampling=sampling, tokenizer=tok)
+    wanted = [c for c in range(NUM_CLASSES) for _ in range(s.eval_per_class)]
+    samples = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one image at a time is latency-bound: extra threads only wait on each other
+    try:
+        with tqdm(total=len(wanted) * target.num_tokens, desc="AR samples", unit="tok", disable=None) as bar:
+            for i, c in enumerate(wanted):
+                samples.append(engine.generate([c], seed=10_000 + i, progress=bar.update).tokens)
+    finally:
+        torch.set_num_threads(threads)
+    codes = torch.cat(samples)
+    imgs = decode(codes)
+    labels = torch.tensor(wanted)
+    pred = clf.predict(imgs)
+    acc = (pred == labels).float().mean().item()
+    with torch.no_grad():
+        f_samp = clf.all_features(imgs)
+        half = test.shape[0] // 2
+        recon = torch.cat([tok.decode(tok.encode(test[i : i + 128])) for i in range(0, test.shape[0], 128)]).clamp(-1, 1)
+        f_recon = clf.all_features(recon)
+    per_class = {str(c): round((pred[labels == c] == c).float().mean().item(), 3) for c in range(NUM_CLASSES)}
+    grid_n = min(len(wanted), NUM_CLASSES * 8)
+    order = sorted(range(len(wanted)), key=lambda i: (i % s.eval_per_class, wanted[i]))[:grid_n]
+    grid = make_grid(imgs[order], nrow=NUM_CLASSES, labels=[f"{wanted[i]}{'' if pred[i] == wanted[i] else f' ({int(pred[i])})'}" for i in order])
+    save_png_atomic(grid, run.file("samples.png"))
+    torch.save({"codes": codes, "labels": labels}, run.work_file("ar-samples.pt"))
+    return {
+        "cfg_scale": default_cfg, "sampler": "Engine(method='ar')", "samples": len(wanted), "cfg_sweep": sweep,
+        "classifier_acc_ar_samples": round(acc, 4), "per_class_acc_ar_samples": per_class,
+        "classifier_acc_real_test": run.manifest["stages"]["classifier"]["acc_real_test"],
+        "frechet_real_vs_ar": round(frechet_distance(f_real, f_samp), 3),
+        "frechet_real_vs_real": round(frechet_distance(f_real[:half], f_real[half:]), 3),
+        "frechet_real_vs_vq_recon": round(frechet_distance(f_real, f_recon), 3),
+        "feature_dim": int(f_real.shape[1]),
+    }
+
+
+def train_demo(out: str | os.PathLike[str], scale: str = "full", log: Callable[[str], None] = print,
+               drafters: bool = True, evaluate: bool = True, keep_work: bool = False) -> dict[str, Any]:
+    """Run (or resume) the whole recipe into ``out``; returns the manifest."""
+    if scale not in SCALES:
+        raise SpecimgError(f"unknown scale {scale!r}; choose one of {', '.join(SCALES)}")
+    out = os.fspath(out)
+    os.makedirs(out, exist_ok=True)
+    run = _Run(out, SCALES[scale], log)
+    torch.manual_seed(run.scale.seed)
+    run.stage("tokenizer", lambda: _train_vq(run))
+    run.stage("tokens", lambda: _tokenise(run))
+    run.stage("target", lambda: _train_gpt(run))
+    for i in range(len(run.scale.gpt_cycles)):
+        run.stage("target-finetune" if i == 0 else f"target-finetune-{i + 1}", lambda: _train_gpt(run, cycle=i))
+    run.stage("classifier", lambda: _train_classifier(run))
+    if drafters:
+        run.stage("drafter-data", lambda: _drafter_data(run))
+        run.stage("drafter", lambda: _train_drafter(run, DRAFTER, "plain"))
+        run.stage("drafter-cascade", lambda: _train_drafter(run, DRAFTER_CASCADE, "cascade"))
+    if evaluate:
+        run.stage("quality", lambda: _evaluate(run))
+    files = {}
+    for name in (TOKENIZER, TARGET, CLASSIFIER, DRAFTER, DRAFTER_CASCADE):
+        if os.path.exists(run.file(name)):
+            files[name] = os.path.getsize(run.file(name))
+    run.manifest["files"] = files
+    run.manifest["total_bytes"] = sum(files.values())
+    run.manifest["train_seconds"] = round(sum(st.get("seconds", 0) for st in run.manifest["stages"].values()), 1)
+    run.save()
+    if not keep_work and drafters and evaluate:
+        shutil.rmtree(run.work, ignore_errors=True)
+    return run.manifest
+
+
+if __name__ == "__main__":  # python -m specimg.demo.recipe OUT [scale]
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    train_demo(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "full")

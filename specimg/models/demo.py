@@ -1,0 +1,57 @@
+"""The embedded demo: a small class-conditional LlamaGen (10 digit classes over photo
+backgrounds, 16x16 tokens, 64x64 pixels) with its VQ tokenizer and EAGLE-1 drafters,
+trained by ``specimg train-demo`` and shipped as package data in ``specimg/demo/bundle``."""
+
+from __future__ import annotations
+
+import json
+import os
+from importlib import resources
+from typing import Any
+
+from specimg.errors import SpecimgError
+from specimg.models.loading import Models
+
+DRAFTERS = {"plain": "drafter.safetensors", "cascade": "drafter-cascade.safetensors"}
+
+
+def bundle_dir() -> str:
+    """The shipped bundle's folder (it may be absent from a source checkout)."""
+    return os.fspath(resources.files("specimg.demo") / "bundle")
+
+
+def bundle_exists(path: str | os.PathLike[str] | None = None) -> bool:
+    root = os.fspath(path) if path is not None else bundle_dir()
+    return all(os.path.isfile(os.path.join(root, f)) for f in ("manifest.json", "target.safetensors", "tokenizer.safetensors"))
+
+
+def demo_manifest(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    root = os.fspath(path) if path is not None else bundle_dir()
+    try:
+        with open(os.path.join(root, "manifest.json")) as f:
+            return json.load(f)
+    except OSError:
+        raise SpecimgError(f"no demo bundle in {root}: run `specimg train-demo --out {root}`") from None
+
+
+def load_demo(path: str | os.PathLike[str] | None = None, drafter: str = "plain", max_tree_nodes: int = 128) -> Models:
+    """The demo models (name "demo") from ``path`` (default: the shipped bundle).
+    ``drafter``: "plain" (EAGLE-1 loss) or "cascade" (trained with CASCADE's reweighting)."""
+    from specimg.demo.recipe import load_target_file
+    from specimg.models.eagle import build_drafter, load_drafter
+    from specimg.models.vq import load_tokenizer
+
+    root = os.fspath(path) if path is not None else bundle_dir()
+    if not bundle_exists(root):
+        raise SpecimgError(f"no demo bundle in {root}: run `specimg train-demo --out {root}`")
+    if drafter not in DRAFTERS:
+        raise SpecimgError(f"unknown demo drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
+    target = load_target_file(os.path.join(root, "target.safetensors"), max_tree_nodes=max_tree_nodes)
+    draft_path = os.path.join(root, DRAFTERS[drafter])
+    draft = load_drafter(target, draft_path, max_tree_nodes=max_tree_nodes) if os.path.isfile(draft_path) else build_drafter(target)
+    return Models(target, draft, load_tokenizer(os.path.join(root, "tokenizer.safetensors")), "demo")
+
+
+def demo_defaults(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """Sampling defaults recorded in the bundle (cfg_scale, temperature, top_k, top_p)."""
+    return dict(demo_manifest(path).get("defaults", {}))

@@ -1,0 +1,84 @@
+"""The embedded demo: data generator, the toy-scale recipe end to end, the shipped bundle."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("sklearn")
+pytest.importorskip("skimage")
+
+from specimg.demo.data import NUM_CLASSES, make_dataset  # noqa: E402
+
+
+def test_data_is_deterministic_balanced_and_in_range() -> None:
+    x1, y1 = make_dataset(60, seed=3)
+    x2, y2 = make_dataset(60, seed=3, chunk=7)  # chunking never changes the result
+    assert x1.shape == (60, 3, 64, 64) and y1.shape == (60,)
+    assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    assert torch.bincount(y1, minlength=NUM_CLASSES).tolist() == [6] * NUM_CLASSES
+    assert x1.min() >= -1 and x1.max() <= 1 and x1.std() > 0.1
+    x3, _ = make_dataset(60, seed=4)
+    assert not torch.equal(x1, x3)
+    xt, yt = make_dataset(20, seed=3, split="test")
+    assert torch.bincount(yt, minlength=NUM_CLASSES).tolist() == [2] * NUM_CLASSES
+    assert not torch.equal(xt[:20], x1[:20])
+
+
+def test_toy_recipe_end_to_end(tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from specimg.cli import cli
+    from specimg.engine import Engine
+    from specimg.models.demo import load_demo
+
+    start = time.perf_counter()
+    result = CliRunner().invoke(cli, ["train-demo", "--out", str(tmp_path), "--scale", "toy", "--threads", "1"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert time.perf_counter() - start < 120
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert set(manifest["stages"]) >= {"tokenizer", "tokens", "target", "classifier", "drafter", "drafter-cascade", "quality"}
+    assert 0 <= manifest["stages"]["quality"]["classifier_acc_ar_samples"] <= 1
+    assert not (tmp_path / "work").exists()
+    models = load_demo(tmp_path)
+    assert models.name == "demo" and models.tokenizer is not None and models.drafter is not None
+    from specimg.eval.classifier import load_classifier
+
+    assert load_classifier(os.path.join(tmp_path, "classifier.safetensors")).num_classes == NUM_CLASSES
+    # a second run on the finished folder resumes: every stage is skipped
+    again = CliRunner().invoke(cli, ["train-demo", "--out", str(tmp_path), "--scale", "toy"], catch_exceptions=False)
+    assert again.exit_code == 0 and "skipping" in again.output
+    gen = Engine(models.target, None, "ar").generate([3], seed=0)
+    assert gen.tokens.shape == (1, 256)
+
+
+def test_wrong_scale_on_existing_folder_is_a_user_error(tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from specimg.cli import cli
+
+    (tmp_path / "manifest.json").write_text(json.dumps({"scale": {"name": "full"}, "stages": {}}))
+    result = CliRunner().invoke(cli, ["train-demo", "--out", str(tmp_path), "--scale", "toy"])
+    assert result.exit_code != 0
+
+
+def test_shipped_bundle_loads_and_generates() -> None:
+    from specimg.config import Sampling
+    from specimg.engine import Engine
+    from specimg.models.demo import bundle_exists, demo_defaults, load_demo
+
+    if not bundle_exists():
+        pytest.skip("the demo bundle is not installed (run specimg train-demo --out specimg/demo/bundle)")
+    models = load_demo()
+    assert models.name == "demo" and models.num_classes == NUM_CLASSES
+    assert models.target.vocab_size == models.tokenizer.vocab_size
+    engine = Engine(models.target, models.drafter, "ar", sampling=Sampling(cfg_scale=demo_defaults()["cfg_scale"]), tokenizer=models.tokenizer)
+    out = engine.generate([7], seed=0)
+    assert out.tokens.shape == (1, models.target.num_tokens)
+    with torch.inference_mode():
+        img = models.tokenizer.decode(out.tokens)
+    assert img.shape == (1, 3, 64, 64)
