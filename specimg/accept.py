@@ -7,6 +7,8 @@ speculative sampling; with a relaxed q the output follows q.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -14,29 +16,33 @@ from specimg.step import Acceptance
 from specimg.tree import DraftTree
 
 
-def _walk(tree: DraftTree, choice: list[int]) -> Acceptance:
-    """Follow the children whose token equals each node's ``choice`` from the root."""
+def _walk(tree: DraftTree, choose: Callable[[int], int]) -> Acceptance:
+    """From the root, descend to the child whose token is ``choose(node)``; emit the first
+    choice that is no child."""
     tokens = tree.tokens.tolist()
     path, node = [0], 0
     while True:
-        child = next((c for c in tree.children[node] if tokens[c] == choice[node]), None)
+        choice = choose(node)
+        child = next((c for c in tree.children[node] if tokens[c] == choice), None)
         if child is None:
-            return Acceptance(path, choice[node])
+            return Acceptance(path, choice)
         path.append(child)
         node = child
 
 
 def sample_and_match(tree: DraftTree, dist: Tensor, generator: torch.Generator | None) -> Acceptance:
-    """Draw y_u ~ dist[u] for every node up front, then descend while y_u is a child.
+    """Draw y_u ~ dist[u] at each node the walk reaches; descend while y_u is a child.
 
-    Exact for any tree built from draft-side information: the draws are independent of it.
+    Exact for any tree built from draft-side information: each draw is fresh and
+    independent of the tree.  Only the nodes on the path are drawn, which is what makes
+    acceptance cheap for wide trees.
     """
-    return _walk(tree, torch.multinomial(dist, 1, generator=generator).squeeze(1).tolist())
+    return _walk(tree, lambda node: int(torch.multinomial(dist[node], 1, generator=generator)))
 
 
 def greedy(tree: DraftTree, dist: Tensor) -> Acceptance:
     """Temperature 0: each node's token is argmax of its distribution."""
-    return _walk(tree, dist.argmax(dim=-1).tolist())
+    return _walk(tree, lambda node: int(dist[node].argmax()))
 
 
 def recursive_rejection(tree: DraftTree, target_dist: Tensor, generator: torch.Generator | None) -> Acceptance:

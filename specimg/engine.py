@@ -186,7 +186,7 @@ class Engine:
         while len(tokens) < target.num_tokens:
             with self._timed(stats, "draft"):
                 root_logits = drafter.start(hidden, torch.tensor(new_tokens, dtype=torch.long))
-                session = DraftSession(drafter, sampling, root_logits, root_index=len(tokens) - 1)
+                session = DraftSession(drafter, sampling, root_logits, len(tokens) - 1, filtered=self.tree_config.sample)
                 tree = propose(
                     session=session, root_token=tokens[-1], tree_config=self.tree_config,
                     max_depth=target.num_tokens - len(tokens) - 1, generator=generator, options=propose_options,

@@ -32,7 +32,7 @@ def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
     """Mask logits outside top-k, then outside the top-p nucleus (LlamaGen's order and
     tie rule: keep every token at least as likely as the k-th; always keep the best)."""
     if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        kth = torch.kthvalue(logits, logits.shape[-1] - top_k + 1, dim=-1, keepdim=True).values
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True, dim=-1)

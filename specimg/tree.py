@@ -7,6 +7,7 @@ depth d sits at position ``committed + d`` and attends to its ancestors and itse
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import attrs
@@ -100,11 +101,14 @@ class DraftSession:
     """One step's drafting: the drafter's processed distributions for fed nodes.
 
     Node ids are the session's own: 0 is the root, fed nodes count from 1 in feeding order.
+    The drafter's logits get the run's CFG and temperature; the top-k/top-p filters only
+    when drafts are sampled (``filtered``), so that no draft is a token the target masks.
+    Ranking top-k drafts needs no filter, and skipping it saves a selection over V per node.
     """
 
-    def __init__(self, drafter: Drafter, sampling: Sampling, root_logits: Tensor, root_index: int):
+    def __init__(self, drafter: Drafter, sampling: Sampling, root_logits: Tensor, root_index: int, filtered: bool = True):
         self.drafter = drafter
-        self.sampling = sampling
+        self.sampling = sampling if filtered else attrs.evolve(sampling, top_k=0, top_p=1.0)
         self.root_index = root_index
         self._depths = [0]
         self.root_probs = self._process(root_logits[:, None, :], [0])[0]
@@ -122,17 +126,21 @@ class DraftSession:
         return self._process(logits, depths)
 
 
-def _pick_children(probs: Tensor, count: int, sample: bool, generator: torch.Generator | None) -> tuple[list[int], list[float]]:
-    """The drafter's top-``count`` tokens, or ``count`` tokens drawn without replacement
-    (Gumbel-top-k keeps the draw order), with their log-probs."""
-    count = min(count, int((probs > 0).sum()))
+def _pick_children(probs: Tensor, count: int, sample: bool, generator: torch.Generator | None) -> list[tuple[list[int], list[float]]]:
+    """Per row of ``probs`` [f, V]: the drafter's top-``count`` tokens, or ``count`` tokens
+    drawn without replacement (Gumbel-top-k keeps the draw order), with their log-probs;
+    tokens of probability 0 are never picked."""
     logq = probs.log()
     keys = logq
     if sample:
         uniform = torch.rand(probs.shape, generator=generator).clamp_(min=1e-20)
         keys = logq - (-uniform.log()).log()
-    top = torch.topk(keys, count).indices
-    return top.tolist(), logq[top].tolist()
+    top = torch.topk(keys, min(count, probs.shape[-1]), dim=-1).indices
+    picked = []
+    for tokens, logqs in zip(top.tolist(), logq.gather(-1, top).tolist()):
+        kept = [(t, lq) for t, lq in zip(tokens, logqs) if lq > -math.inf]
+        picked.append(([t for t, _ in kept], [lq for _, lq in kept]))
+    return picked
 
 
 class _Growing:
@@ -202,8 +210,8 @@ def build_dynamic(
         if sample:
             frontier = frontier[: max(0, budget // topk)]
         new: list[int] = []
-        for node in frontier:
-            tokens, logqs = _pick_children(grow.probs[node], topk, sample, generator)
+        picks = _pick_children(torch.stack([grow.probs[node] for node in frontier]), topk, sample, generator) if frontier else []
+        for node, (tokens, logqs) in zip(frontier, picks):
             new += [grow.add(node, t, lq, grow.scores[node] + lq) for t, lq in zip(tokens, logqs)]
         budget -= len(new)
         if not new:
@@ -242,7 +250,7 @@ def build_static(
         grow.feed(session, [n for n in parents if n not in grow.probs])
         for parent in parents:
             ranks = sorted(p[-1] for p in level_paths if node_of[p[:-1]] == parent)
-            tokens, logqs = _pick_children(grow.probs[parent], ranks[-1] + 1, sample, generator)
+            tokens, logqs = _pick_children(grow.probs[parent][None], ranks[-1] + 1, sample, generator)[0]
             path_prefix = next(p[:-1] for p in level_paths if node_of[p[:-1]] == parent)
             for rank in ranks:
                 if rank < len(tokens):
