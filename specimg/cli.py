@@ -13,9 +13,11 @@ import click
 import torch
 from tqdm import tqdm
 
+from specimg.cliopts import condition_options, method_options, model_options, sampling_options, tree_options
 from specimg.config import Sampling, TreeConfig
 from specimg.engine import Engine
 from specimg.errors import SpecimgError
+from specimg.eval.bench import DEFAULT_IMAGES as BENCH_IMAGES
 from specimg.methods import AR, parse_options
 from specimg.plugins import get_plugin_manager
 from specimg.train.drafter import TrainConfig
@@ -128,28 +130,11 @@ def _default_cfg(model: str, target: str | None) -> float:
 
 @cli.command()
 @click.option("--method", "-m", default="naive", show_default=True, help="'ar' or a method stack such as cascade+lantern")
-@click.option("--option", "-o", "options", multiple=True, metavar="METHOD.KEY=VALUE", help="a method option (repeatable)")
-@click.option("--delta", type=float, default=None, help="the stack's total-variation budget [default: largest member delta]")
-@click.option("--model", default=None, help="built-in models when no --target is given: demo or tiny-random [default: demo when its bundle is installed]")
-@click.option("--target", type=click.Path(dir_okay=False), help="LlamaGen GPT checkpoint")
-@click.option("--preset", default="GPT-B", show_default=True, help="shape of the --target checkpoint")
-@click.option("--target-config", multiple=True, metavar="KEY=VALUE", help="override a GPTConfig field, e.g. block_size=576")
-@click.option("--drafter", type=click.Path(dir_okay=False), help="EAGLE drafter weights (safetensors)")
-@click.option("--tokenizer", type=click.Path(dir_okay=False), help="LlamaGen VQ tokenizer checkpoint")
-@click.option("--tokenizer-config", multiple=True, metavar="KEY=VALUE", help="override a VQConfig field")
-@click.option("--class-labels", help="comma-separated class ids, cycled over the images [default: 0, 1, 2, ...]")
-@click.option("--num-images", "-n", type=click.IntRange(min=1), default=8, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True, help="image i uses seed + i")
-@click.option("--cfg-scale", type=click.FloatRange(min=1.0), default=None, help="classifier-free guidance [default: the demo's measured scale, else 4.0]")
-@click.option("--cfg-interval", type=click.IntRange(min=-1), default=-1, show_default=True)
-@click.option("--temperature", type=click.FloatRange(min=0.0), default=1.0, show_default=True)
-@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True)
-@click.option("--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=1.0, show_default=True)
-@click.option("--tree", "tree_kind", type=click.Choice(["dynamic", "chain", "static"]), default="dynamic", show_default=True)
-@click.option("--depth", type=click.IntRange(min=1), default=TreeConfig().depth, show_default=True)
-@click.option("--topk", type=click.IntRange(min=1), default=TreeConfig().topk, show_default=True, help="children per expanded node")
-@click.option("--total-tokens", type=click.IntRange(min=1), default=TreeConfig().total_tokens, show_default=True, help="tree size budget")
-@click.option("--sample-drafts", is_flag=True, help="draw draft children instead of taking the drafter's top-k")
+@method_options
+@model_options
+@condition_options(num_images=8)
+@sampling_options
+@tree_options
 @click.option("--out", type=click.Path(file_okay=False), default="out", show_default=True)
 def generate(**kw: Any) -> None:
     """Generate images and write PNGs, a labelled grid and a JSONL manifest."""
@@ -164,6 +149,41 @@ def generate(**kw: Any) -> None:
     )
     labels = _labels(kw["class_labels"], kw["num_images"], models.num_classes)
     _write_run(engine, models, labels, kw["seed"], kw["out"])
+
+
+@cli.command()
+@click.option("--methods", default=None, help="comma-separated method stacks [default: ar,naive,lantern,lantern++,gsd,cascade,cascade+lantern, those installed]")
+@click.option("--sweep", multiple=True, metavar="METHOD.KEY=V1,V2,...", help="one run per value, for each stack with METHOD (repeatable; delta=... sweeps the stack budget)")
+@method_options
+@model_options
+@condition_options(num_images=BENCH_IMAGES)
+@sampling_options
+@tree_options
+@click.option("--prompts", type=click.Path(dir_okay=False), help="captions for a t2i target: .txt, .jsonl, COCO captions_*.json or PartiPrompts.tsv")
+@click.option("--prompt-category", help="only the --prompts of this category (PartiPrompts)")
+@click.option("--text-encoder", help="turns --prompts into caption features: a local T5 folder or a specimg text-encoder file")
+@click.option("--classifier", type=click.Path(dir_okay=False), help="demo-format classifier for accuracy and Frechet distances [default: the demo bundle's]")
+@click.option("--num-real", type=click.IntRange(min=2), default=1000, show_default=True, help="reference images for Frechet distance / FID")
+@click.option("--real-images", type=click.Path(file_okay=False), help="folder of reference images for FID")
+@click.option("--fid-features", help="FID feature extractor: a TorchScript file, or inception:PATH (torch-fidelity weights)")
+@click.option("--fid-size", type=click.IntRange(min=8), default=299, show_default=True, help="image side the FID extractor sees")
+@click.option("--clip-model", type=click.Path(file_okay=False), help="local Hugging Face CLIP folder, for CLIP score with --prompts")
+@click.option("--quality/--no-quality", default=True, show_default=True, help="compute quality metrics")
+@click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True, help="images per method generated and discarded before timing")
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True, help="torch CPU threads per process (more threads slow small models down on a busy machine)")
+@click.option("--out", type=click.Path(file_okay=False), default="bench", show_default=True, help="output folder; a run started again on it resumes")
+def bench(**kw: Any) -> None:
+    """Benchmark methods side by side: tau, speedup against AR and quality, on the same
+    conditions and seeds, interleaved.  Writes OUT/bench.{md,json,csv,png}.  Runs on
+    several processes under `torchrun --nproc_per_node N -m specimg.cli bench ...`."""
+    from specimg.cliopts import sampling_from, tree_from
+    from specimg.eval.command import bench_command
+
+    torch.set_num_threads(kw["threads"])
+    model = kw["model"] or _default_model()
+    models = _models(kw, model)
+    cfg_scale = kw["cfg_scale"] if kw["cfg_scale"] is not None else _default_cfg(model, kw["target"])
+    bench_command(kw, models, model, sampling_from(kw, cfg_scale), tree_from(kw), click.echo)
 
 
 @cli.command("train-demo")

@@ -21,12 +21,21 @@ class Manifest:
         self.settings = json.loads(json.dumps(settings))  # compare as read back (tuples become lists)
         self.done: dict[int, dict[str, Any]] = {}
         if os.path.exists(self.path):
+            self._drop_cut_tail()
             for entry in self._read():
                 if entry.get("settings") != self.settings:
                     raise SpecimgError(
                         f"{self.path} holds a run with other settings; use another output folder or remove it"
                     )
                 self.done[entry["index"]] = entry
+
+    def _drop_cut_tail(self) -> None:
+        """A kill mid-write leaves a last line without its newline: cut it off, so that the
+        next append starts a line of its own and that sample is simply redone."""
+        with open(self.path, "rb+") as fh:
+            data = fh.read()
+            if data and not data.endswith(b"\n"):
+                fh.truncate(data.rfind(b"\n") + 1)
 
     def _read(self) -> Iterator[dict[str, Any]]:
         with open(self.path, encoding="utf-8") as fh:
@@ -36,9 +45,7 @@ class Manifest:
                 try:
                     yield json.loads(line)
                 except json.JSONDecodeError:
-                    # a line cut by a kill mid-write: everything before it is intact
-                    if fh.read().strip():
-                        raise SpecimgError(f"{self.path}: line {number} is not JSON") from None
+                    raise SpecimgError(f"{self.path}: line {number} is not JSON; not a specimg manifest?") from None
 
     def add(self, index: int, record: dict[str, Any]) -> None:
         entry = {"index": index, **record, "settings": self.settings}

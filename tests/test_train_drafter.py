@@ -215,9 +215,9 @@ def _two_process_worker(data_dir: str, out: str, results: str) -> None:
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
-    torch.set_num_threads(1)
     AcceleratorState._reset_state(reset_partial_state=True)  # forked from a process that had a single-process state
     accelerator = Accelerator()
+    torch.set_num_threads(1)  # after the state, which sets (host cores / processes) threads
     seen: list[list[int]] = []
     result = train_drafter(
         tiny(), data_dir, out, TrainConfig(steps=4, batch_size=8, checkpoint_every=2, **FAST),

@@ -1,0 +1,84 @@
+"""Option groups shared by the ``specimg`` commands (generate, bench), as click decorators,
+so that a flag means the same thing, with the same default and help, everywhere."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+from specimg.config import TreeConfig
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _apply(options: list[Callable[[F], F]]) -> Callable[[F], F]:
+    def decorate(fn: F) -> F:
+        for option in reversed(options):
+            fn = option(fn)
+        return fn
+
+    return decorate
+
+
+def method_options(fn: F) -> F:
+    """``-o METHOD.KEY=VALUE`` (repeatable) and ``--delta``."""
+    return _apply([
+        click.option("--option", "-o", "options", multiple=True, metavar="METHOD.KEY=VALUE", help="a method option (repeatable)"),
+        click.option("--delta", type=float, default=None, help="the stack's total-variation budget [default: largest member delta]"),
+    ])(fn)
+
+
+def model_options(fn: F) -> F:
+    """The built-in models or a target / drafter / tokenizer from paths."""
+    return _apply([
+        click.option("--model", default=None, help="built-in models when no --target is given: demo or tiny-random [default: demo when its bundle is installed]"),
+        click.option("--target", type=click.Path(dir_okay=False), help="LlamaGen GPT checkpoint"),
+        click.option("--preset", default="GPT-B", show_default=True, help="shape of the --target checkpoint"),
+        click.option("--target-config", multiple=True, metavar="KEY=VALUE", help="override a GPTConfig field, e.g. block_size=576"),
+        click.option("--drafter", type=click.Path(dir_okay=False), help="EAGLE drafter weights (safetensors)"),
+        click.option("--tokenizer", type=click.Path(dir_okay=False), help="LlamaGen VQ tokenizer checkpoint"),
+        click.option("--tokenizer-config", multiple=True, metavar="KEY=VALUE", help="override a VQConfig field"),
+    ])(fn)
+
+
+def condition_options(num_images: int) -> Callable[[F], F]:
+    """``--class-labels``, ``--num-images`` (default ``num_images``) and ``--seed``."""
+    return _apply([
+        click.option("--class-labels", help="comma-separated class ids, cycled over the images [default: 0, 1, 2, ...]"),
+        click.option("--num-images", "-n", type=click.IntRange(min=1), default=num_images, show_default=True),
+        click.option("--seed", type=int, default=0, show_default=True, help="image i uses seed + i"),
+    ])
+
+
+def sampling_options(fn: F) -> F:
+    """LlamaGen's sampling: CFG, temperature, top-k, top-p."""
+    return _apply([
+        click.option("--cfg-scale", type=click.FloatRange(min=1.0), default=None, help="classifier-free guidance [default: the demo's measured scale, else 4.0]"),
+        click.option("--cfg-interval", type=click.IntRange(min=-1), default=-1, show_default=True),
+        click.option("--temperature", type=click.FloatRange(min=0.0), default=1.0, show_default=True),
+        click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True),
+        click.option("--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=1.0, show_default=True),
+    ])(fn)
+
+
+def tree_options(fn: F) -> F:
+    """The draft tree's shape."""
+    return _apply([
+        click.option("--tree", "tree_kind", type=click.Choice(["dynamic", "chain", "static"]), default="dynamic", show_default=True),
+        click.option("--depth", type=click.IntRange(min=1), default=TreeConfig().depth, show_default=True),
+        click.option("--topk", type=click.IntRange(min=1), default=TreeConfig().topk, show_default=True, help="children per expanded node"),
+        click.option("--total-tokens", type=click.IntRange(min=1), default=TreeConfig().total_tokens, show_default=True, help="tree size budget"),
+        click.option("--sample-drafts", is_flag=True, help="draw draft children instead of taking the drafter's top-k"),
+    ])(fn)
+
+
+def sampling_from(kw: dict[str, Any], cfg_scale: float) -> Any:
+    from specimg.config import Sampling
+
+    return Sampling(kw["temperature"], kw["top_k"], kw["top_p"], cfg_scale, kw["cfg_interval"])
+
+
+def tree_from(kw: dict[str, Any]) -> TreeConfig:
+    return TreeConfig(kw["tree_kind"], kw["depth"], kw["topk"], kw["total_tokens"], sample=kw["sample_drafts"])

@@ -1,0 +1,139 @@
+"""The body of ``specimg bench`` (the click command in ``specimg/cli.py`` only parses flags
+and loads the models): conditions, variants, the run, quality, outputs."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from specimg.config import Sampling, TreeConfig
+from specimg.errors import SpecimgError
+from specimg.eval.bench import BenchSpec, build_engines, plan_variants, run_bench, save_sample_grid, summarise, write_outputs
+from specimg.methods import parse_options
+from specimg.plugins import get_plugin_manager
+
+def conditions_for(models: Any, kw: dict[str, Any]) -> tuple[list[Any], list[Any], list[str] | None]:
+    """(conditions, their JSON keys, captions or None) from --class-labels or --prompts."""
+    from specimg.eval.prompts import captions_for_target, class_labels, load_text_encoder, read_prompts, select_prompts
+
+    config = getattr(models.target, "config", None)
+    t2i = getattr(config, "model_type", "c2i") == "t2i"
+    n = kw["num_images"]
+    if kw.get("prompts"):
+        if not t2i:
+            raise SpecimgError("--prompts needs a t2i target; a class-conditional one takes --class-labels")
+        if kw.get("class_labels"):
+            raise SpecimgError("give --prompts or --class-labels, not both")
+        if not kw.get("text_encoder"):
+            raise SpecimgError("--prompts needs --text-encoder (a local T5 folder or a specimg text-encoder file)")
+        prompts = select_prompts(read_prompts(kw["prompts"]), n, kw.get("prompt_category"))
+        texts = [p.text for p in prompts]
+        captions = captions_for_target(load_text_encoder(kw["text_encoder"]), texts, config.cls_token_num, config.caption_dim)
+        return list(captions), texts, texts
+    if t2i:
+        raise SpecimgError("a t2i target needs --prompts and --text-encoder")
+    labels = class_labels(kw.get("class_labels"), n, models.num_classes)
+    return list(labels), list(labels), None
+
+
+def build_quality(models: Any, model_name: str, sampling: Sampling, conditions: list[Any], captions: list[str] | None, kw: dict[str, Any]) -> Any:
+    """The :class:`~specimg.eval.quality.Quality` scorer the flags ask for."""
+    from specimg.eval.quality import Quality, demo_real_images
+
+    classifier, real = None, None
+    if kw.get("classifier"):
+        from specimg.eval.classifier import load_classifier
+
+        classifier = load_classifier(kw["classifier"])
+    elif model_name == "demo" and not kw.get("target"):
+        from specimg.eval.classifier import load_classifier
+        from specimg.models.demo import bundle_dir
+
+        path = os.path.join(bundle_dir(), "classifier.safetensors")
+        if os.path.isfile(path):
+            classifier = load_classifier(path)
+    if model_name == "demo" and not kw.get("target"):
+        real = demo_real_images
+    fid = None
+    if kw.get("fid_features"):
+        from specimg.eval.fid import FID, load_feature_extractor, read_image_folder, to_uint8
+
+        extractor = load_feature_extractor(kw["fid_features"], kw.get("fid_size", 299))
+        if kw.get("real_images"):
+            reference = read_image_folder(kw["real_images"], kw.get("fid_size", 299), kw.get("num_real"))
+        elif real is not None:
+            reference = to_uint8(real(kw.get("num_real", 1000), 7_000))
+        else:
+            raise SpecimgError("--fid-features needs --real-images (a folder of reference images)")
+        fid = FID(extractor, reference)
+    clip = None
+    if kw.get("clip_model"):
+        if captions is None:
+            raise SpecimgError("--clip-model scores captions: it needs --prompts")
+        from specimg.eval.clip import CLIPScorer
+
+        clip = CLIPScorer(kw["clip_model"])
+    return Quality(
+        models.target, models.tokenizer, sampling, conditions, classifier=classifier, real_images=real,
+        num_real=kw.get("num_real", 1000), fid=fid, clip=clip, captions=captions,
+    )
+
+
+def bench_command(kw: dict[str, Any], models: Any, model_name: str, sampling: Sampling, tree: TreeConfig, echo: Callable[[str], None]) -> dict[str, Any] | None:
+    """Run the benchmark the flags describe; on the main process write the outputs, print
+    the table and return the summary (None on the other processes)."""
+    from accelerate import PartialState
+
+    start = time.perf_counter()
+    threads = torch.get_num_threads()
+    state = PartialState(cpu=True)
+    # accelerate sets (host physical cores / processes) threads on multi-CPU runs, far too
+    # many in a container: keep --threads (default 1), else what this process had
+    torch.set_num_threads(kw.get("threads") or threads)
+    methods = [m for m in kw["methods"].split(",") if m.strip()] if kw.get("methods") else None
+    if methods is not None and not methods:
+        raise SpecimgError("--methods names no method")
+    variants, notes = plan_variants(methods, get_plugin_manager().methods(), parse_options(kw.get("options", ())), kw.get("sweep", ()), kw.get("delta"))
+    conditions, keys, captions = conditions_for(models, kw)
+    spec = BenchSpec(tuple(variants), tuple(conditions), tuple(keys), kw["seed"], sampling, tree, kw.get("warmup", 1))
+    engines = build_engines(models, spec)
+    quality, error = None, None
+    if kw.get("quality", True) and state.is_main_process:
+        try:
+            quality = build_quality(models, model_name, sampling, conditions, captions, kw)
+        except SpecimgError as err:
+            error = str(err)
+    if state.num_processes > 1:  # the other processes must stop too, not wait for the main one
+        from accelerate.utils import broadcast_object_list
+
+        error = broadcast_object_list([error])[0]
+    if error is not None:
+        raise SpecimgError(error)
+    if state.is_main_process:
+        for note in notes:
+            echo(f"note: {note}")
+    run = run_bench(models, spec, kw["out"], state=state, engines=engines)
+    if not state.is_main_process:
+        return None
+    summary = summarise(run.records, spec, quality, run.engines)
+    extra = {
+        "model": models.name, "num_processes": state.num_processes, "computed_this_run": run.computed,
+        "runtime_s": round(time.perf_counter() - start, 1), "plan_notes": notes,
+    }
+    paths = write_outputs(summary, spec, kw["out"], extra)
+    if models.tokenizer is not None:
+        save_sample_grid(run.records, spec, models.tokenizer, os.path.join(kw["out"], "samples.png"))
+    from specimg.eval.bench import markdown_table
+
+    echo(markdown_table(summary))
+    for note in summary.get("notes", []):
+        echo(f"note: {note}")
+    floor = summary["floors"].get("frechet_real")
+    if floor is not None:
+        echo(f"Frechet floor (real vs real at n={floor['n_a']} vs {floor['n_b']}): {floor['value']:.2f}")
+    echo(f"{summary['images']} images per method, {len(variants)} methods, {time.perf_counter() - start:.0f}s -> {', '.join(paths.values())}")
+    return summary

@@ -1,0 +1,137 @@
+"""Quality of a benchmark's samples, per method, next to its speed (DESIGN.md section 8).
+
+:class:`Quality` scores each method's samples (token grids, one per condition, the same
+conditions and seeds for every method) with what is available:
+
+- always, when the target can teacher-force: ``loglik`` / ``loglik_raw``, the mean
+  log-likelihood per token under the target (:func:`specimg.eval.metrics.token_log_likelihood`);
+- with a classifier (the demo bundle's, or ``--classifier``) and class labels: ``accuracy``
+  on the requested class, ``frechet_ar`` (Fréchet distance in the classifier's feature space
+  to the AR samples of the same run) and, with real images (the demo's data generator),
+  ``frechet_real``;
+- with ``--fid-features`` and reference images: ``fid`` (torchmetrics);
+- with ``--clip-model`` and captions: ``clip``.
+
+Fréchet numbers carry their sample counts.  ``floors`` holds what an ideal sampler would
+score at the same counts (a second real set against the reference), because with few
+samples the estimate is biased upwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from specimg.config import Sampling
+from specimg.errors import SpecimgError
+from specimg.eval.metrics import Frechet, class_accuracy, frechet_distance, token_log_likelihood
+from specimg.models.base import Condition
+
+LOWER_IS_BETTER = {"fid": True, "frechet_real": True, "frechet_ar": True, "loglik": False, "accuracy": False, "clip": False}
+PRIMARY_ORDER = ("fid", "frechet_real", "frechet_ar", "loglik")
+"""Which metric a plot shows: the first one every method has."""
+
+DEMO_REAL_SEED = 7_000
+"""Seed of the demo's real reference images (held-out digit instances, ``split="test"``)."""
+
+
+class Quality:
+    """Scores sample sets; see the module doc.  ``real_images``: a callable giving (lazily)
+    real images [N, 3, H, W] in [-1, 1] for the classifier's Fréchet distance, given a count
+    and a seed."""
+
+    def __init__(
+        self,
+        target: Any,
+        tokenizer: Any,
+        sampling: Sampling,
+        conditions: Sequence[Condition],
+        *,
+        classifier: Any = None,
+        real_images: Callable[[int, int], Tensor] | None = None,
+        num_real: int = 1000,
+        fid: Any = None,
+        clip: Any = None,
+        captions: Sequence[str] | None = None,
+        loglik: bool = True,
+        log: Callable[[str], None] = lambda m: None,
+    ) -> None:
+        self.target, self.tokenizer, self.sampling = target, tokenizer, sampling
+        self.conditions = list(conditions)
+        self.classifier, self.real_images, self.num_real = classifier, real_images, num_real
+        self.fid, self.clip, self.captions = fid, clip, captions
+        self.loglik = loglik and hasattr(target, "forward_sequence")
+        self.log = log
+        self.notes: list[str] = []
+        self._real_features: Tensor | None = None
+
+    def decode(self, tokens: Tensor, batch: int = 32) -> Tensor:
+        with torch.inference_mode():
+            return torch.cat([self.tokenizer.decode(tokens[s : s + batch]).float().clamp(-1, 1) for s in range(0, tokens.shape[0], batch)])
+
+    def _features(self, images: Tensor) -> Tensor:
+        with torch.no_grad():
+            return self.classifier.all_features(images) if hasattr(self.classifier, "all_features") else self.classifier.features(images).float()
+
+    def _real(self) -> Tensor | None:
+        if self._real_features is None and self.real_images is not None and self.classifier is not None:
+            try:
+                self._real_features = self._features(self.real_images(self.num_real, DEMO_REAL_SEED))
+            except SpecimgError as err:
+                self.notes.append(f"no Fréchet distance to real images: {err}")
+                self.real_images = None
+        return self._real_features
+
+    def evaluate(self, samples: Mapping[str, Tensor], baseline: str) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+        """``samples``: label -> tokens [N, T] (row i from condition i).  Returns per label a
+        dict of metrics, and the floors."""
+        labels = [c for c in self.conditions if isinstance(c, int)]
+        classes = torch.tensor(labels) if len(labels) == len(self.conditions) else None
+        images = {k: self.decode(v) for k, v in samples.items()} if self.tokenizer is not None else {}
+        feats = {k: self._features(v) for k, v in images.items()} if self.classifier is not None else {}
+        real = self._real() if feats else None
+        out: dict[str, dict[str, Any]] = {k: {} for k in samples}
+        for key, tokens in samples.items():
+            q = out[key]
+            if self.loglik:
+                ll = token_log_likelihood(self.target, self.conditions, tokens, self.sampling)
+                q["loglik"], q["loglik_raw"] = float(ll.processed.mean()), float(ll.raw.mean())
+            if key in feats:
+                if classes is not None:
+                    q["accuracy"] = class_accuracy(self.classifier.predict(images[key]), classes)
+                if real is not None and tokens.shape[0] >= 2:
+                    q["frechet_real"] = frechet_distance(feats[key], real)
+                if baseline in feats and tokens.shape[0] >= 2:
+                    n = tokens.shape[0]
+                    q["frechet_ar"] = Frechet(0.0, n, n) if key == baseline else frechet_distance(feats[key], feats[baseline])
+            if self.fid is not None and key in images and tokens.shape[0] >= 2:
+                q["fid"] = self.fid(images[key])
+            if self.clip is not None and key in images and self.captions is not None:
+                q["clip"] = self.clip(images[key], self.captions)
+        floors: dict[str, Any] = {}
+        n = next(iter(samples.values())).shape[0] if samples else 0
+        if real is not None and self.real_images is not None and n >= 2:
+            floors["frechet_real"] = frechet_distance(self._features(self.real_images(n, DEMO_REAL_SEED + 1)), real)
+        return out, floors
+
+
+def primary_metric(quality: Mapping[str, Mapping[str, Any]]) -> str | None:
+    """The metric a speed/quality plot shows: the first of PRIMARY_ORDER every method has."""
+    for name in PRIMARY_ORDER:
+        if quality and all(name in q for q in quality.values()):
+            return name
+    return None
+
+
+def value(metric: Any) -> float:
+    return metric.value if isinstance(metric, Frechet) else float(metric)
+
+
+def demo_real_images(num: int, seed: int) -> Tensor:
+    """Held-out real demo images (the data generator's test split)."""
+    from specimg.demo.data import make_dataset
+
+    return make_dataset(num, seed=seed, split="test")[0]
