@@ -18,6 +18,7 @@ from specimg.config import Sampling, TreeConfig
 from specimg.engine import Engine
 from specimg.errors import SpecimgError
 from specimg.eval.bench import DEFAULT_IMAGES as BENCH_IMAGES
+from specimg.eval.prompts import class_labels
 from specimg.methods import AR, parse_options
 from specimg.plugins import get_plugin_manager
 from specimg.train.drafter import TrainConfig
@@ -61,19 +62,6 @@ def methods() -> None:
         click.echo(f"{name:<12} {spec.description}")
         for field in attrs.fields(spec.options):
             click.echo(f"    {name}.{field.name} = {field.default!r}")
-
-
-def _labels(text: str | None, num_images: int, num_classes: int) -> list[int]:
-    if not text:
-        return [i % num_classes for i in range(num_images)]
-    try:
-        labels = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise SpecimgError(f"--class-labels takes comma-separated integers, not {text!r}") from None
-    bad = [x for x in labels if not 0 <= x < num_classes]
-    if bad:
-        raise SpecimgError(f"class label {bad[0]} is outside [0, {num_classes})")
-    return [labels[i % len(labels)] for i in range(num_images)]
 
 
 def _overrides(pairs: tuple[str, ...], flag: str) -> dict[str, Any]:
@@ -147,7 +135,7 @@ def generate(**kw: Any) -> None:
         models.target, models.drafter, kw["method"], parse_options(kw["options"]), sampling, tree,
         delta=kw["delta"], tokenizer=models.tokenizer,
     )
-    labels = _labels(kw["class_labels"], kw["num_images"], models.num_classes)
+    labels = class_labels(kw["class_labels"], kw["num_images"], models.num_classes)
     _write_run(engine, models, labels, kw["seed"], kw["out"])
 
 
@@ -275,7 +263,7 @@ def _train_target(spec: str, preset: str, config: tuple[str, ...] = ()) -> Any:
 def _label_list(text: str | None, num_classes: int) -> tuple[int, ...]:
     if not text:
         return ()
-    return tuple(_labels(text, len([x for x in text.split(",") if x.strip()]), num_classes))
+    return tuple(class_labels(text, len([x for x in text.split(",") if x.strip()]), num_classes))
 
 
 @cli.command("make-drafter-data")
