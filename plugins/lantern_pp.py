@@ -76,8 +76,6 @@ def register_methods(register: Callable[[MethodSpec], None]) -> None:
 def propose_tree(
     session: DraftSession, root_token: int, tree_config: TreeConfig, max_depth: int, generator: torch.Generator, options: LanternPPOptions
 ) -> DraftTree:
-    if max_depth <= 0:
-        return DraftTree.from_parents([root_token], [-1])
     return build_static(session, root_token, TREES[options.tree], tree_config.sample, generator, max_depth=max_depth)
 
 
