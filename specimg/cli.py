@@ -124,8 +124,11 @@ def _default_cfg(model: str, target: str | None) -> float:
 @sampling_options
 @tree_options
 @click.option("--out", type=click.Path(file_okay=False), default="out", show_default=True)
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads [default: 1 for the built-in models, which one thread runs fastest; torch's choice for --target]")
 def generate(**kw: Any) -> None:
     """Generate images and write PNGs, a labelled grid and a JSONL manifest."""
+    if kw["threads"] or not kw["target"]:
+        torch.set_num_threads(kw["threads"] or 1)
     model = kw["model"] or _default_model()
     models = _models(kw, model)
     cfg_scale = kw["cfg_scale"] if kw["cfg_scale"] is not None else _default_cfg(model, kw["target"])
