@@ -94,11 +94,11 @@ def _models(kw: dict[str, Any], model: str):
         raise SpecimgError("--drafter and --tokenizer go with --target")
     if model == "tiny-random":
         return loading.tiny_random()
-    if model == "demo":
+    if model in ("demo", "demo-cascade"):
         from specimg.models.demo import load_demo
 
-        return load_demo()
-    raise SpecimgError(f"unknown --model {model!r}; choose demo or tiny-random")
+        return load_demo(drafter="cascade" if model == "demo-cascade" else "plain")
+    raise SpecimgError(f"unknown --model {model!r}; choose demo, demo-cascade or tiny-random")
 
 
 def _default_model() -> str:
@@ -109,7 +109,7 @@ def _default_model() -> str:
 
 def _default_cfg(model: str, target: str | None) -> float:
     """The demo bundle records the CFG scale it was measured at; otherwise LlamaGen's 4.0."""
-    if model == "demo" and not target:
+    if model.startswith("demo") and not target:
         from specimg.models.demo import demo_defaults
 
         return float(demo_defaults().get("cfg_scale", 4.0))

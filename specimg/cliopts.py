@@ -33,7 +33,7 @@ def method_options(fn: F) -> F:
 def model_options(fn: F) -> F:
     """The built-in models or a target / drafter / tokenizer from paths."""
     return _apply([
-        click.option("--model", default=None, help="built-in models when no --target is given: demo or tiny-random [default: demo when its bundle is installed]"),
+        click.option("--model", default=None, help="built-in models when no --target is given: demo, demo-cascade (its drafter trained with CASCADE's loss) or tiny-random [default: demo when its bundle is installed]"),
         click.option("--target", type=click.Path(dir_okay=False), help="LlamaGen GPT checkpoint"),
         click.option("--preset", default="GPT-B", show_default=True, help="shape of the --target checkpoint"),
         click.option("--target-config", multiple=True, metavar="KEY=VALUE", help="override a GPTConfig field, e.g. block_size=576"),

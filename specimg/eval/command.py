@@ -49,14 +49,14 @@ def build_quality(models: Any, model_name: str, sampling: Sampling, conditions: 
         from specimg.eval.classifier import load_classifier
 
         classifier = load_classifier(kw["classifier"])
-    elif model_name == "demo" and not kw.get("target"):
+    elif model_name.startswith("demo") and not kw.get("target"):
         from specimg.eval.classifier import load_classifier
         from specimg.models.demo import bundle_dir
 
         path = os.path.join(bundle_dir(), "classifier.safetensors")
         if os.path.isfile(path):
             classifier = load_classifier(path)
-    if model_name == "demo" and not kw.get("target"):
+    if model_name.startswith("demo") and not kw.get("target"):
         real = demo_real_images
     fid = None
     if kw.get("fid_features"):
