@@ -24,8 +24,9 @@ from specimg.sampling import cfg_active_at, probabilities
 class DraftTree:
     """A proposal: per node its token, parent (-1 at the root), depth, the ancestor mask
     [n, n], the drafter's log-prob of the token under its parent's draft distribution
-    (0 at the root), and for sampled trees the draft distribution each node's children were
-    drawn from ([n, V], zero rows for nodes without children)."""
+    (0 at the root), each node's children (also padded with -1 as ``child_ids`` [n, C], in
+    draft-rank order), and for sampled trees the draft distribution each node's children
+    were drawn from ([n, V], zero rows for nodes without children)."""
 
     tokens: Tensor
     parents: Tensor
@@ -33,6 +34,7 @@ class DraftTree:
     mask: Tensor
     logprobs: Tensor
     children: tuple[tuple[int, ...], ...]
+    child_ids: Tensor
     draft_probs: Tensor | None = None
     sampled: bool = False
 
@@ -62,6 +64,7 @@ class DraftTree:
         rows = torch.tensor([i for i, anc in enumerate(ancestors) for _ in anc])
         cols = torch.tensor([j for anc in ancestors for j in anc])
         mask[rows, cols] = True
+        width = max(1, max(len(c) for c in children))
         return cls(
             tokens=torch.as_tensor(tokens, dtype=torch.long),
             parents=torch.as_tensor(parents, dtype=torch.long),
@@ -69,6 +72,7 @@ class DraftTree:
             mask=mask,
             logprobs=torch.as_tensor(logprobs if logprobs is not None else [0.0] * n, dtype=torch.float32),
             children=tuple(tuple(c) for c in children),
+            child_ids=torch.tensor([c + [-1] * (width - len(c)) for c in children], dtype=torch.long),
             draft_probs=draft_probs,
             sampled=sampled,
         )
@@ -89,12 +93,8 @@ class DraftTree:
     def candidates(self) -> tuple[Tensor, Tensor]:
         """Children per node as a padded matrix: tokens [n, C] and node ids [n, C], -1 where
         a node has fewer than C children; columns are in draft-rank order."""
-        width = max(1, max(len(c) for c in self.children))
-        ids = torch.full((self.size, width), -1, dtype=torch.long)
-        for node, kids in enumerate(self.children):
-            ids[node, : len(kids)] = torch.tensor(kids, dtype=torch.long)
-        tokens = torch.where(ids >= 0, self.tokens[ids.clamp(min=0)], torch.full_like(ids, -1))
-        return tokens, ids
+        ids = self.child_ids
+        return torch.where(ids >= 0, self.tokens[ids.clamp(min=0)], torch.full_like(ids, -1)), ids
 
 
 class DraftSession:
