@@ -5,11 +5,14 @@ download): scikit-learn's 1797 8x8 handwritten digits give the 10 classes; sciki
 bundled photos and textures give the backgrounds.  Each 64x64 RGB image in [-1, 1] is:
 
 - a random crop (12-100% of the side, random flip) of one of the photos or tinted
-  textures, resampled to 64x64, with its contrast lowered (x0.35-0.8) so that the digit
+  textures, resampled to 64x64, with its contrast lowered (x0.25-0.6) so that the digit
   stays the most salient thing; small crops give smooth regions, large ones texture;
-- one digit of the requested class, upscaled bicubically to 34-50 px, rotated by up to
-  +-12 degrees, placed at a random position, alpha-composited in a random colour that is
-  light on dark backgrounds and dark on light ones.
+- one digit of the requested class, upscaled bicubically to 44-56 px, rotated by up to
+  +-10 degrees, placed near the centre (jitter of a third of the free margin),
+  alpha-composited in a random colour that is light on dark backgrounds and dark on light
+  ones.  Large, centred digits put the class in most of the 256 tokens: a target trained
+  for minutes on 2 CPU cores learns to follow its class label, which it did not with small
+  digits placed anywhere.
 
 A 4x-downsampling VQ turns one image into 16x16 = 256 tokens, like LlamaGen at 256px.
 The split decides which digit instances are used: ``train`` draws from the first 1400
@@ -35,6 +38,8 @@ NUM_CLASSES = 10
 IMAGE_SIZE = 64
 _SOURCE_SIZE = 192
 _TRAIN_DIGITS = 1400
+_JITTER = 0.33
+"""Fraction of the free margin a digit's centre may move by."""
 COLOUR_SOURCES = ("astronaut", "coffee", "chelsea", "rocket", "hubble_deep_field", "immunohistochemistry", "retina")
 """Colour photos bundled with scikit-image."""
 TEXTURE_SOURCES = ("brick", "grass", "gravel", "camera", "moon", "coins", "text")
@@ -42,8 +47,8 @@ TEXTURE_SOURCES = ("brick", "grass", "gravel", "camera", "moon", "coins", "text"
 
 RECIPE = {
     "classes": "scikit-learn load_digits (10 classes, 8x8, 1797 images; train = first 1400, test = rest)",
-    "backgrounds": {"colour": list(COLOUR_SOURCES), "tinted": list(TEXTURE_SOURCES), "crop_fraction": [0.12, 1.0], "contrast": [0.35, 0.8]},
-    "digit": {"size_px": [34, 50], "rotation_deg": 12, "colour": "random hue; light on dark, dark on light backgrounds"},
+    "backgrounds": {"colour": list(COLOUR_SOURCES), "tinted": list(TEXTURE_SOURCES), "crop_fraction": [0.12, 1.0], "contrast": [0.25, 0.6]},
+    "digit": {"size_px": [44, 56], "rotation_deg": 10, "position_jitter": 0.33, "colour": "random hue; light on dark, dark on light backgrounds"},
     "image": "64x64 RGB in [-1, 1]",
 }
 
@@ -104,11 +109,11 @@ def make_dataset(n: int, seed: int = 0, split: Split = "train", chunk: int = 512
     cx, cy = (rng.uniform(-1, 1, size=n) * (1 - crop) for _ in range(2))
     flip = rng.choice([-1.0, 1.0], size=n)
     tint = rng.uniform(0.2, 1.0, size=(n, 3))
-    contrast = rng.uniform(0.35, 0.8, size=n)
-    size = rng.uniform(34, 50, size=n)
-    angle = np.deg2rad(rng.uniform(-12, 12, size=n))
+    contrast = rng.uniform(0.25, 0.6, size=n)
+    size = rng.uniform(44, 56, size=n)
+    angle = np.deg2rad(rng.uniform(-10, 10, size=n))
     half = size / IMAGE_SIZE
-    px, py = (rng.uniform(-1, 1, size=n) * (1 - half) for _ in range(2))
+    px, py = (rng.uniform(-1, 1, size=n) * (1 - half) * _JITTER for _ in range(2))
     hue = rng.uniform(0.0, 1.0, size=(n, 3))
     images = torch.empty(n, 3, IMAGE_SIZE, IMAGE_SIZE)
     for s in range(0, n, chunk):

@@ -49,8 +49,6 @@ class Scale:
     gpt_steps: int
     gpt_batch: int
     gpt_lr: float
-    gpt_cycles: tuple[tuple[int, float], ...]
-    """Further cosine cycles (warm restarts) on the same token set: (steps, peak lr) each."""
     cls_images: int
     cls_steps: int
     cls_batch: int
@@ -73,11 +71,11 @@ FULL = Scale(
             z_channels=64, num_res_blocks=1, norm_groups=8),
     gpt=dict(dim=128, n_layer=12, n_head=4, multiple_of=32, vocab_size=512, num_classes=NUM_CLASSES, block_size=256,
              class_dropout_prob=0.1),
-    vq_images=4000, vq_steps=260, vq_batch=32, vq_crop=16,
-    gpt_images=6000, gpt_steps=450, gpt_batch=16, gpt_lr=3e-3, gpt_cycles=((250, 1.5e-3),),
+    vq_images=4000, vq_steps=800, vq_batch=32, vq_crop=16,
+    gpt_images=16000, gpt_steps=4800, gpt_batch=16, gpt_lr=3e-3,
     cls_images=3000, cls_steps=700, cls_batch=32,
-    drafter_images=400, drafter_steps=200, drafter_batch=8, drafter_lr=1e-3,
-    eval_real=500, eval_per_class=5, cfg_scale=4.0, cfg_sweep=(2.0, 3.0, 4.0, 6.0), sweep_per_class=4,
+    drafter_images=800, drafter_steps=1000, drafter_batch=8, drafter_lr=1e-3,
+    eval_real=500, eval_per_class=10, cfg_scale=4.0, cfg_sweep=(3.0, 4.0, 6.0, 8.0), sweep_per_class=4,
 )
 TOY = Scale(
     name="toy",
@@ -86,7 +84,7 @@ TOY = Scale(
     gpt=dict(dim=32, n_layer=2, n_head=2, multiple_of=16, vocab_size=64, num_classes=NUM_CLASSES, block_size=256,
              class_dropout_prob=0.1),
     vq_images=32, vq_steps=3, vq_batch=8, vq_crop=16,
-    gpt_images=32, gpt_steps=3, gpt_batch=8, gpt_lr=2e-3, gpt_cycles=((2, 1e-3),),
+    gpt_images=32, gpt_steps=3, gpt_batch=8, gpt_lr=2e-3,
     cls_images=32, cls_steps=3, cls_batch=16,
     drafter_images=8, drafter_steps=2, drafter_batch=4, drafter_lr=1e-3,
     eval_real=20, eval_per_class=1, cfg_scale=4.0, cfg_sweep=(4.0,), sweep_per_class=1,
@@ -279,28 +277,27 @@ def load_target_file(path: str, max_tree_nodes: int = 128) -> Any:
     return load_target(path, GPTConfig(**json.loads(text)), max_tree_nodes=max_tree_nodes)
 
 
-def _train_gpt(run: _Run, cycle: int | None = None) -> dict[str, Any]:
+def _train_gpt(run: _Run) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     from specimg.models.llamagen import build_target
+    from specimg.models.vq import load_tokenizer
 
     s = run.scale
     data = load_file(run.work_file("tokens.safetensors"))
     codes, labels = data["codes"].long(), data["labels"]
-    if cycle is not None:  # a warm restart from the saved target
-        model = load_target_file(run.file(TARGET)).train()
-        (steps, lr), seed = s.gpt_cycles[cycle], s.seed + 22 + cycle
-    else:
-        model = build_target("GPT-B", seed=s.seed, **s.gpt).train()
-        steps, lr, seed = s.gpt_steps, s.gpt_lr, s.seed + 21
+    model = build_target("GPT-B", seed=s.seed, **s.gpt).train()
+    steps, lr = s.gpt_steps, s.gpt_lr
     model.requires_grad_(True)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embedding" not in n]
     other = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embedding" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": other, "weight_decay": 0.0}],
                             lr=lr, betas=(0.9, 0.95))
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(s.seed + 21)
     order = torch.randperm(codes.shape[0], generator=g)
     null = s.gpt["num_classes"]
+    test, test_labels = make_dataset(min(256, s.eval_real), seed=s.seed + 2, split="test")
+    test_codes = _encode(load_tokenizer(run.file(TOKENIZER)), test)
     history: list[dict[str, float]] = []
     ema = None
     bar = tqdm(range(steps), desc="gpt", disable=None)
@@ -326,20 +323,30 @@ def _train_gpt(run: _Run, cycle: int | None = None) -> dict[str, Any]:
         bar.set_postfix(loss=f"{ema:.3f}")
         if (step + 1) % 25 == 0 or step + 1 == steps:
             history.append({"step": step + 1, "loss": round(ema, 4)})
-            run.log(f"  gpt step {step + 1}/{steps} loss {ema:.4f} ({time.perf_counter() - t0:.0f}s)")
+            if (step + 1) % 250 == 0 or step + 1 == steps:
+                model.eval()
+                history[-1].update(_held_out(model, test_labels[:64], test_codes[:64], null))
+                model.train()
+            run.log(f"  gpt step {step + 1}/{steps} {history[-1]} ({time.perf_counter() - t0:.0f}s)")
     model.eval().requires_grad_(False)
     save_target(model, run.file(TARGET))
-    # held-out loss (teacher-forced, real test images)
-    from specimg.models.vq import load_tokenizer
-
-    tok = load_tokenizer(run.file(TOKENIZER))
-    test, test_labels = make_dataset(min(256, s.eval_real), seed=s.seed + 2, split="test")
-    test_codes = _encode(tok, test)
-    with torch.no_grad(), autocast():
-        out = model.forward_sequence(test_labels, test_codes)
-    test_loss = F.cross_entropy(out.logits.flatten(0, 1).float(), test_codes.flatten()).item()
-    return {"final_train_loss": history[-1]["loss"], "test_loss": round(test_loss, 4),
+    held_out = _held_out(model, test_labels, test_codes, null)
+    return {"final_train_loss": history[-1]["loss"], "test_loss": held_out["test_loss"],
+            "test_class_gain_nats": held_out["class_gain_nats"],
             "params": sum(p.numel() for p in model.parameters()), "log": history}
+
+
+def _held_out(model: Any, labels: Tensor, codes: Tensor, null: int, batch: int = 64) -> dict[str, float]:
+    """Teacher-forced loss on real test images, and how much the true class lowers it per
+    image against the null class: the class signal CFG amplifies (0 = class ignored)."""
+    def total_ce(conditions: Tensor) -> float:
+        with torch.no_grad(), autocast():
+            return sum(F.cross_entropy(model.forward_sequence(conditions[i : i + batch], codes[i : i + batch]).logits.flatten(0, 1).float(),
+                                       codes[i : i + batch].flatten(), reduction="sum").item() for i in range(0, codes.shape[0], batch))
+
+    true_ce, null_ce = total_ce(labels), total_ce(torch.full_like(labels, null))
+    n = codes.shape[0]
+    return {"test_loss": round(true_ce / codes.numel(), 4), "class_gain_nats": round((null_ce - true_ce) / n, 3)}
 
 
 def _train_classifier(run: _Run) -> dict[str, Any]:
@@ -516,8 +523,6 @@ def train_demo(out: str | os.PathLike[str], scale: str = "full", log: Callable[[
     run.stage("tokenizer", lambda: _train_vq(run))
     run.stage("tokens", lambda: _tokenise(run))
     run.stage("target", lambda: _train_gpt(run))
-    for i in range(len(run.scale.gpt_cycles)):
-        run.stage("target-finetune" if i == 0 else f"target-finetune-{i + 1}", lambda: _train_gpt(run, cycle=i))
     run.stage("classifier", lambda: _train_classifier(run))
     if drafters:
         run.stage("drafter-data", lambda: _drafter_data(run))
