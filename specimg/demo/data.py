@@ -11,8 +11,8 @@ bundled photos and textures give the backgrounds.  Each 64x64 RGB image in [-1, 
   +-10 degrees, placed near the centre (jitter of a third of the free margin),
   alpha-composited in a random colour that is light on dark backgrounds and dark on light
   ones.  Large, centred digits put the class in most of the 256 tokens: a target trained
-  for minutes on 2 CPU cores learns to follow its class label, which it did not with small
-  digits placed anywhere.
+  on 2 CPU cores learns to use its class label, which it did not with small digits placed
+  anywhere.
 
 A 4x-downsampling VQ turns one image into 16x16 = 256 tokens, like LlamaGen at 256px.
 The split decides which digit instances are used: ``train`` draws from the first 1400
@@ -48,7 +48,7 @@ TEXTURE_SOURCES = ("brick", "grass", "gravel", "camera", "moon", "coins", "text"
 RECIPE = {
     "classes": "scikit-learn load_digits (10 classes, 8x8, 1797 images; train = first 1400, test = rest)",
     "backgrounds": {"colour": list(COLOUR_SOURCES), "tinted": list(TEXTURE_SOURCES), "crop_fraction": [0.12, 1.0], "contrast": [0.25, 0.6]},
-    "digit": {"size_px": [44, 56], "rotation_deg": 10, "position_jitter": 0.33, "colour": "random hue; light on dark, dark on light backgrounds"},
+    "digit": {"size_px": [44, 56], "rotation_deg": 10, "position_jitter": _JITTER, "colour": "random hue; light on dark, dark on light backgrounds"},
     "image": "64x64 RGB in [-1, 1]",
 }
 
