@@ -13,6 +13,7 @@ pytest.importorskip("sklearn")
 pytest.importorskip("skimage")
 
 from specimg.demo.data import NUM_CLASSES, make_dataset  # noqa: E402
+from specimg.errors import SpecimgError  # noqa: E402
 
 
 def test_data_is_deterministic_balanced_and_in_range() -> None:
@@ -27,6 +28,11 @@ def test_data_is_deterministic_balanced_and_in_range() -> None:
     xt, yt = make_dataset(20, seed=3, split="test")
     assert torch.bincount(yt, minlength=NUM_CLASSES).tolist() == [2] * NUM_CLASSES
     assert not torch.equal(xt[:20], x1[:20])
+    # the target's split holds GLYPHS_PER_CLASS handwritten instances per class; None = all
+    xa, ya = make_dataset(60, seed=3, glyphs_per_class=None)
+    assert torch.equal(ya, y1) and not torch.equal(xa, x1)
+    with pytest.raises(SpecimgError, match="glyphs_per_class"):
+        make_dataset(4, glyphs_per_class=0)
 
 
 def test_toy_recipe_end_to_end(tmp_path) -> None:

@@ -32,6 +32,8 @@ MANIFEST = "manifest.json"
 TOKENIZER, TARGET, CLASSIFIER = "tokenizer.safetensors", "target.safetensors", "classifier.safetensors"
 DRAFTER, DRAFTER_CASCADE = "drafter.safetensors", "drafter-cascade.safetensors"
 TARGET_CONFIG_KEY = "specimg.gpt_config"
+CLASS_SLOT_SCORE = 5.0
+"""How far below the class slot every image key starts in each layer's head 0 (``class_slot``)."""
 
 
 @attrs.frozen
@@ -72,7 +74,7 @@ FULL = Scale(
     gpt=dict(dim=128, n_layer=12, n_head=4, multiple_of=32, vocab_size=512, num_classes=NUM_CLASSES, block_size=256,
              class_dropout_prob=0.1),
     vq_images=4000, vq_steps=800, vq_batch=32, vq_crop=16,
-    gpt_images=16000, gpt_steps=4800, gpt_batch=16, gpt_lr=3e-3,
+    gpt_images=16000, gpt_steps=4200, gpt_batch=16, gpt_lr=3e-3,
     cls_images=3000, cls_steps=700, cls_batch=32,
     drafter_images=800, drafter_steps=1000, drafter_batch=8, drafter_lr=1e-3,
     eval_real=500, eval_per_class=10, cfg_scale=4.0, cfg_sweep=(3.0, 4.0, 6.0, 8.0), sweep_per_class=4,
@@ -280,13 +282,16 @@ def load_target_file(path: str, max_tree_nodes: int = 128) -> Any:
 def _train_gpt(run: _Run) -> dict[str, Any]:
     from safetensors.torch import load_file
 
+    from specimg.demo.class_slot import class_slot_weight, init_class_reading_heads
     from specimg.models.llamagen import build_target
     from specimg.models.vq import load_tokenizer
 
     s = run.scale
     data = load_file(run.work_file("tokens.safetensors"))
     codes, labels = data["codes"].long(), data["labels"]
-    model = build_target("GPT-B", seed=s.seed, **s.gpt).train()
+    model = build_target("GPT-B", seed=s.seed, **s.gpt)
+    slot_at_init = init_class_reading_heads(model, CLASS_SLOT_SCORE, seed=s.seed)
+    model.train()
     steps, lr = s.gpt_steps, s.gpt_lr
     model.requires_grad_(True)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embedding" not in n]
@@ -313,8 +318,8 @@ def _train_gpt(run: _Run) -> dict[str, Any]:
         cond[torch.rand(cond.shape[0], generator=g) < s.gpt["class_dropout_prob"]] = null
         tokens = codes[idx]
         with autocast():
-            out = model.forward_sequence(cond, tokens)
-        loss = F.cross_entropy(out.logits.flatten(0, 1), tokens.flatten())
+            logits = model.forward_sequence(cond, tokens).logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -330,23 +335,34 @@ def _train_gpt(run: _Run) -> dict[str, Any]:
             run.log(f"  gpt step {step + 1}/{steps} {history[-1]} ({time.perf_counter() - t0:.0f}s)")
     model.eval().requires_grad_(False)
     save_target(model, run.file(TARGET))
-    held_out = _held_out(model, test_labels, test_codes, null)
+    held_out = _held_out(model, test_labels, test_codes, null, classify=True)
+    with autocast():
+        slot_trained = class_slot_weight(model, test_labels[:16], test_codes[:16])
     return {"final_train_loss": history[-1]["loss"], "test_loss": held_out["test_loss"],
-            "test_class_gain_nats": held_out["class_gain_nats"],
+            "test_class_gain_nats": held_out["class_gain_nats"], "test_class_acc_teacher_forced": held_out["class_acc"],
+            "class_slot_weight": {"score_at_init": CLASS_SLOT_SCORE, "at_init": [round(w, 3) for w in slot_at_init],
+                                  "trained": [round(w, 3) for w in slot_trained]},
             "params": sum(p.numel() for p in model.parameters()), "log": history}
 
 
-def _held_out(model: Any, labels: Tensor, codes: Tensor, null: int, batch: int = 64) -> dict[str, float]:
+def _held_out(model: Any, labels: Tensor, codes: Tensor, null: int, batch: int = 64, classify: bool = False) -> dict[str, float]:
     """Teacher-forced loss on real test images, and how much the true class lowers it per
-    image against the null class: the class signal CFG amplifies (0 = class ignored)."""
-    def total_ce(conditions: Tensor) -> float:
+    image against the null class: the class signal CFG amplifies (0 = class ignored).
+    ``classify`` adds the target as a classifier, argmax over classes of p(image | class)."""
+    def image_ce(conditions: Tensor) -> Tensor:
+        out = []
         with torch.no_grad(), autocast():
-            return sum(F.cross_entropy(model.forward_sequence(conditions[i : i + batch], codes[i : i + batch]).logits.flatten(0, 1).float(),
-                                       codes[i : i + batch].flatten(), reduction="sum").item() for i in range(0, codes.shape[0], batch))
+            for i in range(0, codes.shape[0], batch):
+                logits = model.forward_sequence(conditions[i : i + batch], codes[i : i + batch]).logits.float()
+                out.append(F.cross_entropy(logits.transpose(1, 2), codes[i : i + batch], reduction="none").sum(1))
+        return torch.cat(out)
 
-    true_ce, null_ce = total_ce(labels), total_ce(torch.full_like(labels, null))
-    n = codes.shape[0]
-    return {"test_loss": round(true_ce / codes.numel(), 4), "class_gain_nats": round((null_ce - true_ce) / n, 3)}
+    true_ce, null_ce = image_ce(labels), image_ce(torch.full_like(labels, null))
+    result = {"test_loss": round(true_ce.sum().item() / codes.numel(), 4), "class_gain_nats": round((null_ce - true_ce).mean().item(), 3)}
+    if classify:
+        per_class = torch.stack([image_ce(torch.full_like(labels, c)) for c in range(null)])
+        result["class_acc"] = round((per_class.argmin(0) == labels).float().mean().item(), 4)
+    return result
 
 
 def _train_classifier(run: _Run) -> dict[str, Any]:
@@ -354,7 +370,8 @@ def _train_classifier(run: _Run) -> dict[str, Any]:
     from specimg.models.vq import load_tokenizer
 
     s = run.scale
-    images, labels = make_dataset(s.cls_images, seed=s.seed + 4)
+    # every training glyph, not only the target's: the judge must know handwriting beyond them
+    images, labels = make_dataset(s.cls_images, seed=s.seed + 4, glyphs_per_class=None)
     # half the examples go through the VQ round trip: the classifier must read decoded samples too
     tok = load_tokenizer(run.file(TOKENIZER))
     half = s.cls_images // 2
