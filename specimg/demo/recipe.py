@@ -77,7 +77,7 @@ FULL = Scale(
     gpt_images=16000, gpt_steps=4200, gpt_batch=16, gpt_lr=3e-3,
     cls_images=3000, cls_steps=700, cls_batch=32,
     drafter_images=800, drafter_steps=1000, drafter_batch=8, drafter_lr=1e-3,
-    eval_real=500, eval_per_class=10, cfg_scale=4.0, cfg_sweep=(3.0, 4.0, 6.0, 8.0), sweep_per_class=4,
+    eval_real=500, eval_per_class=10, cfg_scale=4.0, cfg_sweep=(3.0, 4.0, 5.0, 6.0), sweep_per_class=10,
 )
 TOY = Scale(
     name="toy",
