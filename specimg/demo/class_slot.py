@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from specimg.models.llamagen import LlamaGenTarget, apply_rope
+from specimg.models.llamagen import LlamaGenTarget
 
 
 @torch.no_grad()
@@ -64,14 +64,10 @@ def class_slot_weight(target: LlamaGenTarget, labels: torch.Tensor, tokens: torc
 
     def record(attn: torch.nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
         x = inputs[0]
-        b, s, _ = x.shape
-        kv = attn.n_kv_head * c.head_dim
-        q, k, _ = attn.wqkv(x).split([c.n_head * c.head_dim, kv, kv], dim=-1)
-        rope = target.rope[:s]
-        q = apply_rope(q.view(b, s, c.n_head, c.head_dim), rope).transpose(1, 2).float()
-        k = apply_rope(k.view(b, s, attn.n_kv_head, c.head_dim), rope).transpose(1, 2).float()
+        s = x.shape[1]
+        q, k, _ = attn.project(x, target.rope[:s])
         k = k.repeat_interleave(c.n_head // attn.n_kv_head, dim=1)
-        scores = q @ k.transpose(-1, -2) / c.head_dim**0.5
+        scores = q.float() @ k.float().transpose(-1, -2) / c.head_dim**0.5
         scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
         weights.append(scores.softmax(-1)[:, :, 1:, 0].mean(dim=(0, 2)).max().item())
 

@@ -357,10 +357,11 @@ def _held_out(model: Any, labels: Tensor, codes: Tensor, null: int, batch: int =
                 out.append(F.cross_entropy(logits.transpose(1, 2), codes[i : i + batch], reduction="none").sum(1))
         return torch.cat(out)
 
-    true_ce, null_ce = image_ce(labels), image_ce(torch.full_like(labels, null))
+    per_class = torch.stack([image_ce(torch.full_like(labels, c)) for c in range(null)]) if classify else None
+    true_ce = image_ce(labels) if per_class is None else per_class.gather(0, labels[None])[0]
+    null_ce = image_ce(torch.full_like(labels, null))
     result = {"test_loss": round(true_ce.sum().item() / codes.numel(), 4), "class_gain_nats": round((null_ce - true_ce).mean().item(), 3)}
-    if classify:
-        per_class = torch.stack([image_ce(torch.full_like(labels, c)) for c in range(null)])
+    if per_class is not None:
         result["class_acc"] = round((per_class.argmin(0) == labels).float().mean().item(), 4)
     return result
 

@@ -190,16 +190,21 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(config.dim, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=False)
         self.wo = nn.Linear(config.dim, config.dim, bias=False)
 
-    def forward(self, x: Tensor, rope: Tensor, mask: Tensor | None, cache: KVSlot | None = None, start: int = 0) -> Tensor:
-        """x [B, S, D] at positions given by rope [S, ...]; with a cache, the new keys go to
-        slots [start, start + S) and the queries see slots [0, start + S) under ``mask``
-        (bool, True = attend, broadcast to [B, H, S, keys]; None = see all)."""
+    def project(self, x: Tensor, rope: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Rotated queries [B, H, S, hd] and keys, values [B, KV, S, hd] of x [B, S, D]."""
         b, s, _ = x.shape
         kv = self.n_kv_head * self.head_dim
         q, k, v = self.wqkv(x).split([self.n_head * self.head_dim, kv, kv], dim=-1)
         q = apply_rope(q.view(b, s, self.n_head, self.head_dim), rope).transpose(1, 2)
         k = apply_rope(k.view(b, s, self.n_kv_head, self.head_dim), rope).transpose(1, 2)
-        v = v.view(b, s, self.n_kv_head, self.head_dim).transpose(1, 2)
+        return q, k, v.view(b, s, self.n_kv_head, self.head_dim).transpose(1, 2)
+
+    def forward(self, x: Tensor, rope: Tensor, mask: Tensor | None, cache: KVSlot | None = None, start: int = 0) -> Tensor:
+        """x [B, S, D] at positions given by rope [S, ...]; with a cache, the new keys go to
+        slots [start, start + S) and the queries see slots [0, start + S) under ``mask``
+        (bool, True = attend, broadcast to [B, H, S, keys]; None = see all)."""
+        b, s, _ = x.shape
+        q, k, v = self.project(x, rope)
         if cache is not None:
             k_cache, v_cache = cache
             k_cache[:, :, start : start + s] = k
