@@ -13,8 +13,8 @@ import click
 import torch
 from tqdm import tqdm
 
-from specimg.cliopts import condition_options, method_options, model_options, sampling_options, tree_options
-from specimg.config import Sampling, TreeConfig
+from specimg.cliopts import condition_options, method_options, model_options, sampling_from, sampling_options, tree_from, tree_options
+from specimg.config import LLAMAGEN_SAMPLING, Sampling
 from specimg.engine import Engine
 from specimg.errors import SpecimgError
 from specimg.eval.bench import DEFAULT_IMAGES as BENCH_IMAGES
@@ -107,13 +107,13 @@ def _default_model() -> str:
     return "demo" if bundle_exists() else "tiny-random"
 
 
-def _default_cfg(model: str, target: str | None) -> float:
-    """The demo bundle records the CFG scale it was measured at; otherwise LlamaGen's 4.0."""
+def _base_sampling(model: str, target: str | None) -> Sampling:
+    """What unset sampling options default to: the demo bundle's measured sampling, else LlamaGen's."""
     if model.startswith("demo") and not target:
-        from specimg.models.demo import demo_defaults
+        from specimg.models.demo import demo_sampling
 
-        return float(demo_defaults().get("cfg_scale", 4.0))
-    return 4.0
+        return demo_sampling()
+    return LLAMAGEN_SAMPLING
 
 
 @cli.command()
@@ -131,11 +131,9 @@ def generate(**kw: Any) -> None:
         torch.set_num_threads(kw["threads"] or 1)
     model = kw["model"] or _default_model()
     models = _models(kw, model)
-    cfg_scale = kw["cfg_scale"] if kw["cfg_scale"] is not None else _default_cfg(model, kw["target"])
-    sampling = Sampling(kw["temperature"], kw["top_k"], kw["top_p"], cfg_scale, kw["cfg_interval"])
-    tree = TreeConfig(kw["tree_kind"], kw["depth"], kw["topk"], kw["total_tokens"], sample=kw["sample_drafts"])
     engine = Engine(
-        models.target, models.drafter, kw["method"], parse_options(kw["options"]), sampling, tree,
+        models.target, models.drafter, kw["method"], parse_options(kw["options"]),
+        sampling_from(kw, _base_sampling(model, kw["target"])), tree_from(kw),
         delta=kw["delta"], tokenizer=models.tokenizer,
     )
     labels = class_labels(kw["class_labels"], kw["num_images"], models.num_classes)
@@ -167,14 +165,12 @@ def bench(**kw: Any) -> None:
     """Benchmark methods side by side: tau, speedup against AR and quality, on the same
     conditions and seeds, interleaved.  Writes OUT/bench.{md,json,csv,png}.  Runs on
     several processes under `torchrun --nproc_per_node N -m specimg.cli bench ...`."""
-    from specimg.cliopts import sampling_from, tree_from
     from specimg.eval.command import bench_command
 
     torch.set_num_threads(kw["threads"])
     model = kw["model"] or _default_model()
     models = _models(kw, model)
-    cfg_scale = kw["cfg_scale"] if kw["cfg_scale"] is not None else _default_cfg(model, kw["target"])
-    bench_command(kw, models, model, sampling_from(kw, cfg_scale), tree_from(kw), click.echo)
+    bench_command(kw, models, model, sampling_from(kw, _base_sampling(model, kw["target"])), tree_from(kw), click.echo)
 
 
 @cli.command("train-demo")
@@ -278,11 +274,7 @@ def _label_list(text: str | None, num_classes: int) -> tuple[int, ...]:
 @click.option("--num-samples", "-n", type=click.IntRange(min=1), help="images to sample (self-distillation) or to take from --tokens")
 @click.option("--class-labels", help="comma-separated class ids, cycled over the samples [default: 0, 1, 2, ...]")
 @click.option("--seed", type=int, default=0, show_default=True, help="sample i uses seed + i")
-@click.option("--cfg-scale", type=click.FloatRange(min=1.0), default=None, help="classifier-free guidance [default: the demo's measured scale, else 4.0]")
-@click.option("--cfg-interval", type=click.IntRange(min=-1), default=-1, show_default=True)
-@click.option("--temperature", type=click.FloatRange(min=0.0), default=1.0, show_default=True)
-@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True)
-@click.option("--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=1.0, show_default=True)
+@sampling_options
 @click.option("--uncond/--no-uncond", default=None, help="also store every sequence under the null class [default: when the target has one]")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True, help="storage type of the features")
 @click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True, help="images sampled / teacher-forced at once")
@@ -298,8 +290,7 @@ def make_drafter_data_command(**kw: Any) -> None:
 
     state = PartialState(cpu=kw["cpu"])
     target = _train_target(kw["target"], kw["preset"], kw["target_config"]).to(state.device)
-    cfg_scale = kw["cfg_scale"] if kw["cfg_scale"] is not None else _default_cfg(kw["target"], None)
-    sampling = Sampling(kw["temperature"], kw["top_k"], kw["top_p"], cfg_scale, kw["cfg_interval"])
+    sampling = sampling_from(kw, _base_sampling(kw["target"], None))
     spec = DataSpec(
         num_samples=kw["num_samples"], labels=_label_list(kw["class_labels"], target.config.num_classes),
         tokens_file=kw["tokens_file"], sampling=sampling, seed=kw["seed"], uncond=kw["uncond"], dtype=kw["dtype"],

@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import attrs
 import click
 
-from specimg.config import TreeConfig
+from specimg.config import Sampling, TreeConfig
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -57,9 +58,9 @@ def sampling_options(fn: F) -> F:
     return _apply([
         click.option("--cfg-scale", type=click.FloatRange(min=1.0), default=None, help="classifier-free guidance [default: the demo's measured scale, else 4.0]"),
         click.option("--cfg-interval", type=click.IntRange(min=-1), default=-1, show_default=True),
-        click.option("--temperature", type=click.FloatRange(min=0.0), default=1.0, show_default=True),
-        click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True),
-        click.option("--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=1.0, show_default=True),
+        click.option("--temperature", type=click.FloatRange(min=0.0), default=None, help="[default: the demo's measured value, else 1.0]"),
+        click.option("--top-k", type=click.IntRange(min=0), default=None, help="0 = no top-k [default: the demo's measured value, else 0]"),
+        click.option("--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=None, help="[default: the demo's measured value, else 1.0]"),
     ])(fn)
 
 
@@ -74,10 +75,11 @@ def tree_options(fn: F) -> F:
     ])(fn)
 
 
-def sampling_from(kw: dict[str, Any], cfg_scale: float) -> Any:
-    from specimg.config import Sampling
-
-    return Sampling(kw["temperature"], kw["top_k"], kw["top_p"], cfg_scale, kw["cfg_interval"])
+def sampling_from(kw: dict[str, Any], base: Sampling) -> Sampling:
+    """The sampling options as given; those left unset keep ``base``'s value (the demo
+    bundle's measured sampling, or LlamaGen's defaults for other models)."""
+    given = {k: kw[k] for k in ("cfg_scale", "temperature", "top_k", "top_p", "cfg_interval") if kw[k] is not None}
+    return attrs.evolve(base, **given)
 
 
 def tree_from(kw: dict[str, Any]) -> TreeConfig:

@@ -31,6 +31,9 @@ class Sampling:
         return self.temperature == 0.0
 
 
+LLAMAGEN_SAMPLING = Sampling(cfg_scale=4.0)
+"""LlamaGen's class-to-image defaults: CFG 4, temperature 1, no top-k or top-p."""
+
 TreeKind = Literal["dynamic", "chain", "static"]
 
 

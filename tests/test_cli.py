@@ -3,6 +3,7 @@
 import json
 import os
 
+import attrs
 import pytest
 from PIL import Image
 
@@ -64,6 +65,23 @@ def test_a_run_with_other_settings_does_not_touch_an_existing_manifest(tmp_path,
     assert run("generate", "--model", "tiny-random", "-n", "1", "--seed", "5", "--out", str(out)) == 2
     assert "other settings" in capsys.readouterr().err
     assert (out / "manifest.jsonl").read_text() == before
+
+
+def _sampling(out) -> dict:
+    return json.loads((out / "manifest.jsonl").read_text().splitlines()[0])["settings"]["sampling"]
+
+
+def test_unset_sampling_options_take_the_models_defaults_and_given_ones_win(tmp_path):
+    from specimg.models.demo import bundle_exists, demo_sampling
+
+    assert run("generate", "--model", "tiny-random", "-n", "1", "--out", str(tmp_path / "a")) == 0
+    assert _sampling(tmp_path / "a") == {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "cfg_scale": 4.0, "cfg_interval": -1}
+    assert run("generate", "--model", "tiny-random", "-n", "1", "--temperature", "0.5", "--top-k", "7", "--out", str(tmp_path / "b")) == 0
+    assert _sampling(tmp_path / "b") == {"temperature": 0.5, "top_k": 7, "top_p": 1.0, "cfg_scale": 4.0, "cfg_interval": -1}
+    if bundle_exists():  # the demo's measured sampling, one option overridden
+        assert run("generate", "--model", "demo", "-m", "ar", "-n", "1", "--top-p", "0.9", "--out", str(tmp_path / "c")) == 0
+        measured = attrs.asdict(demo_sampling())
+        assert _sampling(tmp_path / "c") == {**measured, "top_p": 0.9}
 
 
 def test_methods_and_plugins_listings(capsys):

@@ -73,16 +73,15 @@ def test_wrong_scale_on_existing_folder_is_a_user_error(tmp_path) -> None:
 
 
 def test_shipped_bundle_loads_and_generates() -> None:
-    from specimg.config import Sampling
     from specimg.engine import Engine
-    from specimg.models.demo import bundle_exists, demo_defaults, load_demo
+    from specimg.models.demo import bundle_exists, demo_sampling, load_demo
 
     if not bundle_exists():
         pytest.skip("the demo bundle is not installed (run specimg train-demo --out specimg/demo/bundle)")
     models = load_demo()
     assert models.name == "demo" and models.num_classes == NUM_CLASSES
     assert models.target.vocab_size == models.tokenizer.vocab_size
-    engine = Engine(models.target, models.drafter, "ar", sampling=Sampling(cfg_scale=demo_defaults()["cfg_scale"]), tokenizer=models.tokenizer)
+    engine = Engine(models.target, models.drafter, "ar", sampling=demo_sampling(), tokenizer=models.tokenizer)
     out = engine.generate([7], seed=0)
     assert out.tokens.shape == (1, models.target.num_tokens)
     with torch.inference_mode():

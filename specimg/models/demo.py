@@ -9,6 +9,9 @@ import os
 from importlib import resources
 from typing import Any
 
+import attrs
+
+from specimg.config import LLAMAGEN_SAMPLING, Sampling
 from specimg.errors import SpecimgError
 from specimg.models.loading import Models
 
@@ -55,3 +58,9 @@ def load_demo(path: str | os.PathLike[str] | None = None, drafter: str = "plain"
 def demo_defaults(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """Sampling defaults recorded in the bundle (cfg_scale, temperature, top_k, top_p)."""
     return dict(demo_manifest(path).get("defaults", {}))
+
+
+def demo_sampling(path: str | os.PathLike[str] | None = None) -> Sampling:
+    """The sampling the quality stage chose and measured; ``specimg generate --model demo`` uses it."""
+    recorded = demo_defaults(path)
+    return attrs.evolve(LLAMAGEN_SAMPLING, **{k: recorded[k] for k in ("cfg_scale", "temperature", "top_k", "top_p") if k in recorded})
