@@ -229,7 +229,11 @@ def _write_run(engine: Engine, models: Any, labels: list[int], seed: int, out: s
         grid = make_grid(_decode(models.tokenizer, codes), nrow=min(8, len(entries)), labels=[f"class {e['condition']}" for e in entries])
         save_png_atomic(grid, os.path.join(out, "grid.png"))
     tau = tokens / max(1, forwards)
-    click.echo(f"{engine.method}: tau {tau:.2f} | {forwards} target forwards for {tokens} tokens | {len(todo)} images in {wall:.2f}s -> {out}")
+    s = engine.sampling
+    click.echo(
+        f"{engine.method}: tau {tau:.2f} | {forwards} target forwards for {tokens} tokens | {len(todo)} images in {wall:.2f}s "
+        f"| cfg {s.cfg_scale:g}, temperature {s.temperature:g}, top-k {s.top_k}, top-p {s.top_p:g} -> {out}"
+    )
 
 
 def _decode(tokenizer: Any, codes: torch.Tensor) -> torch.Tensor:
