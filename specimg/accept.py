@@ -1,4 +1,4 @@
-"""Exact acceptance over a draft tree (DESIGN.md section 5).
+"""Exact acceptance over a draft tree (docs/architecture.md, "Acceptance").
 
 Every rule here emits, at each node it reaches, a sample of that node's distribution q:
 the accepted child's token or the correction token.  With q = p that is exact
@@ -18,31 +18,32 @@ from specimg.tree import DraftTree
 
 def _walk(tree: DraftTree, choose: Callable[[int], int]) -> Acceptance:
     """From the root, descend to the child whose token is ``choose(node)``; emit the first
-    choice that is no child."""
-    tokens = tree.tokens.tolist()
+    choice that is no child.  The candidates cross to the host once per step."""
+    tokens, ids = (t.tolist() for t in tree.candidates())
     path, node = [0], 0
     while True:
         choice = choose(node)
-        child = next((c for c in tree.children[node] if tokens[c] == choice), None)
-        if child is None:
+        if choice not in tokens[node]:
             return Acceptance(path, choice)
-        path.append(child)
-        node = child
+        node = ids[node][tokens[node].index(choice)]
+        path.append(node)
 
 
 def sample_and_match(tree: DraftTree, dist: Tensor, generator: torch.Generator | None) -> Acceptance:
     """Draw y_u ~ dist[u] at each node the walk reaches; descend while y_u is a child.
 
     Exact for any tree built from draft-side information: each draw is fresh and
-    independent of the tree.  Only the nodes on the path are drawn, which is what makes
-    acceptance cheap for wide trees.
+    independent of the tree.  Only the nodes on the path are drawn, in path order, so the
+    draws are those of AR decoding with the same generator (and cheap for wide trees):
+    one host round trip per accepted token.
     """
     return _walk(tree, lambda node: int(torch.multinomial(dist[node], 1, generator=generator)))
 
 
 def greedy(tree: DraftTree, dist: Tensor) -> Acceptance:
-    """Temperature 0: each node's token is argmax of its distribution."""
-    return _walk(tree, lambda node: int(dist[node].argmax()))
+    """Temperature 0: each node's token is argmax of its distribution (one host copy)."""
+    choices = dist.argmax(dim=-1).tolist()
+    return _walk(tree, choices.__getitem__)
 
 
 def recursive_rejection(tree: DraftTree, target_dist: Tensor, generator: torch.Generator | None) -> Acceptance:
@@ -54,14 +55,14 @@ def recursive_rejection(tree: DraftTree, target_dist: Tensor, generator: torch.G
     """
     if tree.draft_probs is None:
         raise ValueError("recursive rejection needs the draft distributions of a sampled tree")
-    tokens = tree.tokens.tolist()
+    tokens, children = tree.tokens.tolist(), tree.children
     path, node = [0], 0
     while True:
         residual, draft = target_dist[node].double(), tree.draft_probs[node].double()
         accepted = None
-        for child in tree.children[node]:
+        for child in children[node]:
             x = tokens[child]
-            if torch.rand((), generator=generator, dtype=torch.float64) * draft[x] <= residual[x]:
+            if torch.rand((), generator=generator, dtype=torch.float64, device=residual.device) * draft[x] <= residual[x]:
                 accepted = child
                 break
             left = (residual - draft).clamp_(min=0)

@@ -34,13 +34,17 @@ class Sampling:
 LLAMAGEN_SAMPLING = Sampling(cfg_scale=4.0)
 """LlamaGen's class-to-image defaults: CFG 4, temperature 1, no top-k or top-p."""
 
-TreeKind = Literal["dynamic", "chain", "static"]
+TreeKind = Literal["auto", "dynamic", "chain", "static"]
 
 
 @attrs.frozen
 class TreeConfig:
     """How the drafter's tree is shaped.
 
+    auto (the default when no size is given): an EAGLE-2 dynamic tree whose depth, top-k and size the engine
+    chooses to maximise expected tokens per second, from the machine's measured cost
+    model and the run's own acceptance statistics (see specimg.planner); ``depth``,
+    ``topk`` and ``total_tokens`` are then ignored.
     dynamic: EAGLE-2 (expand the ``topk`` best frontier nodes per depth by cumulative draft
     log-prob, ``topk`` children each, keep the ``total_tokens`` best nodes).
     chain: ``depth`` tokens, the drafter's best (or sampled) each.
@@ -49,9 +53,22 @@ class TreeConfig:
     top-k; with an unrelaxed method this enables recursive rejection sampling.
     """
 
-    kind: TreeKind = attrs.field(default="dynamic", validator=v.in_(("dynamic", "chain", "static")))
-    depth: int = attrs.field(default=6, validator=v.ge(1))
-    topk: int = attrs.field(default=8, validator=v.ge(1))
-    total_tokens: int = attrs.field(default=60, validator=v.ge(1))
+    kind: TreeKind = attrs.field(default=None, validator=v.optional(v.in_(("auto", "dynamic", "chain", "static"))))
+    depth: int = attrs.field(default=None, validator=v.optional(v.ge(1)))
+    topk: int = attrs.field(default=None, validator=v.optional(v.ge(1)))
+    total_tokens: int = attrs.field(default=None, validator=v.optional(v.ge(1)))
     rank_paths: tuple[tuple[int, ...], ...] = attrs.field(default=(), converter=lambda paths: tuple(tuple(p) for p in paths))
     sample: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        """An unset kind is auto, unless a size is given: explicit sizes mean a dynamic tree."""
+        sized = (self.depth, self.topk, self.total_tokens) != (None, None, None)
+        if self.kind is None:
+            object.__setattr__(self, "kind", "dynamic" if sized else "auto")
+        for name, default in DYNAMIC_DEFAULTS.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)
+
+
+DYNAMIC_DEFAULTS = {"depth": 6, "topk": 8, "total_tokens": 60}
+"""A dynamic tree's sizes when unset: EAGLE-2's published shape."""

@@ -10,11 +10,12 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from specimg import relax
+from specimg import costs, relax
 from specimg.config import Sampling, TreeConfig
 from specimg.errors import SpecimgError
 from specimg.methods import AR, Stack
 from specimg.models.base import Condition, Drafter, Target
+from specimg.planner import TreePlanner
 from specimg.plugins import PluginManager, get_plugin_manager
 from specimg.sampling import probabilities
 from specimg.stats import ImageStats, RunStats
@@ -35,6 +36,10 @@ class Engine:
     ``method`` is ``"ar"`` (plain autoregressive decoding) or a stack such as
     ``"cascade+lantern"``; ``options`` maps method names to option values; ``delta`` sets
     the stack's total-variation budget (default: the largest member delta).
+
+    Everything runs on the target's device: ``device`` and ``dtype``, when given, move the
+    models there first.  An auto tree (the default) is chosen per step from ``cost_model``,
+    measured on first use when not given (see :mod:`specimg.costs`).
     """
 
     def __init__(
@@ -48,9 +53,15 @@ class Engine:
         delta: float | None = None,
         tokenizer: Any = None,
         plugins: PluginManager | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        cost_model: costs.CostModel | None = None,
     ):
+        if device is not None or dtype is not None:
+            target, drafter, tokenizer = (_moved(m, device, dtype) for m in (target, drafter, tokenizer))
         self.target, self.drafter, self.sampling, self.tree_config = target, drafter, sampling, tree
-        self.tokenizer = tokenizer
+        self.tokenizer, self.cost_model = tokenizer, cost_model
+        self.device = costs.device_of(target)
         self.plugins = plugins or get_plugin_manager()
         self._check_vocabularies()
         self.stack: Stack | None = None
@@ -98,8 +109,10 @@ class Engine:
         not depend on how the conditions are batched.  ``progress`` is called with each
         step's token count."""
         rows, stats = [], []
+        if self.auto_tree and self.cost_model is None and conditions:
+            self.cost_model = costs.load_or_measure(self.target, self.drafter, self.sampling, conditions[0])
         for index, condition in enumerate(conditions):
-            generator = torch.Generator().manual_seed(seed + index)
+            generator = torch.Generator(self.device).manual_seed(seed + index)
             image = ImageStats()
             start = time.perf_counter()
             with torch.inference_mode():
@@ -108,6 +121,18 @@ class Engine:
             rows.append(torch.tensor(tokens, dtype=torch.long))
             stats.append(image)
         return Generation(torch.stack(rows) if rows else torch.empty(0, self.target.num_tokens, dtype=torch.long), RunStats(tuple(stats)))
+
+    @property
+    def auto_tree(self) -> bool:
+        return self.stack is not None and self.tree_config.kind == "auto"
+
+    def planner(self) -> TreePlanner:
+        """A fresh tree planner for one image (auto trees): each image adapts on its own, so
+        an image does not depend on the images decoded before it."""
+        assert self.cost_model is not None and self.drafter is not None
+        max_nodes = getattr(self.target, "max_tree_nodes", 128)
+        max_fed = getattr(self.drafter, "max_tree_nodes", 128)
+        return TreePlanner(self.cost_model, max_nodes, max_fed, self.device, self.tree_config.sample)
 
     def _draw(self, probs: Tensor, generator: torch.Generator) -> int:
         if self.sampling.greedy:
@@ -129,11 +154,12 @@ class Engine:
         return tokens
 
     def _decode_ar(self, tokens: list[int], generator: torch.Generator, stats: ImageStats, progress: Callable[[int], None] | None) -> None:
-        target, sampling = self.target, self.sampling
-        depth, mask, root = torch.zeros(1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, dtype=torch.long)
+        target, sampling, device = self.target, self.sampling, self.device
+        root = torch.zeros(1, dtype=torch.long, device=device)
+        mask = torch.ones(1, 1, dtype=torch.bool, device=device)
         cfg_always = sampling.cfg_interval < 0
         while len(tokens) < target.num_tokens:
-            out = target.forward_tree(torch.tensor(tokens[-1:]), depth, mask)
+            out = target.forward_tree(torch.tensor(tokens[-1:], device=device), root, mask)
             target.commit(root)
             cfg_on = cfg_always or len(tokens) - 1 <= sampling.cfg_interval
             tokens.append(self._draw(probabilities(out.logits, sampling, cfg_on)[0], generator))
@@ -178,17 +204,19 @@ class Engine:
         progress: Callable[[int], None] | None,
     ) -> None:
         assert self.stack is not None and self.drafter is not None
-        target, drafter, sampling = self.target, self.drafter, self.sampling
+        target, drafter, sampling, device = self.target, self.drafter, self.sampling, self.device
         propose, propose_options = self._propose
         score, _ = self._score
+        planner = self.planner() if self.auto_tree else None
         drafter.prefill(condition, sampling.cfg)
         new_tokens = tokens[-1:]
         while len(tokens) < target.num_tokens:
+            tree_config = planner.tree if planner else self.tree_config
             with self._timed(stats, "draft"):
-                root_logits = drafter.start(hidden, torch.tensor(new_tokens, dtype=torch.long))
-                session = DraftSession(drafter, sampling, root_logits, len(tokens) - 1, filtered=self.tree_config.sample)
+                root_logits = drafter.start(hidden, torch.tensor(new_tokens, dtype=torch.long, device=device))
+                session = DraftSession(drafter, sampling, root_logits, len(tokens) - 1, filtered=tree_config.sample)
                 tree = propose(
-                    session=session, root_token=tokens[-1], tree_config=self.tree_config,
+                    session=session, root_token=tokens[-1], tree_config=tree_config,
                     max_depth=target.num_tokens - len(tokens) - 1, generator=generator, options=propose_options,
                 )
             with self._timed(stats, "verify"):
@@ -198,16 +226,35 @@ class Engine:
             with self._timed(stats, "accept"):
                 result = self.accept(tree, dist, scores, generator)
             with self._timed(stats, "commit"):
-                path = torch.tensor(result.path, dtype=torch.long)
+                path = torch.tensor(result.path, dtype=torch.long, device=device)
                 target.commit(path)
                 new_tokens = tree.tokens[path[1:]].tolist() + [result.next_token]
                 hidden = scores.hidden[:, path]
                 tokens.extend(new_tokens)
+            if planner:
+                self._plan_step(planner, stats, tree, dist, result.path)
             stats.target_forwards += 1
             stats.tree_sizes.append(tree.size)
             stats.accepted.append(len(result.path) - 1)
             if progress:
                 progress(len(new_tokens))
+
+    def _plan_step(self, planner: TreePlanner, stats: ImageStats, tree: DraftTree, dist: Tensor, path: list[int]) -> None:
+        """Book the step against its plan's prediction, then let the planner learn from it."""
+        assert self.cost_model is not None
+        plan = planner.plan
+        if not stats.trees or stats.trees[-1][1:] != [plan.depth, plan.topk, plan.nodes]:
+            stats.trees.append([len(stats.accepted), plan.depth, plan.topk, plan.nodes])
+        stats.predicted_ms += plan.step_ms
+        stats.predicted_ar_ms += plan.tokens_per_step * self.cost_model.ar_ms
+        planner.observe(tree, dist, path, self.sampling.greedy)
+
+
+def _moved(model: Any, device: torch.device | str | None, dtype: torch.dtype | None) -> Any:
+    """A model on ``device`` in ``dtype`` (floating weights only), if it is a torch module."""
+    if not isinstance(model, torch.nn.Module):
+        return model
+    return model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
 
 
 def _bind(caller: Callable[..., Any], options: Any, tree: Any, scores: Any, target: Any, tokenizer: Any) -> Callable[..., Tensor | None]:

@@ -4,8 +4,7 @@ alike, for relaxations that let close codes stand in for each other (LANTERN, LA
 A table keeps only each code's k nearest other codes ([K, k] int32, nearest first, by L2
 between the vectors the decoder uses).  It is computed once per codebook in row chunks,
 so a 16384-code book never holds its full distance matrix, and cached in memory and on
-disk under a hash of the codebook's bytes and k (``$SPECIMG_CACHE_DIR``, else
-``~/.cache/specimg``).
+disk under a hash of the codebook's bytes and k (in :func:`specimg.cache.cache_dir`).
 """
 
 from __future__ import annotations
@@ -13,21 +12,18 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from specimg.cache import CACHE_ENV, cache_dir
 from specimg.errors import SpecimgError
 
-CACHE_ENV = "SPECIMG_CACHE_DIR"
+__all__ = ["CACHE_ENV", "codebook_donors", "codebook_key", "nearest_codes", "neighbour_table"]
+
 _CHUNK_ROWS = 512
 _memory: dict[tuple[str, int, str], Tensor] = {}
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "specimg")
 
 
 def codebook_key(codebook: Tensor) -> str:

@@ -13,7 +13,10 @@ PHASES = ("draft", "verify", "relax", "accept", "commit")
 @attrs.define
 class ImageStats:
     """One image: target forwards (the prefill counts), per step the tree size and the
-    number of drafted tokens accepted, seconds per phase, and wall time."""
+    number of drafted tokens accepted, seconds per phase, and wall time.  With auto trees
+    also the trees chosen ([step, depth, top-k, nodes] from that step on) and the cost
+    model's prediction for the steps taken: their milliseconds, and what AR would have
+    taken for the tokens they were expected to give."""
 
     tokens: int = 0
     target_forwards: int = 0
@@ -21,6 +24,13 @@ class ImageStats:
     accepted: list[int] = attrs.field(factory=list)
     seconds: dict[str, float] = attrs.field(factory=lambda: defaultdict(float))
     wall: float = 0.0
+    trees: list[list[int]] = attrs.field(factory=list)
+    predicted_ms: float = 0.0
+    predicted_ar_ms: float = 0.0
+
+    @property
+    def predicted_speedup(self) -> float | None:
+        return self.predicted_ar_ms / self.predicted_ms if self.predicted_ms else None
 
     @property
     def tau(self) -> float:
@@ -36,6 +46,7 @@ class ImageStats:
             "seconds": {k: round(v, 5) for k, v in self.seconds.items()},
             "tree_sizes": self.tree_sizes,
             "accepted": self.accepted,
+            **({"trees": self.trees, "predicted_speedup": round(self.predicted_speedup, 4)} if self.trees else {}),
         }
 
 
@@ -63,6 +74,21 @@ class RunStats:
     def mean_accepted(self) -> float:
         steps = [a for s in self.images for a in s.accepted]
         return sum(steps) / max(1, len(steps))
+
+    @property
+    def predicted_speedup(self) -> float | None:
+        """The cost model's speedup over AR for the trees chosen (auto trees only)."""
+        ms = sum(s.predicted_ms for s in self.images)
+        return sum(s.predicted_ar_ms for s in self.images) / ms if ms else None
+
+    def trees(self) -> dict[str, int]:
+        """How many steps each auto tree ran, most used first ("depth D, top-k K, N nodes")."""
+        steps: dict[str, int] = defaultdict(int)
+        for s in self.images:
+            bounds = [start for start, *_ in s.trees] + [len(s.accepted)]
+            for (start, depth, topk, nodes), end in zip(s.trees, bounds[1:]):
+                steps[f"depth {depth}, top-k {topk}, {nodes} nodes"] += end - start
+        return dict(sorted(steps.items(), key=lambda kv: -kv[1]))
 
     def seconds(self) -> dict[str, float]:
         total: dict[str, float] = defaultdict(float)

@@ -3,11 +3,13 @@
 A tree's node 0 is the root: the last committed token, which the target has not consumed
 yet.  Every other node is a drafted token whose parent has a smaller index.  A node at
 depth d sits at position ``committed + d`` and attends to its ancestors and itself.
+
+Trees grow one level at a time as tensors on the drafter's device: one drafter call and
+one top-k per level, whatever the number of nodes, and no host round trip per node.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import attrs
@@ -24,7 +26,7 @@ from specimg.sampling import cfg_active_at, probabilities
 class DraftTree:
     """A proposal: per node its token, parent (-1 at the root), depth, the ancestor mask
     [n, n], the drafter's log-prob of the token under its parent's draft distribution
-    (0 at the root), each node's children (also padded with -1 as ``child_ids`` [n, C], in
+    (0 at the root), each node's children padded with -1 as ``child_ids`` [n, C] (in
     draft-rank order), and for sampled trees the draft distribution each node's children
     were drawn from ([n, V], zero rows for nodes without children)."""
 
@@ -33,7 +35,6 @@ class DraftTree:
     depths: Tensor
     mask: Tensor
     logprobs: Tensor
-    children: tuple[tuple[int, ...], ...]
     child_ids: Tensor
     draft_probs: Tensor | None = None
     sampled: bool = False
@@ -47,39 +48,64 @@ class DraftTree:
         draft_probs: Tensor | None = None,
         sampled: bool = False,
     ) -> DraftTree:
+        """A tree from Python lists, validated (tests, hand-made trees)."""
         n = len(tokens)
         if len(parents) != n or n == 0 or parents[0] != -1:
             raise ValueError("a tree needs one parent per node and node 0 as its root")
         depths = [0] * n
-        ancestors: list[list[int]] = [[0]]
-        children: list[list[int]] = [[] for _ in range(n)]
         for i in range(1, n):
-            parent = parents[i]
-            if not 0 <= parent < i:
-                raise ValueError(f"node {i} has parent {parent}; parents must precede their children")
-            depths[i] = depths[parent] + 1
-            ancestors.append(ancestors[parent] + [i])
-            children[parent].append(i)
-        mask = torch.zeros(n, n, dtype=torch.bool)
-        rows = torch.tensor([i for i, anc in enumerate(ancestors) for _ in anc])
-        cols = torch.tensor([j for anc in ancestors for j in anc])
-        mask[rows, cols] = True
-        width = max(1, max(len(c) for c in children))
-        return cls(
-            tokens=torch.as_tensor(tokens, dtype=torch.long),
-            parents=torch.as_tensor(parents, dtype=torch.long),
-            depths=torch.tensor(depths, dtype=torch.long),
-            mask=mask,
-            logprobs=torch.as_tensor(logprobs if logprobs is not None else [0.0] * n, dtype=torch.float32),
-            children=tuple(tuple(c) for c in children),
-            child_ids=torch.tensor([c + [-1] * (width - len(c)) for c in children], dtype=torch.long),
+            if not 0 <= parents[i] < i:
+                raise ValueError(f"node {i} has parent {parents[i]}; parents must precede their children")
+            depths[i] = depths[parents[i]] + 1
+        return cls.from_tensors(
+            torch.as_tensor(tokens, dtype=torch.long),
+            torch.as_tensor(parents, dtype=torch.long),
+            torch.tensor(depths, dtype=torch.long),
+            torch.as_tensor(logprobs if logprobs is not None else [0.0] * n, dtype=torch.float32),
             draft_probs=draft_probs,
             sampled=sampled,
         )
 
+    @classmethod
+    def from_tensors(
+        cls,
+        tokens: Tensor,
+        parents: Tensor,
+        depths: Tensor,
+        logprobs: Tensor,
+        draft_probs: Tensor | None = None,
+        sampled: bool = False,
+        width: int | None = None,
+        height: int | None = None,
+    ) -> DraftTree:
+        """A tree from node tensors whose parents precede their children (unchecked: the
+        builders guarantee it).  ``width`` (most children of a node) and ``height``
+        (deepest depth) save a host round trip each when the caller knows a bound."""
+        n, device = tokens.shape[0], tokens.device
+        if height is None:
+            height = int(depths.max())
+        mask = torch.eye(n, dtype=torch.bool, device=device)
+        for level in range(1, height + 1):  # ancestors-or-self: the parent's final row plus oneself
+            mask = mask | (mask[parents.clamp(min=0)] & (depths == level)[:, None])
+        child_parents = parents[1:]
+        counts = torch.bincount(child_parents, minlength=n)
+        if width is None:
+            width = int(counts.max()) if n > 1 else 0
+        order = torch.sort(child_parents, stable=True)  # children of a node stay in id (= draft-rank) order
+        first = counts.cumsum(0) - counts
+        rank = torch.arange(n - 1, device=device) - first[order.values]
+        child_ids = torch.full((n, max(1, width)), -1, dtype=torch.long, device=device)
+        child_ids[order.values, rank] = order.indices + 1
+        return cls(tokens, parents, depths, mask, logprobs, child_ids, draft_probs, sampled)
+
     @property
     def size(self) -> int:
         return int(self.tokens.numel())
+
+    @property
+    def children(self) -> tuple[tuple[int, ...], ...]:
+        """Each node's children in draft-rank order (a host copy: for reading, not hot loops)."""
+        return tuple(tuple(c for c in row if c >= 0) for row in self.child_ids.tolist())
 
     def path_to(self, node: int) -> list[int]:
         """The nodes from the root to ``node``, in order."""
@@ -110,79 +136,95 @@ class DraftSession:
         self.drafter = drafter
         self.sampling = sampling if filtered else attrs.evolve(sampling, top_k=0, top_p=1.0)
         self.root_index = root_index
-        self._depths = [0]
-        self.root_probs = self._process(root_logits[:, None, :], [0])[0]
+        self.device = root_logits.device
+        self._depths = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.root_probs = self._process(root_logits[:, None, :], self._depths)[0]
 
-    def _process(self, logits: Tensor, depths: list[int]) -> Tensor:
-        index = torch.tensor(depths, dtype=torch.long) + self.root_index + 1
-        return probabilities(logits, self.sampling, cfg_active_at(index, self.sampling))
+    def _process(self, logits: Tensor, depths: Tensor) -> Tensor:
+        return probabilities(logits, self.sampling, cfg_active_at(depths + self.root_index + 1, self.sampling))
 
-    def feed(self, parents: list[int], tokens: list[int]) -> Tensor:
+    def feed(self, parents: Tensor | Sequence[int], tokens: Tensor | Sequence[int]) -> Tensor:
         """Feed nodes (children of fed session nodes ``parents``) and return their draft
         distributions [f, V]; they get the next session ids in order."""
-        depths = [self._depths[p] + 1 for p in parents]
-        self._depths.extend(depths)
-        logits = self.drafter.expand(torch.tensor(parents, dtype=torch.long), torch.tensor(tokens, dtype=torch.long))
-        return self._process(logits, depths)
+        parents = torch.as_tensor(parents, dtype=torch.long, device=self.device)
+        tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
+        depths = self._depths[parents] + 1
+        self._depths = torch.cat([self._depths, depths])
+        return self._process(self.drafter.expand(parents, tokens).to(self.device), depths)
 
 
-def _pick_children(probs: Tensor, count: int, sample: bool, generator: torch.Generator | None) -> list[tuple[list[int], list[float]]]:
+def pick_children(probs: Tensor, count: int, sample: bool, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
     """Per row of ``probs`` [f, V]: the drafter's top-``count`` tokens, or ``count`` tokens
-    drawn without replacement (Gumbel-top-k keeps the draw order), with their log-probs;
-    tokens of probability 0 are never picked."""
+    drawn without replacement (Gumbel-top-k keeps the draw order), and their log-probs
+    [f, count]; a pick of probability 0 has log-prob -inf and must not be kept."""
     logq = probs.log()
     keys = logq
     if sample:
-        uniform = torch.rand(probs.shape, generator=generator).clamp_(min=1e-20)
+        uniform = torch.rand(probs.shape, generator=generator, device=probs.device).clamp_(min=1e-20)
         keys = logq - (-uniform.log()).log()
     top = torch.topk(keys, min(count, probs.shape[-1]), dim=-1).indices
-    picked = []
-    for tokens, logqs in zip(top.tolist(), logq.gather(-1, top).tolist()):
-        kept = [(t, lq) for t, lq in zip(tokens, logqs) if lq > -math.inf]
-        picked.append(([t for t, _ in kept], [lq for _, lq in kept]))
-    return picked
+    return top, logq.gather(-1, top)
 
 
-class _Growing:
-    """A tree under construction, with the map from tree node to fed session node."""
+class _Growth:
+    """A tree under construction: node tensors appended level by level, the map from tree
+    node to the session node that fed it, and the draft distributions of fed nodes."""
 
-    def __init__(self, root_token: int, root_probs: Tensor):
-        self.tokens, self.parents, self.logprobs, self.scores = [root_token], [-1], [0.0], [0.0]
-        self.depths = [0]
-        self.session_id = {0: 0}
-        self.probs = {0: root_probs}
+    def __init__(self, session: DraftSession, root_token: int, capacity: int):
+        device = session.device
+        self.session = session
+        self.parts: list[tuple[Tensor, Tensor, Tensor, Tensor]] = [
+            (torch.tensor([root_token], device=device), torch.tensor([-1], device=device),
+             torch.zeros(1, device=device), torch.zeros(1, device=device))
+        ]  # (tokens, parents, logq, score) per level
+        self.size, self.levels, self.width = 1, 0, 0
+        self.session_of = torch.full((capacity,), -1, dtype=torch.long, device=device)
+        self.session_of[0] = 0
+        self.fed_count = 0
+        self.fed: list[tuple[Tensor, Tensor]] = [(torch.zeros(1, dtype=torch.long, device=device), session.root_probs[None])]
 
-    def add(self, parent: int, token: int, logprob: float, score: float) -> int:
-        self.tokens.append(token)
-        self.parents.append(parent)
-        self.logprobs.append(logprob)
-        self.scores.append(score)
-        self.depths.append(self.depths[parent] + 1)
-        return len(self.tokens) - 1
+    def add(self, parents: Tensor, tokens: Tensor, logq: Tensor, scores: Tensor) -> Tensor:
+        """Append one level: ``parents`` [f] with ``tokens``, ``logq``, ``scores`` [f, k]
+        (children in draft-rank order); returns the new node ids [f, k]."""
+        f, k = tokens.shape
+        ids = torch.arange(self.size, self.size + f * k, device=tokens.device).view(f, k)
+        self.parts.append((tokens.flatten(), parents[:, None].expand(f, k).flatten(), logq.flatten(), scores.flatten()))
+        self.size += f * k
+        self.levels += 1
+        self.width = max(self.width, k)
+        return ids
 
-    def feed(self, session: DraftSession, nodes: list[int]) -> None:
-        if not nodes:
-            return
-        probs = session.feed([self.session_id[self.parents[n]] for n in nodes], [self.tokens[n] for n in nodes])
-        for node, p in zip(nodes, probs):
-            self.session_id[node] = len(self.session_id)
-            self.probs[node] = p
+    def feed(self, nodes: Tensor, parents: Tensor, tokens: Tensor) -> Tensor:
+        """Feed tree nodes ``nodes`` (children of fed ``parents``, with ``tokens``) to the
+        drafter; their draft distributions [f, V]."""
+        probs = self.session.feed(self.session_of[parents], tokens)
+        f = nodes.shape[0]
+        self.session_of[nodes] = torch.arange(self.fed_count + 1, self.fed_count + 1 + f, device=nodes.device)
+        self.fed_count += f
+        self.fed.append((nodes, probs))
+        return probs
 
-    def tree(self, keep: list[int], sampled: bool) -> DraftTree:
-        keep = sorted(keep)
-        new_id = {old: new for new, old in enumerate(keep)}
+    def columns(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """tokens, parents, logq, scores and depths of every node so far."""
+        tokens, parents, logq, scores = (torch.cat(c) for c in zip(*self.parts))
+        depths = torch.cat([torch.full_like(p[0], level) for level, p in enumerate(self.parts)])
+        return tokens, parents, logq, scores, depths
+
+    def tree(self, keep: Tensor, sampled: bool) -> DraftTree:
+        """The subtree of nodes ``keep`` (sorted ids, closed under ancestors)."""
+        tokens, parents, logq, _, depths = self.columns()
+        new_id = torch.full((self.size,), -1, dtype=torch.long, device=keep.device)
+        new_id[keep] = torch.arange(keep.shape[0], device=keep.device)
+        kept_parents = parents[keep]
+        kept_parents = torch.where(kept_parents >= 0, new_id[kept_parents.clamp(min=0)], kept_parents)
         draft_probs = None
         if sampled:
-            draft_probs = torch.zeros(len(keep), self.probs[0].numel())
-            for old, new in new_id.items():
-                if old in self.probs:
-                    draft_probs[new] = self.probs[old]
-        return DraftTree.from_parents(
-            tokens=[self.tokens[i] for i in keep],
-            parents=[new_id[self.parents[i]] if i else -1 for i in keep],
-            logprobs=[self.logprobs[i] for i in keep],
-            draft_probs=draft_probs,
-            sampled=sampled,
+            nodes, probs = (torch.cat(c) for c in zip(*self.fed))
+            kept = new_id[nodes] >= 0
+            draft_probs = torch.zeros(keep.shape[0], probs.shape[-1], device=probs.device)
+            draft_probs[new_id[nodes[kept]]] = probs[kept]
+        return DraftTree.from_tensors(
+            tokens[keep], kept_parents, depths[keep], logq[keep], draft_probs, sampled, width=self.width, height=self.levels
         )
 
 
@@ -203,27 +245,36 @@ def build_dynamic(
     drawn child (recursive rejection needs each node's full draw) and spend the budget by
     expanding fewer nodes.
     """
-    grow = _Growing(root_token, session.root_probs)
-    frontier = [0]
+    topk = min(topk, session.root_probs.shape[-1])
+    grow = _Growth(session, root_token, capacity=1 + depth * topk * topk)
+    device = session.device
+    frontier = torch.zeros(1, dtype=torch.long, device=device)
+    frontier_scores = torch.zeros(1, device=device)
+    probs = session.root_probs[None]
     budget = total_tokens - 1
     for level in range(1, depth + 1):
         if sample:
-            frontier = frontier[: max(0, budget // topk)]
-        new: list[int] = []
-        picks = _pick_children(torch.stack([grow.probs[node] for node in frontier]), topk, sample, generator) if frontier else []
-        for node, (tokens, logqs) in zip(frontier, picks):
-            new += [grow.add(node, t, lq, grow.scores[node] + lq) for t, lq in zip(tokens, logqs)]
-        budget -= len(new)
-        if not new:
+            keep = min(frontier.shape[0], max(0, budget // topk))
+            frontier, frontier_scores, probs = frontier[:keep], frontier_scores[:keep], probs[:keep]
+        if frontier.shape[0] == 0:
             break
-        frontier = sorted(new, key=lambda i: (-grow.scores[i], i))[:topk]
-        if level < depth:
-            grow.feed(session, frontier)
-    nodes = range(len(grow.tokens))
+        tokens, logq = pick_children(probs, topk, sample, generator)
+        scores = frontier_scores[:, None] + logq
+        ids = grow.add(frontier, tokens, logq, scores)
+        budget -= ids.numel()
+        if level == depth:
+            break
+        best = torch.sort(scores.flatten(), descending=True, stable=True).indices[:topk]  # ties: lower id first
+        frontier, frontier_scores = ids.flatten()[best], scores.flatten()[best]
+        probs = grow.feed(frontier, grow.parts[-1][1][best], tokens.flatten()[best])
+    scores = grow.columns()[3]
     if sample:
-        return grow.tree(list(nodes), sampled=True)
-    best = sorted(nodes[1:], key=lambda i: (-grow.scores[i], i))[: total_tokens - 1]
-    return grow.tree([0, *best], sampled=False)
+        keep = torch.nonzero(scores > -torch.inf).squeeze(1)  # drop picks of probability 0
+    else:
+        best = torch.sort(scores[1:], descending=True, stable=True)
+        count = min(total_tokens - 1, int((best.values > -torch.inf).sum()))
+        keep = torch.cat([torch.zeros(1, dtype=torch.long, device=device), best.indices[:count] + 1]).sort().values
+    return grow.tree(keep, sampled=sample)
 
 
 def build_static(
@@ -235,27 +286,40 @@ def build_static(
     max_depth: int | None = None,
 ) -> DraftTree:
     """A fixed tree: each path (r1, ..., rd) is the node reached by taking the drafter's
-    r1-th choice at the root, then its r2-th choice, and so on (Medusa/LANTERN++ trees)."""
+    r1-th choice at the root, then its r2-th choice, and so on (Medusa/LANTERN++ trees).
+    One drafter call per level feeds every node that has children."""
     limit = max_depth if max_depth is not None else max((len(p) for p in rank_paths), default=0)
     paths = sorted({tuple(p) for p in rank_paths if 0 < len(p) <= limit}, key=lambda p: (len(p), p))
     known = set(paths) | {()}
     for path in paths:
         if path[:-1] not in known or (path[-1] > 0 and path[:-1] + (path[-1] - 1,) not in known):
             raise SpecimgError(f"static tree path {path} lacks its parent or its previous sibling")
-    grow = _Growing(root_token, session.root_probs)
+    device = session.device
+    levels = [sorted({p[:-1] for p in paths if len(p) == level}) for level in range(1, max((len(p) for p in paths), default=0) + 1)]
+    widths = [1 + max(p[-1] for p in paths if len(p) == level) for level in range(1, len(levels) + 1)]
+    grow = _Growth(session, root_token, capacity=1 + sum(len(ps) * w for ps, w in zip(levels, widths)))
     node_of: dict[tuple[int, ...], int] = {(): 0}
-    for level in range(1, max((len(p) for p in paths), default=0) + 1):
-        level_paths = [p for p in paths if len(p) == level and p[:-1] in node_of]
-        parents = sorted({node_of[p[:-1]] for p in level_paths})
-        grow.feed(session, [n for n in parents if n not in grow.probs])
-        for parent in parents:
-            ranks = sorted(p[-1] for p in level_paths if node_of[p[:-1]] == parent)
-            tokens, logqs = _pick_children(grow.probs[parent][None], ranks[-1] + 1, sample, generator)[0]
-            path_prefix = next(p[:-1] for p in level_paths if node_of[p[:-1]] == parent)
-            for rank in ranks:
-                if rank < len(tokens):
-                    node_of[path_prefix + (rank,)] = grow.add(parent, tokens[rank], logqs[rank], 0.0)
-    return grow.tree(list(range(len(grow.tokens))), sampled=sample)
+    probs = session.root_probs[None]
+    for level, (prefixes, width) in enumerate(zip(levels, widths), start=1):
+        prefixes = [p for p in prefixes if p in node_of]  # not below ranks the vocabulary lacks
+        if not prefixes:
+            break
+        nodes = torch.tensor([node_of[p] for p in prefixes], device=device)
+        tokens, _, logq, _, _ = grow.columns()
+        if level > 1:  # feed this level's parents, one drafter call
+            parents = torch.tensor([node_of[p[:-1]] for p in prefixes], device=device)
+            probs = grow.feed(nodes, parents, tokens[nodes])
+        picked, pick_logq = pick_children(probs, width, sample, generator)
+        pick_logq = torch.where(logq[nodes, None] > -torch.inf, pick_logq, torch.full_like(pick_logq, -torch.inf))  # below a dropped pick
+        base, picks = grow.size, picked.shape[1]  # fewer than width when the vocabulary is smaller
+        grow.add(nodes, picked, pick_logq, pick_logq)
+        for row, prefix in enumerate(prefixes):
+            for rank in range(picks):
+                if prefix + (rank,) in known:
+                    node_of[prefix + (rank,)] = base + row * picks + rank
+    wanted = torch.tensor(sorted(node_of.values()), device=device)
+    keep = wanted[grow.columns()[2][wanted] > -torch.inf]  # a pick of probability 0 and everything below it
+    return grow.tree(keep, sampled=sample)
 
 
 def build_tree(
@@ -264,9 +328,11 @@ def build_tree(
     """The tree ``config`` asks for, no deeper than ``max_depth`` (the tokens still missing)."""
     depth = min(config.depth, max_depth)
     if depth == 0:
-        return DraftTree.from_parents([root_token], [-1])
+        return _Growth(session, root_token, capacity=1).tree(torch.zeros(1, dtype=torch.long, device=session.device), sampled=False)
     if config.kind == "static":
         return build_static(session, root_token, config.rank_paths, config.sample, generator, max_depth=depth)
     if config.kind == "chain":
         return build_dynamic(session, root_token, depth, 1, depth + 1, config.sample, generator)
+    if config.kind == "auto":
+        raise SpecimgError("an auto tree is resolved by the engine's planner; build_tree takes a concrete shape")
     return build_dynamic(session, root_token, depth, config.topk, config.total_tokens, config.sample, generator)

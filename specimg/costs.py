@@ -1,0 +1,204 @@
+"""The machine's cost model: what a tree costs to draft and to verify on this hardware.
+
+Speculative decoding pays only when the tokens a step gains outweigh what the bigger
+verify forward and the drafting cost, and both costs depend on the machine: a CPU core
+pays for every node, a GPU verifies dozens for the price of one.  So the costs are
+measured, not assumed: the target's verify step (forward of an n-node tree plus the
+processing of its logits) for n from 1 to the cache's capacity, the drafter's start and
+one level of growth per frontier width, and one AR step.  A few seconds, once per
+(target, drafter, device, dtype, threads, sampling filters), then cached on disk as
+JSON under :func:`specimg.cache.cache_dir`.  Runs that share a cost model choose the
+same trees, so the same seed gives the same images.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+
+from specimg.cache import cache_dir
+from specimg.config import Sampling
+from specimg.models.base import Condition, Drafter, Target
+from specimg.sampling import probabilities
+from specimg.tree import DraftSession, DraftTree, pick_children
+
+VERIFY_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+LEVEL_WIDTHS = (1, 2, 4, 6, 8, 10)
+_REPEATS, _WARMUP = 5, 2
+_memory: dict[str, CostModel] = {}
+
+
+@attrs.frozen
+class CostModel:
+    """Measured milliseconds: ``verify`` per tree size, ``draft_level`` per frontier width
+    (a drafter call, its processing and the top-k), ``draft_start`` per step and ``ar``
+    per AR token.  Sizes in between interpolate linearly; beyond, extrapolate."""
+
+    key: str
+    machine: str
+    verify_ms: tuple[tuple[int, float], ...]
+    draft_level_ms: tuple[tuple[int, float], ...]
+    draft_start_ms: float
+    ar_ms: float
+
+    def verify(self, nodes: np.ndarray | int) -> np.ndarray:
+        return _interp(nodes, self.verify_ms)
+
+    def draft(self, depth: int, topk: int) -> float:
+        """An EAGLE-2 tree: the start, then depth - 1 levels of ``topk`` fed nodes."""
+        return self.draft_start_ms + (depth - 1) * float(_interp(topk, self.draft_level_ms))
+
+    def step(self, depth: int, topk: int, nodes: np.ndarray | int) -> np.ndarray:
+        return self.verify(nodes) + self.draft(depth, topk)
+
+    def to_json(self) -> str:
+        return json.dumps(attrs.asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> CostModel:
+        data = json.loads(text)
+        for name in ("verify_ms", "draft_level_ms"):
+            data[name] = tuple((int(n), float(ms)) for n, ms in data[name])
+        return cls(**data)
+
+
+def _interp(x: np.ndarray | int, table: tuple[tuple[int, float], ...]) -> np.ndarray:
+    xs, ys = np.array([n for n, _ in table], dtype=float), np.array([ms for _, ms in table])
+    x = np.asarray(x, dtype=float)
+    inside = np.interp(x, xs, ys)
+    if len(xs) < 2:
+        return inside
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    return np.where(x > xs[-1], ys[-1] + slope * (x - xs[-1]), inside)
+
+
+def device_of(target: Target) -> torch.device:
+    return target.input_embeddings().device
+
+
+def _describe(model: Any) -> dict[str, Any]:
+    """What a model's speed depends on: its class, config and parameter shapes and dtype."""
+    params = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
+    return {
+        "class": f"{type(model).__module__}.{type(model).__qualname__}",
+        "config": repr(getattr(model, "config", None)),
+        "vocab": getattr(model, "vocab_size", None),
+        "params": [list(p.shape) for p in params],
+        "dtype": str(params[0].dtype) if params else None,
+    }
+
+
+def cost_key(target: Target, drafter: Drafter, sampling: Sampling) -> tuple[str, str]:
+    """(key, machine): a hash of everything the timings depend on, and a readable
+    description of the machine part."""
+    device = device_of(target)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{os.cpu_count()} cpus"
+    machine = f"{device.type} ({name}), {torch.get_num_threads()} threads, {target.input_embeddings().dtype}, torch {torch.__version__}"
+    parts = {
+        "target": _describe(target), "drafter": _describe(drafter), "machine": machine,
+        "cfg": sampling.cfg, "top_k": sampling.top_k > 0, "top_p": sampling.top_p < 1.0,
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16], machine
+
+
+def load_or_measure(target: Target, drafter: Drafter, sampling: Sampling, condition: Condition, log: Callable[[str], None] | None = None) -> CostModel:
+    """The cached cost model for these models on this machine, measured if there is none."""
+    key, machine = cost_key(target, drafter, sampling)
+    if key in _memory:
+        return _memory[key]
+    path = cache_dir() / "costs" / f"{key}.json"
+    try:
+        model = CostModel.from_json(path.read_text())
+    except (OSError, ValueError, TypeError, KeyError):  # missing or unreadable: measure again
+        if log:
+            log(f"measuring the cost model for {machine} (once; cached as {key})")
+        model = measure(target, drafter, sampling, condition, key, machine)
+        _save(path, model.to_json())
+    _memory[key] = model
+    return model
+
+
+def _save(path: Any, text: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        with os.fdopen(fd, "w") as file:
+            file.write(text)
+        os.replace(tmp, path)
+    except OSError:  # a read-only cache only costs a new measurement next time
+        pass
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
+    """Fastest milliseconds of a call, after warm-up; waits for the device each time.  The
+    minimum, not the mean: other load on a shared machine only ever adds time."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def timed(call: Callable[[], Any], repeats: int = _REPEATS) -> float:
+        samples = []
+        for i in range(_WARMUP + repeats):
+            sync()
+            start = time.perf_counter()
+            call()
+            sync()
+            if i >= _WARMUP:
+                samples.append(1000 * (time.perf_counter() - start))
+        return min(samples)
+
+    return timed
+
+
+@torch.inference_mode()
+def measure(target: Target, drafter: Drafter, sampling: Sampling, condition: Condition, key: str = "", machine: str = "") -> CostModel:
+    """Time the step's parts at a prefix of about half an image (attention cost grows with
+    it), leaving room for the drafter's 1 + repeats + widths starts."""
+    device = device_of(target)
+    timed = _timer(device)
+    capacity = min(getattr(target, "max_tree_nodes", VERIFY_SIZES[-1]), getattr(drafter, "max_tree_nodes", VERIFY_SIZES[-1]))
+    prefill = target.prefill(condition, sampling.cfg)
+    drafter.prefill(condition, sampling.cfg)
+    hidden, token = prefill.hidden, torch.zeros(1, dtype=torch.long, device=device)
+    prefix = max(0, min(target.num_tokens // 2, target.num_tokens - 1 - _WARMUP - _REPEATS - len(LEVEL_WIDTHS)))
+    for _ in range(prefix):  # one token at a time, as AR decodes it
+        hidden = target.forward_tree(token, token, torch.ones(1, 1, dtype=torch.bool, device=device)).hidden
+        target.commit(token)
+    drafter.start(hidden, token)
+
+    def ar_step() -> None:
+        out = target.forward_tree(token, token, torch.ones(1, 1, dtype=torch.bool, device=device))
+        target.commit(token)
+        torch.multinomial(probabilities(out.logits, sampling)[0], 1)
+
+    ar = timed(ar_step)
+    sizes = [n for n in VERIFY_SIZES if n <= capacity]
+    best = dict.fromkeys(sizes, float("inf"))
+    for _ in range(_REPEATS):  # rounds over all sizes: a burst of load spoils one round, not one size
+        for n in sizes:
+            tree = DraftTree.from_parents([0] * n, [-1] + [(i - 1) // 4 for i in range(1, n)])
+            tokens, depths, mask = (t.to(device) for t in (tree.tokens, tree.depths, tree.mask))
+            ms = timed(lambda: probabilities(target.forward_tree(tokens, depths, mask).logits, sampling), repeats=1)
+            best[n] = min(best[n], ms)
+    verify = list(best.items())
+    start = timed(lambda: drafter.start(hidden, token))
+    levels = []
+    for width in LEVEL_WIDTHS:
+        root = drafter.start(hidden, token)
+        session = DraftSession(drafter, sampling, root, prefix, filtered=False)
+        parents, tokens = torch.zeros(width, dtype=torch.long, device=device), torch.zeros(width, dtype=torch.long, device=device)
+        levels.append((width, timed(lambda: pick_children(session.feed(parents, tokens), width, False, None))))
+    return CostModel(key, machine, _monotone(verify), _monotone(levels), start, ar)
+
+
+def _monotone(table: list[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
+    """A bigger call never costs less: a spike is replaced by what a larger size cost."""
+    sizes, ms = zip(*table)
+    return tuple(zip(sizes, np.minimum.accumulate(np.array(ms)[::-1])[::-1].tolist()))

@@ -1,0 +1,155 @@
+"""Hardware-aware draft trees: choose each step's tree to maximise expected tokens per
+second (the idea of Sequoia, Chen et al. 2024, applied to EAGLE-2 dynamic trees).
+
+Two ingredients.  The *cost model* (:mod:`specimg.costs`) says what a tree of n nodes
+costs to verify and a level of width k costs to draft on this machine.  The *acceptance
+profile* says how likely the rank-r child of a reached node at depth d is accepted:
+a weak prior, then the run's own steps (with sample-and-match, the chance is q_R(child)
+at the node, which every step measures exactly for every child of every node it walks,
+so the estimate settles in a few steps).
+
+The planner values a tree (depth D, top-k K, N nodes) the way the EAGLE-2 builder grows
+it, with the profile in place of the drafter's confidences: each level expands the K
+likeliest frontier nodes into K children each, a node's value is the chance its whole
+path is accepted, and the tree keeps the N - 1 most valuable nodes.  Expected tokens
+per step = 1 + the kept values; seconds per step from the cost model; the choice
+maximises their ratio.  It depends only on the cost model and the image's own
+statistics, never on timings taken during the run, so a seed gives the same images.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+import torch
+from torch import Tensor
+
+from specimg.config import TreeConfig
+from specimg.costs import CostModel
+from specimg.tree import DraftTree
+
+MAX_DEPTH = 10
+MAX_TOPK = 10
+PRIOR_FIRST, PRIOR_DECAY, PRIOR_WEIGHT = 0.5, 0.5, 2.0
+"""Before any step: the rank-r child is accepted with probability 0.5 * 0.5**r, worth two
+observed visits."""
+REPLAN_EVERY = 8
+
+
+@attrs.frozen
+class Plan:
+    """A chosen tree and what the cost model predicts for it."""
+
+    depth: int
+    topk: int
+    nodes: int
+    tokens_per_step: float
+    step_ms: float
+    speedup: float
+
+    def tree(self, sample: bool = False) -> TreeConfig:
+        return TreeConfig(kind="dynamic", depth=self.depth, topk=self.topk, total_tokens=self.nodes, sample=sample)
+
+    def __str__(self) -> str:
+        return f"depth {self.depth}, top-k {self.topk}, {self.nodes} nodes"
+
+
+def expected_tokens(rates: np.ndarray, depth: int, topk: int) -> np.ndarray:
+    """E[tokens per step] for EAGLE-2 trees of depth ``depth`` and top-k ``topk`` with
+    1, 2, ... nodes (entry i: i + 1 nodes), under acceptance ``rates`` [depth, rank]."""
+    return next(tokens for d, tokens in _grown(rates, depth, topk) if d == depth)
+
+
+def _grown(rates: np.ndarray, max_depth: int, topk: int):
+    """For depth 1, 2, ...: (depth, E[tokens per step] by tree size) of the tree grown so far."""
+    values, frontier = np.empty(0), np.ones(1)
+    for depth in range(1, max_depth + 1):
+        children = (frontier[:, None] * rates[min(depth, len(rates)) - 1, :topk]).ravel()
+        values = np.concatenate([values, children])
+        frontier = np.sort(children)[-topk:]
+        yield depth, 1.0 + np.concatenate([[0.0], np.cumsum(np.sort(values)[::-1])])
+
+
+def choose(cost: CostModel, rates: np.ndarray, max_nodes: int, max_depth: int = MAX_DEPTH, max_topk: int = MAX_TOPK, max_fed: int = 128) -> Plan:
+    """The tree with the most expected tokens per second; ties go to the smaller tree.
+    ``max_fed`` bounds the drafter nodes a tree feeds ((depth - 1) * top-k)."""
+    verify = cost.verify(np.arange(2, max_nodes + 1))
+    best: Plan | None = None
+    for topk in range(1, max_topk + 1):
+        level_ms = cost.draft(2, topk) - cost.draft_start_ms
+        for depth, tokens in _grown(rates, min(max_depth, 1 + max_fed // topk), topk):
+            tokens = tokens[1:max_nodes]  # trees of 2..max_nodes nodes
+            ms = verify[: tokens.size] + cost.draft_start_ms + (depth - 1) * level_ms
+            i = int(np.argmax(tokens / ms))
+            speedup = float(tokens[i] / ms[i] * cost.ar_ms)
+            if best is None or speedup > best.speedup * (1 + 1e-9):
+                best = Plan(depth, topk, i + 2, float(tokens[i]), float(ms[i]), speedup)
+    if best is None:
+        raise ValueError(f"no tree fits {max_nodes} nodes")
+    return best
+
+
+class AcceptanceProfile:
+    """Running acceptance chances per (depth, rank), kept on the decode's device so that
+    observing a step costs no host round trip."""
+
+    def __init__(self, device: torch.device | str = "cpu", depth: int = MAX_DEPTH, width: int = MAX_TOPK):
+        prior = torch.tensor([PRIOR_FIRST * PRIOR_DECAY**r for r in range(width)], dtype=torch.float64)
+        self.sums = (PRIOR_WEIGHT * prior).repeat(depth, 1).to(device)
+        self.counts = torch.full((depth, width), PRIOR_WEIGHT, dtype=torch.float64, device=device)
+
+    def observe(self, tree: DraftTree, dist: Tensor, path: list[int], greedy: bool) -> None:
+        """Add one step: at each node of the walked ``path``, the chance each child had."""
+        depth, width = self.sums.shape
+        nodes = torch.tensor(path, device=dist.device)
+        ids = tree.child_ids[nodes, :width]
+        tokens = tree.tokens[ids.clamp(min=0)]
+        rows = dist[nodes]
+        if greedy:
+            chance = (rows.argmax(dim=-1, keepdim=True) == tokens).double()
+        else:
+            chance = rows.gather(1, tokens).double()
+        seen = (ids >= 0).double()
+        levels = torch.arange(len(path), device=dist.device).clamp_(max=depth - 1)
+        self.sums[:, : ids.shape[1]].index_add_(0, levels, chance * seen)
+        self.counts[:, : ids.shape[1]].index_add_(0, levels, seen)
+
+    def rates(self) -> np.ndarray:
+        """[depth, rank] acceptance chances, non-increasing in rank (a drafter's rank-r
+        token is never likelier than its rank-(r-1) one, up to noise).  A depth the trees
+        have rarely reached borrows the rank's chance pooled over all depths (worth
+        PRIOR_WEIGHT visits), so an unexplored depth is neither hopeless nor free."""
+        sums, counts = self.sums.cpu().numpy(), self.counts.cpu().numpy()
+        pooled = sums.sum(axis=0) / counts.sum(axis=0)
+        rates = (sums + PRIOR_WEIGHT * pooled) / (counts + PRIOR_WEIGHT)
+        return np.minimum.accumulate(rates, axis=1)
+
+
+class TreePlanner:
+    """One image's tree choice: plans from the prior, then re-plans every few steps from
+    the image's own profile.  Every tree it switches to is kept with the step it started at."""
+
+    def __init__(self, cost: CostModel, max_nodes: int, max_fed: int, device: torch.device | str, sample: bool = False):
+        self.cost, self.max_nodes, self.max_fed, self.sample = cost, max_nodes, max_fed, sample
+        self.profile = AcceptanceProfile(device)
+        self.plans: list[tuple[int, Plan]] = []
+        self._steps = 0
+        self._replan()
+
+    def _replan(self) -> None:
+        plan = choose(self.cost, self.profile.rates(), self.max_nodes, max_fed=self.max_fed)
+        if not self.plans or plan.tree() != self.plans[-1][1].tree():
+            self.plans.append((self._steps, plan))
+        else:
+            self.plans[-1] = (self.plans[-1][0], plan)  # same tree, newer prediction
+        self.tree = plan.tree(self.sample)
+
+    @property
+    def plan(self) -> Plan:
+        return self.plans[-1][1]
+
+    def observe(self, tree: DraftTree, dist: Tensor, path: list[int], greedy: bool) -> None:
+        self.profile.observe(tree, dist, path, greedy)
+        self._steps += 1
+        if self._steps % REPLAN_EVERY == 0:
+            self._replan()
