@@ -8,6 +8,8 @@ same 60-node tree with CFG (two rows), when specimg.models.llamagen is present.
 
     python benchmarks/relax_overhead.py [--device cpu] [--repeats 10] [--threads 1]
 
+The contract checks run as in the engine: on, unless SPECIMG_RELAX_CHECKS=0.
+
 On the CPU it counts this process's CPU time with ``--threads`` torch threads (default
 one), which other work on a shared machine barely disturbs; on a GPU, wall time.
 
@@ -24,7 +26,7 @@ import torch
 
 from specimg import DraftTree, Sampling
 from specimg.plugins import PluginManager
-from specimg.relax import fold
+from specimg.relax import checks_enabled, fold
 from specimg.sampling import probabilities
 from specimg.step import Scores
 from specimg_plugins.lantern_pp import TREES
@@ -94,7 +96,7 @@ def relax_step(
             return next((r for r in results if r is not None), None)
 
         members.append((name, float(spec.defaults.delta), relax))
-    return lambda: fold(scores.probs, members, max(delta for _, delta, _ in members))
+    return lambda: fold(scores.probs, members, max(delta for _, delta, _ in members), check=checks_enabled())
 
 
 def verify_ms(tree: DraftTree, repeats: int, device: str) -> float | None:
@@ -127,7 +129,7 @@ def main() -> None:
     relax_step(pm, ("lantern",), tree, scores, target, tokenizer)()
     clock = "wall" if args.device.startswith("cuda") else f"CPU time, {args.threads} thread(s)"
     print(f"tree: {tree.size} nodes, {sum(map(bool, tree.children))} with children; V={VOCAB}, D={HIDDEN}, top-k {TOP_K}")
-    print(f"device {args.device}, {clock}, best of {args.repeats}")
+    print(f"device {args.device}, {clock}, best of {args.repeats}, contract checks {'on' if checks_enabled() else 'off'}")
     print(f"first lantern step (neighbour table build or cache read): {time.perf_counter() - start:.2f} s")
     reference = verify_ms(tree, max(3, args.repeats // 2), args.device)
     if reference is not None:

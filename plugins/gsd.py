@@ -49,7 +49,7 @@ def build_relaxed_dist(
 ) -> Tensor:
     candidates = tree.candidates()[0].to(dist.device)
     donors = group_donors(target_dist, candidates, target.input_embeddings(), options)
-    return transfer(dist, target_dist, candidates, donors, budget.to(dist.device))[0]
+    return transfer(dist, target_dist, candidates, donors, budget.to(dist.device), distinct=True)[0]
 
 
 def group_donors(probs: Tensor, candidates: Tensor, embeddings: Tensor, options: GSDOptions) -> Tensor:

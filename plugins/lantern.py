@@ -47,4 +47,4 @@ def build_relaxed_dist(
 ) -> Tensor:
     candidates = tree.candidates()[0].to(dist.device)
     donors = codebook_donors(tokenizer, candidates, options.k, target_dist.shape[-1], "lantern")
-    return transfer(dist, target_dist, candidates, donors, budget.to(dist.device), whole=options.whole_neighbours)[0]
+    return transfer(dist, target_dist, candidates, donors, budget.to(dist.device), whole=options.whole_neighbours, distinct=True)[0]

@@ -86,4 +86,4 @@ def build_relaxed_dist(
     candidates = tree.candidates()[0].to(dist.device)
     donors = codebook_donors(tokenizer, candidates, options.k, target_dist.shape[-1], "lantern++")
     cap = options.lam * target_dist.gather(1, candidates.clamp(min=0))
-    return transfer(dist, target_dist, candidates, donors, budget.to(dist.device), cap=cap, whole=True)[0]
+    return transfer(dist, target_dist, candidates, donors, budget.to(dist.device), cap=cap, whole=True, distinct=True)[0]

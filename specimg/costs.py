@@ -26,39 +26,47 @@ import numpy as np
 import torch
 
 from specimg.cache import cache_dir
+from specimg.accept import sample_and_match
 from specimg.config import Sampling
 from specimg.models.base import Condition, Drafter, Target
 from specimg.sampling import probabilities
-from specimg.tree import DraftSession, DraftTree, pick_children
+from specimg.tree import DraftSession, DraftTree, build_dynamic
 
 VERIFY_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 LEVEL_WIDTHS = (1, 2, 4, 6, 8, 10)
 _REPEATS, _WARMUP = 5, 2
+_START_TOKENS = 3
 _memory: dict[str, CostModel] = {}
 
 
 @attrs.frozen
 class CostModel:
-    """Measured milliseconds: ``verify`` per tree size, ``draft_level`` per frontier width
-    (a drafter call, its processing and the top-k), ``draft_start`` per step and ``ar``
-    per AR token.  Sizes in between interpolate linearly; beyond, extrapolate."""
+    """Measured milliseconds: ``verify`` per tree size (the target's forward and the
+    processing of its logits), per top-k the drafting of an EAGLE-2 tree one level deep
+    (``draft_base``: the root's children picked and the tree built) and each further level
+    (``draft_level``: a drafter call for the frontier, its processing, the top-k), the
+    drafter's ``draft_start`` per step (three new tokens), ``overhead`` per step (the
+    acceptance walk, the commit, the planner's bookkeeping) and ``ar`` per AR token.
+    Sizes in between interpolate linearly; beyond, extrapolate."""
 
     key: str
     machine: str
     verify_ms: tuple[tuple[int, float], ...]
+    draft_base_ms: tuple[tuple[int, float], ...]
     draft_level_ms: tuple[tuple[int, float], ...]
     draft_start_ms: float
+    overhead_ms: float
     ar_ms: float
 
     def verify(self, nodes: np.ndarray | int) -> np.ndarray:
         return _interp(nodes, self.verify_ms)
 
     def draft(self, depth: int, topk: int) -> float:
-        """An EAGLE-2 tree: the start, then depth - 1 levels of ``topk`` fed nodes."""
-        return self.draft_start_ms + (depth - 1) * float(_interp(topk, self.draft_level_ms))
+        """An EAGLE-2 tree: the start, the first level, then depth - 1 levels of ``topk`` fed nodes."""
+        return self.draft_start_ms + float(_interp(topk, self.draft_base_ms)) + (depth - 1) * float(_interp(topk, self.draft_level_ms))
 
     def step(self, depth: int, topk: int, nodes: np.ndarray | int) -> np.ndarray:
-        return self.verify(nodes) + self.draft(depth, topk)
+        return self.verify(nodes) + self.draft(depth, topk) + self.overhead_ms
 
     def to_json(self) -> str:
         return json.dumps(attrs.asdict(self), indent=1)
@@ -66,7 +74,7 @@ class CostModel:
     @classmethod
     def from_json(cls, text: str) -> CostModel:
         data = json.loads(text)
-        for name in ("verify_ms", "draft_level_ms"):
+        for name in ("verify_ms", "draft_base_ms", "draft_level_ms"):
             data[name] = tuple((int(n), float(ms)) for n, ms in data[name])
         return cls(**data)
 
@@ -140,15 +148,17 @@ def _save(path: Any, text: str) -> None:
 
 def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
     """Fastest milliseconds of a call, after warm-up; waits for the device each time.  The
-    minimum, not the mean: other load on a shared machine only ever adds time."""
+    minimum, not the mean: other load on a shared machine only ever adds time.  ``setup``
+    runs untimed before each call and hands it its argument."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
-    def timed(call: Callable[[], Any], repeats: int = _REPEATS) -> float:
+    def timed(call: Callable[[], Any], repeats: int = _REPEATS, setup: Callable[[], Any] | None = None) -> float:
         samples = []
         for i in range(_WARMUP + repeats):
+            arg = setup() if setup else None
             sync()
             start = time.perf_counter()
-            call()
+            call(arg) if setup else call()
             sync()
             if i >= _WARMUP:
                 samples.append(1000 * (time.perf_counter() - start))
@@ -159,43 +169,85 @@ def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
 
 @torch.inference_mode()
 def measure(target: Target, drafter: Drafter, sampling: Sampling, condition: Condition, key: str = "", machine: str = "") -> CostModel:
-    """Time the step's parts at a prefix of about half an image (attention cost grows with
-    it), leaving room for the drafter's 1 + repeats + widths starts."""
+    """Time the step's parts at a prefix of about half an image (attention cost grows
+    with it), leaving room for the timed AR steps and drafter starts."""
     device = device_of(target)
     timed = _timer(device)
     capacity = min(getattr(target, "max_tree_nodes", VERIFY_SIZES[-1]), getattr(drafter, "max_tree_nodes", VERIFY_SIZES[-1]))
     prefill = target.prefill(condition, sampling.cfg)
-    drafter.prefill(condition, sampling.cfg)
-    hidden, token = prefill.hidden, torch.zeros(1, dtype=torch.long, device=device)
-    prefix = max(0, min(target.num_tokens // 2, target.num_tokens - 1 - _WARMUP - _REPEATS - len(LEVEL_WIDTHS)))
+    token = torch.zeros(1, dtype=torch.long, device=device)
+    hidden = [prefill.hidden]
+    starts = _WARMUP + _REPEATS
+    prefix = max(0, min(target.num_tokens // 2, target.num_tokens - 2 - starts * (1 + _START_TOKENS) - _REPEATS * (1 + _WARMUP)))
     for _ in range(prefix):  # one token at a time, as AR decodes it
-        hidden = target.forward_tree(token, token, torch.ones(1, 1, dtype=torch.bool, device=device)).hidden
+        hidden.append(target.forward_tree(token, token, torch.ones(1, 1, dtype=torch.bool, device=device)).hidden)
         target.commit(token)
-    drafter.start(hidden, token)
+    drafter.prefill(condition, sampling.cfg)
+    drafter.start(torch.cat(hidden, dim=1), torch.zeros(prefix + 1, dtype=torch.long, device=device))
+    last = hidden[-1]
 
     def ar_step() -> None:
         out = target.forward_tree(token, token, torch.ones(1, 1, dtype=torch.bool, device=device))
         target.commit(token)
         torch.multinomial(probabilities(out.logits, sampling)[0], 1)
 
-    ar = timed(ar_step)
     sizes = [n for n in VERIFY_SIZES if n <= capacity]
-    best = dict.fromkeys(sizes, float("inf"))
-    for _ in range(_REPEATS):  # rounds over all sizes: a burst of load spoils one round, not one size
-        for n in sizes:
-            tree = DraftTree.from_parents([0] * n, [-1] + [(i - 1) // 4 for i in range(1, n)])
+    trees = {n: DraftTree.from_parents([0] * n, [-1] + [(i - 1) // 4 for i in range(1, n)]) for n in sizes}
+    best = dict.fromkeys(["ar", *sizes], float("inf"))
+    for _ in range(_REPEATS):  # rounds over AR and every size: a burst of load spoils one round, not one size
+        best["ar"] = min(best["ar"], timed(ar_step, repeats=1))
+        for n, tree in trees.items():
             tokens, depths, mask = (t.to(device) for t in (tree.tokens, tree.depths, tree.mask))
             ms = timed(lambda: probabilities(target.forward_tree(tokens, depths, mask).logits, sampling), repeats=1)
             best[n] = min(best[n], ms)
+    ar = best.pop("ar")
     verify = list(best.items())
-    start = timed(lambda: drafter.start(hidden, token))
-    levels = []
+    news = torch.zeros(_START_TOKENS, dtype=torch.long, device=device)
+    start = timed(lambda: drafter.start(last.expand(-1, _START_TOKENS, -1), news))
+    setup, rest = _step_overhead(target, sampling, device)
+    overhead = timed(rest, setup=setup)
+    base, levels = [], []
     for width in LEVEL_WIDTHS:
-        root = drafter.start(hidden, token)
-        session = DraftSession(drafter, sampling, root, prefix, filtered=False)
-        parents, tokens = torch.zeros(width, dtype=torch.long, device=device), torch.zeros(width, dtype=torch.long, device=device)
-        levels.append((width, timed(lambda: pick_children(session.feed(parents, tokens), width, False, None))))
-    return CostModel(key, machine, _monotone(verify), _monotone(levels), start, ar)
+
+        def fresh_root() -> torch.Tensor:  # a reset drafter: its node budget must not run out
+            drafter.prefill(condition, sampling.cfg)
+            return drafter.start(prefill.hidden, token)
+
+        def draft(root: torch.Tensor, depth: int) -> DraftTree:
+            session = DraftSession(drafter, sampling, root, prefix, filtered=False)
+            return build_dynamic(session, 0, depth, width, 1 + depth * width * width)
+
+        shallow, deep = (timed(lambda root, d=depth: draft(root, d), setup=fresh_root) for depth in (1, 3))
+        base.append((width, shallow))
+        levels.append((width, max(0.0, (deep - shallow) / 2)))
+    return CostModel(key, machine, _monotone(verify), _monotone(base), _monotone(levels), start, overhead, ar)
+
+
+def _step_overhead(target: Target, sampling: Sampling, device: torch.device) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
+    """(setup, call): a step's work besides drafting and verifying, on an 8-node chain
+    whose first three drafts are accepted: the walk, the commit and the planner's
+    observation.  The setup verifies the chain, untimed."""
+    from specimg.planner import AcceptanceProfile
+
+    chain = DraftTree.from_parents([0] * 8, [-1, *range(7)])
+    tree = attrs.evolve(chain, **{f: getattr(chain, f).to(device) for f in ("tokens", "parents", "depths", "mask", "logprobs", "child_ids")})
+    dist = torch.zeros(8, target.vocab_size, device=device)
+    dist[:3, 0] = 1.0  # token 0 at depths 0-2: three accepted
+    dist[3:, 1] = 1.0
+    profile = AcceptanceProfile(device)
+    generator = torch.Generator(device).manual_seed(0)
+
+    def verify() -> None:
+        target.forward_tree(tree.tokens, tree.depths, tree.mask)
+
+    def rest(_: Any) -> None:
+        result = sample_and_match(tree, dist, generator)
+        path = torch.tensor(result.path, device=device)
+        target.commit(path)
+        tree.tokens[path[1:]].tolist()
+        profile.observe(tree, dist, result.path, sampling.greedy)
+
+    return verify, rest
 
 
 def _monotone(table: list[tuple[int, float]]) -> tuple[tuple[int, float], ...]:

@@ -62,6 +62,7 @@ class Engine:
         self.target, self.drafter, self.sampling, self.tree_config = target, drafter, sampling, tree
         self.tokenizer, self.cost_model = tokenizer, cost_model
         self.device = costs.device_of(target)
+        self.check_relax = relax.checks_enabled()
         self.plugins = plugins or get_plugin_manager()
         self._check_vocabularies()
         self.stack: Stack | None = None
@@ -177,7 +178,7 @@ class Engine:
     def relax(self, tree: DraftTree, scores: Scores) -> Tensor:
         """q_R [n, V] for one step: the stack's relaxations folded under its one budget."""
         assert self.stack is not None
-        return relax.fold(scores.probs, self.relaxers(tree, scores), self.stack.delta)
+        return relax.fold(scores.probs, self.relaxers(tree, scores), self.stack.delta, check=self.check_relax)
 
     def accept(self, tree: DraftTree, dist: Tensor, scores: Scores, generator: torch.Generator) -> Acceptance:
         """One step's acceptance by the stack's accept hook or the core's default."""

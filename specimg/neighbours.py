@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+import weakref
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ __all__ = ["CACHE_ENV", "codebook_donors", "codebook_key", "nearest_codes", "nei
 
 _CHUNK_ROWS = 512
 _memory: dict[tuple[str, int, str], Tensor] = {}
+_by_tokenizer: weakref.WeakKeyDictionary[Any, tuple[Any, Tensor]] = weakref.WeakKeyDictionary()
 
 
 def codebook_key(codebook: Tensor) -> str:
@@ -94,9 +96,22 @@ def codebook_donors(tokenizer: Any, candidates: Tensor, k: int, vocab_size: int,
     """Each candidate's k nearest codes as donors [n, C, k] (-1 where no candidate)."""
     if tokenizer is None:
         raise SpecimgError(f"method {method!r} needs the image tokenizer's codebook; pass the VQ tokenizer to the engine")
+    table = _tokenizer_table(tokenizer, k, candidates.device, vocab_size, method)
+    near = table[candidates.clamp(min=0)].long()
+    return torch.where(candidates[..., None] >= 0, near, torch.full_like(near, -1))
+
+
+def _tokenizer_table(tokenizer: Any, k: int, device: torch.device, vocab_size: int, method: str) -> Tensor:
+    """The neighbour table of a tokenizer's codebook.  A torch module's table is remembered
+    until its weights change, so a decode step neither reads nor hashes the codebook."""
+    weights = tuple((p.data_ptr(), p._version) for p in tokenizer.parameters()) if isinstance(tokenizer, torch.nn.Module) else None
+    remembered = _by_tokenizer.get(tokenizer) if weights is not None else None
+    if remembered is not None and remembered[0] == (weights, k, str(device)):
+        return remembered[1]
     codebook = tokenizer.codebook_vectors()
     if codebook.shape[0] != vocab_size:
         raise SpecimgError(f"the tokenizer's codebook has {codebook.shape[0]} codes, the target's vocabulary {vocab_size} tokens")
-    table = neighbour_table(codebook, k, candidates.device)
-    near = table[candidates.clamp(min=0)].long()
-    return torch.where(candidates[..., None] >= 0, near, torch.full_like(near, -1))
+    table = neighbour_table(codebook, k, device)
+    if weights is not None:
+        _by_tokenizer[tokenizer] = ((weights, k, str(device)), table)
+    return table
