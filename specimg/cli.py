@@ -13,14 +13,18 @@ import click
 import torch
 from tqdm import tqdm
 
-from specimg.cliopts import condition_options, method_options, model_options, sampling_from, sampling_options, tree_from, tree_options
+from specimg.cliopts import (
+    condition_options, device_from, device_options, method_options, model_options, sampling_from, sampling_options, tree_from, tree_options,
+)
 from specimg.config import LLAMAGEN_SAMPLING, Sampling
+from specimg import costs
 from specimg.engine import Engine
 from specimg.errors import SpecimgError
 from specimg.eval.bench import DEFAULT_IMAGES as BENCH_IMAGES
 from specimg.eval.prompts import class_labels
 from specimg.methods import AR, parse_options
 from specimg.plugins import get_plugin_manager
+from specimg.stats import RunStats
 from specimg.train.drafter import TrainConfig
 
 
@@ -123,18 +127,20 @@ def _base_sampling(model: str, target: str | None) -> Sampling:
 @condition_options(num_images=8)
 @sampling_options
 @tree_options
+@device_options
 @click.option("--out", type=click.Path(file_okay=False), default="out", show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads [default: 1 for the built-in models, which one thread runs fastest; torch's choice for --target]")
 def generate(**kw: Any) -> None:
     """Generate images and write PNGs, a labelled grid and a JSONL manifest."""
     if kw["threads"] or not kw["target"]:
         torch.set_num_threads(kw["threads"] or 1)
+    device, dtype = device_from(kw)
     model = kw["model"] or _default_model()
     models = _models(kw, model)
     engine = Engine(
         models.target, models.drafter, kw["method"], parse_options(kw["options"]),
         sampling_from(kw, _base_sampling(model, kw["target"])), tree_from(kw),
-        delta=kw["delta"], tokenizer=models.tokenizer,
+        delta=kw["delta"], tokenizer=models.tokenizer, device=device, dtype=dtype,
     )
     labels = class_labels(kw["class_labels"], kw["num_images"], models.num_classes)
     _write_run(engine, models, labels, kw["seed"], kw["out"])
@@ -148,6 +154,7 @@ def generate(**kw: Any) -> None:
 @condition_options(num_images=BENCH_IMAGES)
 @sampling_options
 @tree_options
+@device_options
 @click.option("--prompts", type=click.Path(dir_okay=False), help="captions for a t2i target: .txt, .jsonl, COCO captions_*.json or PartiPrompts.tsv")
 @click.option("--prompt-category", help="only the --prompts of this category (PartiPrompts)")
 @click.option("--text-encoder", help="turns --prompts into caption features: a local T5 folder or a specimg text-encoder file")
@@ -167,9 +174,12 @@ def bench(**kw: Any) -> None:
     several processes under `torchrun --nproc_per_node N -m specimg.cli bench ...`."""
     from specimg.eval.command import bench_command
 
+    from specimg.models.loading import placed
+
     torch.set_num_threads(kw["threads"])
+    device, dtype = device_from(kw)
     model = kw["model"] or _default_model()
-    models = _models(kw, model)
+    models = placed(_models(kw, model), device, dtype)
     bench_command(kw, models, model, sampling_from(kw, _base_sampling(model, kw["target"])), tree_from(kw), click.echo)
 
 
@@ -209,15 +219,20 @@ def _write_run(engine: Engine, models: Any, labels: list[int], seed: int, out: s
         "model": models.name, "method": engine.method,
         "options": engine.stack.options_dict() if engine.stack else {}, "delta": engine.stack.delta if engine.stack else 0.0,
         "sampling": attrs.asdict(engine.sampling), "tree": attrs.asdict(engine.tree_config), "seed": seed,
+        "device": engine.device.type, "dtype": str(engine.target.input_embeddings().dtype),
     }
+    if engine.auto_tree:  # auto trees depend on the cost model: a resumed run must use the same one
+        settings["cost_model"] = costs.cost_key(engine.target, engine.drafter, engine.sampling)[0]
     manifest = Manifest(os.path.join(out, "manifest.jsonl"), settings)
     todo = [i for i in range(len(labels)) if i not in manifest.done]
     forwards = tokens = 0
+    images: list[Any] = []
     start = time.perf_counter()
     with tqdm(total=len(todo) * models.target.num_tokens, unit="tok", desc=engine.method, disable=None) as bar:
         for index in todo:
             result = engine.generate([labels[index]], seed=seed + index, progress=bar.update)
             image_stats = result.stats.images[0]
+            images.append(image_stats)
             forwards, tokens = forwards + image_stats.target_forwards, tokens + image_stats.tokens
             if models.tokenizer is not None:
                 save_png_atomic(to_pil(_decode(models.tokenizer, result.tokens))[0], os.path.join(out, "images", f"{index:05d}.png"))
@@ -234,6 +249,19 @@ def _write_run(engine: Engine, models: Any, labels: list[int], seed: int, out: s
         f"{engine.method}: tau {tau:.2f} | {forwards} target forwards for {tokens} tokens | {len(todo)} images in {wall:.2f}s "
         f"| cfg {s.cfg_scale:g}, temperature {s.temperature:g}, top-k {s.top_k}, top-p {s.top_p:g} -> {out}"
     )
+    if images and engine.stack is not None:
+        click.echo(f"tree: {_tree_summary(engine, RunStats(tuple(images)))}")
+
+
+def _tree_summary(engine: Engine, stats: RunStats) -> str:
+    """The tree a run used: auto trees by share of steps, with the cost model's prediction."""
+    if not engine.auto_tree:
+        return engine.tree_label
+    steps = stats.trees()
+    total = sum(steps.values()) or 1
+    shares = ", ".join(f"{tree} ({100 * n / total:.0f}% of steps)" for tree, n in list(steps.items())[:3])
+    assert engine.cost_model is not None and stats.predicted_speedup is not None
+    return f"auto: {shares}; predicted speedup {stats.predicted_speedup:.2f}x (cost model {engine.cost_model.key}: {engine.cost_model.machine})"
 
 
 def _decode(tokenizer: Any, codes: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,10 @@ from typing import Any, TypeVar
 
 import attrs
 import click
+import torch
 
-from specimg.config import Sampling, TreeConfig
+from specimg.config import DYNAMIC_DEFAULTS, Sampling, TreeConfig
+from specimg.errors import SpecimgError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -65,14 +67,45 @@ def sampling_options(fn: F) -> F:
 
 
 def tree_options(fn: F) -> F:
-    """The draft tree's shape."""
+    """The draft tree's shape: chosen per step from the machine's cost model (auto) unless
+    a kind or a size is given."""
+    sizes = ", ".join(f"{k} {v}" for k, v in DYNAMIC_DEFAULTS.items())
     return _apply([
-        click.option("--tree", "tree_kind", type=click.Choice(["dynamic", "chain", "static"]), default="dynamic", show_default=True),
-        click.option("--depth", type=click.IntRange(min=1), default=TreeConfig().depth, show_default=True),
-        click.option("--topk", type=click.IntRange(min=1), default=TreeConfig().topk, show_default=True, help="children per expanded node"),
-        click.option("--total-tokens", type=click.IntRange(min=1), default=TreeConfig().total_tokens, show_default=True, help="tree size budget"),
+        click.option("--tree", "tree_kind", type=click.Choice(["auto", "dynamic", "chain", "static"]), default=None, help="auto: the EAGLE-2 tree with the most expected tokens per second on this machine [default: auto, or dynamic when a size is given]"),
+        click.option("--depth", type=click.IntRange(min=1), default=None, help=f"tree depth (dynamic, chain) [default for dynamic: {sizes}]"),
+        click.option("--topk", type=click.IntRange(min=1), default=None, help="children per expanded node (dynamic)"),
+        click.option("--total-tokens", type=click.IntRange(min=1), default=None, help="tree size budget (dynamic)"),
         click.option("--sample-drafts", is_flag=True, help="draw draft children instead of taking the drafter's top-k"),
     ])(fn)
+
+
+def device_options(fn: F) -> F:
+    """Where the models run and in which floating type."""
+    return _apply([
+        click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto (a GPU when there is one)"),
+        click.option("--dtype", type=click.Choice(list(DTYPES)), default="float32", show_default=True, help="the models' floating type (probabilities stay float32)"),
+    ])(fn)
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def device_from(kw: dict[str, Any]) -> tuple[torch.device, torch.dtype]:
+    """--device and --dtype, checked against this machine."""
+    name = kw["device"].strip().lower()
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise SpecimgError(f"--device {kw['device']!r} is not a device; give cpu, cuda, cuda:N or auto") from None
+    if device.type not in ("cpu", "cuda"):
+        raise SpecimgError(f"--device {kw['device']!r}: specimg runs on cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SpecimgError(f"--device {kw['device']!r}: this torch build or machine has no CUDA GPU; use --device cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise SpecimgError(f"--device {kw['device']!r}: this machine has {torch.cuda.device_count()} GPU(s)")
+    return device, DTYPES[kw["dtype"]]
 
 
 def sampling_from(kw: dict[str, Any], base: Sampling) -> Sampling:
@@ -83,4 +116,6 @@ def sampling_from(kw: dict[str, Any], base: Sampling) -> Sampling:
 
 
 def tree_from(kw: dict[str, Any]) -> TreeConfig:
+    if kw["tree_kind"] == "static":
+        raise SpecimgError("--tree static takes rank paths, which the command line cannot give; use a method that brings its tree (lantern++) or the Python API")
     return TreeConfig(kw["tree_kind"], kw["depth"], kw["topk"], kw["total_tokens"], sample=kw["sample_drafts"])

@@ -169,26 +169,21 @@ def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
 
 @torch.inference_mode()
 def measure(target: Target, drafter: Drafter, sampling: Sampling, condition: Condition, key: str = "", machine: str = "") -> CostModel:
-    """Time the step's parts at a prefix of about half an image (attention cost grows
-    with it), leaving room for the timed AR steps and drafter starts."""
+    """Time the step's parts; the verify forwards at a prefix of half an image, since
+    attention cost grows with it.  Nothing timed advances a cache for good, so any image
+    size leaves room."""
     device = device_of(target)
     timed = _timer(device)
     capacity = min(getattr(target, "max_tree_nodes", VERIFY_SIZES[-1]), getattr(drafter, "max_tree_nodes", VERIFY_SIZES[-1]))
     prefill = target.prefill(condition, sampling.cfg)
     token = torch.zeros(1, dtype=torch.long, device=device)
-    hidden = [prefill.hidden]
-    starts = _WARMUP + _REPEATS
-    prefix = max(0, min(target.num_tokens // 2, target.num_tokens - 2 - starts * (1 + _START_TOKENS) - _REPEATS * (1 + _WARMUP)))
-    for _ in range(prefix):  # one token at a time, as AR decodes it
-        hidden.append(target.forward_tree(token, token, torch.ones(1, 1, dtype=torch.bool, device=device)).hidden)
+    last = prefill.hidden
+    for _ in range(target.num_tokens // 2):  # one token at a time, as AR decodes it
+        last = target.forward_tree(token, token, torch.ones(1, 1, dtype=torch.bool, device=device)).hidden
         target.commit(token)
-    drafter.prefill(condition, sampling.cfg)
-    drafter.start(torch.cat(hidden, dim=1), torch.zeros(prefix + 1, dtype=torch.long, device=device))
-    last = hidden[-1]
 
-    def ar_step() -> None:
+    def ar_step() -> None:  # no commit, so the prefix stays put; the commit's cost is in the overhead
         out = target.forward_tree(token, token, torch.ones(1, 1, dtype=torch.bool, device=device))
-        target.commit(token)
         torch.multinomial(probabilities(out.logits, sampling)[0], 1)
 
     sizes = [n for n in VERIFY_SIZES if n <= capacity]
@@ -203,8 +198,8 @@ def measure(target: Target, drafter: Drafter, sampling: Sampling, condition: Con
     ar = best.pop("ar")
     verify = list(best.items())
     news = torch.zeros(_START_TOKENS, dtype=torch.long, device=device)
-    start = timed(lambda: drafter.start(last.expand(-1, _START_TOKENS, -1), news))
-    setup, rest = _step_overhead(target, sampling, device)
+    start = timed(lambda _: drafter.start(last.expand(-1, _START_TOKENS, -1), news), setup=lambda: drafter.prefill(condition, sampling.cfg))
+    setup, rest = _step_overhead(target, sampling, condition, device)
     overhead = timed(rest, setup=setup)
     base, levels = [], []
     for width in LEVEL_WIDTHS:
@@ -214,7 +209,7 @@ def measure(target: Target, drafter: Drafter, sampling: Sampling, condition: Con
             return drafter.start(prefill.hidden, token)
 
         def draft(root: torch.Tensor, depth: int) -> DraftTree:
-            session = DraftSession(drafter, sampling, root, prefix, filtered=False)
+            session = DraftSession(drafter, sampling, root, 0, filtered=False)
             return build_dynamic(session, 0, depth, width, 1 + depth * width * width)
 
         shallow, deep = (timed(lambda root, d=depth: draft(root, d), setup=fresh_root) for depth in (1, 3))
@@ -223,10 +218,10 @@ def measure(target: Target, drafter: Drafter, sampling: Sampling, condition: Con
     return CostModel(key, machine, _monotone(verify), _monotone(base), _monotone(levels), start, overhead, ar)
 
 
-def _step_overhead(target: Target, sampling: Sampling, device: torch.device) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
+def _step_overhead(target: Target, sampling: Sampling, condition: Condition, device: torch.device) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
     """(setup, call): a step's work besides drafting and verifying, on an 8-node chain
     whose first three drafts are accepted: the walk, the commit and the planner's
-    observation.  The setup verifies the chain, untimed."""
+    observation.  The setup restarts the image and verifies the chain, untimed."""
     from specimg.planner import AcceptanceProfile
 
     chain = DraftTree.from_parents([0] * 8, [-1, *range(7)])
@@ -238,6 +233,7 @@ def _step_overhead(target: Target, sampling: Sampling, device: torch.device) -> 
     generator = torch.Generator(device).manual_seed(0)
 
     def verify() -> None:
+        target.prefill(condition, sampling.cfg)
         target.forward_tree(tree.tokens, tree.depths, tree.mask)
 
     def rest(_: Any) -> None:

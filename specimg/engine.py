@@ -66,6 +66,7 @@ class Engine:
         self.plugins = plugins or get_plugin_manager()
         self._check_vocabularies()
         self.stack: Stack | None = None
+        self._own_tree = False
         if method.strip() == AR:
             if options:
                 raise SpecimgError("method 'ar' takes no options")
@@ -74,6 +75,7 @@ class Engine:
         if drafter is None:
             raise SpecimgError(f"method {self.stack.name!r} drafts tokens and needs a drafter")
         self._propose = self._firstresult_caller("propose_tree")
+        self._own_tree = bool(self.plugins.implementers("propose_tree", self.stack.members))
         self._score = self._firstresult_caller("score")
         self._accept = self._firstresult_caller("accept")
         self._relaxers = [
@@ -125,7 +127,23 @@ class Engine:
 
     @property
     def auto_tree(self) -> bool:
-        return self.stack is not None and self.tree_config.kind == "auto"
+        """Whether the planner shapes the trees: an auto config, and no method in the stack
+        that brings its own tree (lantern++)."""
+        return self.stack is not None and self.tree_config.kind == "auto" and not self._own_tree
+
+    @property
+    def tree_label(self) -> str:
+        """The tree this engine drafts, in words."""
+        config = self.tree_config
+        if self.stack is None:
+            return "-"
+        if self._own_tree:
+            return f"{self.plugins.implementers('propose_tree', self.stack.members)[0]}'s own"
+        if config.kind == "auto":
+            return "auto"
+        if config.kind == "dynamic":
+            return f"depth {config.depth}, top-k {config.topk}, {config.total_tokens} nodes"
+        return f"chain of {config.depth}" if config.kind == "chain" else f"static, {len(config.rank_paths)} paths"
 
     def planner(self) -> TreePlanner:
         """A fresh tree planner for one image (auto trees): each image adapts on its own, so

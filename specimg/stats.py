@@ -46,7 +46,7 @@ class ImageStats:
             "seconds": {k: round(v, 5) for k, v in self.seconds.items()},
             "tree_sizes": self.tree_sizes,
             "accepted": self.accepted,
-            **({"trees": self.trees, "predicted_speedup": round(self.predicted_speedup, 4)} if self.trees else {}),
+            **({"trees": self.trees, "predicted_ms": round(self.predicted_ms, 4), "predicted_ar_ms": round(self.predicted_ar_ms, 4)} if self.trees else {}),
         }
 
 

@@ -35,6 +35,7 @@ from typing import Any
 import attrs
 import torch
 
+from specimg import costs
 from specimg.config import Sampling, TreeConfig
 from specimg.engine import Engine
 from specimg.errors import SpecimgError
@@ -247,7 +248,7 @@ def run_bench(
         os.makedirs(out, exist_ok=True)
     state.wait_for_everyone()
     engines = dict(engines) if engines is not None else build_engines(models, spec)
-    settings = spec.settings(models.name)
+    settings = {**spec.settings(models.name), **_placement(models, engines)}
     own = _manifest_path(out, rank)
     done: dict[int, dict[str, Any]] = {}
     for path in sorted(set(glob.glob(os.path.join(out, "manifest*.jsonl"))) - {own}):
@@ -300,6 +301,17 @@ def run_bench(
     return BenchRun(records, computed, engines)
 
 
+def _placement(models: Any, engines: Mapping[str, Engine]) -> dict[str, Any]:
+    """Settings that change the images besides the spec: device, dtype, and for auto trees
+    the cost model that shapes them."""
+    weights = models.target.input_embeddings()
+    out: dict[str, Any] = {"device": weights.device.type, "dtype": str(weights.dtype)}
+    auto = next((e for e in engines.values() if e.auto_tree), None)
+    if auto is not None:
+        out["cost_model"] = costs.cost_key(auto.target, auto.drafter, auto.sampling)[0]
+    return out
+
+
 def _strip(entry: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in entry.items() if k not in ("settings", "index")}
 
@@ -332,6 +344,7 @@ def summarise(
         wall = sum(r["stats"]["wall_s"] for r in rs)
         steps = [a for r in rs for a in r["stats"]["accepted"]]
         sizes = [s for r in rs for s in r["stats"]["tree_sizes"]]
+        predicted_ms = sum(r["stats"].get("predicted_ms", 0.0) for r in rs)
         rows.append({
             **v.as_dict(),
             "images": n,
@@ -341,6 +354,8 @@ def summarise(
             "speedup": ar_wall / wall if wall > 0 else float("nan"),
             "mean_accepted": sum(steps) / len(steps) if steps else 0.0,
             "mean_tree_size": sum(sizes) / len(sizes) if sizes else 0.0,
+            "tree": _tree_used(rs, engines[v.label] if engines and v.label in engines else None),
+            "predicted_speedup": sum(r["stats"].get("predicted_ar_ms", 0.0) for r in rs) / predicted_ms if predicted_ms else None,
             "phase_s_per_image": {p: sum(r["stats"]["seconds"].get(p, 0.0) for r in rs) / max(1, n) for p in PHASES},
         })
         stack = engines[v.label].stack if engines is not None and v.label in engines else None
@@ -355,6 +370,19 @@ def summarise(
         summary["floors"] = {k: (m.as_dict() if hasattr(m, "as_dict") else m) for k, m in floors.items()}
         summary["notes"] = list(quality.notes)
     return summary
+
+
+def _tree_used(records: Sequence[Mapping[str, Any]], engine: Engine | None) -> str:
+    """An auto tree's most used shape (by steps), else the engine's tree in words."""
+    steps: dict[str, int] = {}
+    for r in records:
+        trees, taken = r["stats"].get("trees", []), len(r["stats"]["accepted"])
+        for (start, depth, topk, nodes), end in zip(trees, [t[0] for t in trees[1:]] + [taken]):
+            key = f"auto {depth}/{topk}/{nodes}"
+            steps[key] = steps.get(key, 0) + end - start
+    if steps:
+        return max(steps, key=lambda k: steps[k])
+    return engine.tree_label if engine is not None else "-"
 
 
 # ----------------------------------------------------------------------------- outputs
@@ -379,12 +407,16 @@ def _fmt(x: float | None, digits: int = 2) -> str:
 def markdown_table(summary: Mapping[str, Any]) -> str:
     rows = summary["variants"]
     cols = [c for c in _QUALITY_COLUMNS if any(_q(r, c[0]) is not None for r in rows)]
-    head = ["method", "tau", "fwd/img", "s/img", "speedup"] + [
+    head = ["method", "tree", "tau", "fwd/img", "s/img", "speedup", "predicted"] + [
         f"{name} (n={_n(rows, key)})" if key in ("frechet_real", "frechet_ar", "fid") else name for key, name in cols
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
     for r in rows:
-        cells = [r["label"], _fmt(r["tau"]), _fmt(r["forwards_per_image"], 1), _fmt(r["wall_per_image_s"], 2), _fmt(r["speedup"]) + "x"]
+        predicted = r.get("predicted_speedup")
+        cells = [
+            r["label"], r.get("tree", "-"), _fmt(r["tau"]), _fmt(r["forwards_per_image"], 1), _fmt(r["wall_per_image_s"], 2),
+            _fmt(r["speedup"]) + "x", "-" if predicted is None else _fmt(predicted) + "x",
+        ]
         cells += [_fmt(_q(r, key), 3) if key in ("accuracy", "loglik") else _sig(_q(r, key)) for key, _ in cols]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -406,7 +438,7 @@ def _n(rows: Sequence[Mapping[str, Any]], key: str) -> str:
 
 
 CSV_FIELDS = (
-    "label", "method", "sweep", "images", "tau", "forwards_per_image", "wall_per_image_s", "speedup", "mean_accepted",
+    "label", "method", "sweep", "images", "tree", "tau", "forwards_per_image", "wall_per_image_s", "speedup", "predicted_speedup", "mean_accepted",
     "mean_tree_size", "frechet_real", "frechet_real_n", "frechet_ar", "fid", "fid_n", "accuracy", "clip", "loglik", "loglik_raw",
 )
 

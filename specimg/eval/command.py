@@ -10,11 +10,13 @@ from typing import Any
 
 import torch
 
+from specimg import costs
 from specimg.config import Sampling, TreeConfig
 from specimg.errors import SpecimgError
 from specimg.eval.bench import BenchSpec, build_engines, plan_variants, run_bench, save_sample_grid, summarise, write_outputs
 from specimg.methods import parse_options
 from specimg.plugins import get_plugin_manager
+from specimg.relax import checks_enabled
 
 def conditions_for(models: Any, kw: dict[str, Any]) -> tuple[list[Any], list[Any], list[str] | None]:
     """(conditions, their JSON keys, captions or None) from --class-labels or --prompts."""
@@ -123,7 +125,11 @@ def bench_command(kw: dict[str, Any], models: Any, model_name: str, sampling: Sa
     extra = {
         "model": models.name, "num_processes": state.num_processes, "computed_this_run": run.computed,
         "runtime_s": round(time.perf_counter() - start, 1), "plan_notes": notes,
+        "relax_checks": checks_enabled(), "device": str(costs.device_of(models.target)), "threads": torch.get_num_threads(),
     }
+    cost_model = next((e.cost_model for e in run.engines.values() if e.cost_model is not None), None)
+    if cost_model is not None:
+        extra["cost_model"] = {"key": cost_model.key, "machine": cost_model.machine}
     paths = write_outputs(summary, spec, kw["out"], extra)
     if models.tokenizer is not None:
         save_sample_grid(run.records, spec, models.tokenizer, os.path.join(kw["out"], "samples.png"))

@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 import attrs
+import torch
 
 from specimg.models.eagle import EagleDrafter, build_drafter, load_drafter
 from specimg.models.llamagen import LlamaGenTarget, build_target, load_target
@@ -27,6 +28,12 @@ class Models:
     @property
     def num_classes(self) -> int:
         return self.target.config.num_classes
+
+
+def placed(models: Models, device: torch.device | str, dtype: torch.dtype | None = None) -> Models:
+    """The same models on ``device`` (and in ``dtype``, floating weights only)."""
+    moved = [m if m is None else (m.to(device=device, dtype=dtype) if dtype else m.to(device)) for m in (models.target, models.drafter, models.tokenizer)]
+    return attrs.evolve(models, target=moved[0], drafter=moved[1], tokenizer=moved[2])
 
 
 def tiny_random(seed: int = 0) -> Models:
