@@ -244,7 +244,7 @@ def _decode(tokenizer: Any, codes: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- drafter training
 
 
-def _train_target(spec: str, preset: str, config: tuple[str, ...] = ()) -> Any:
+def _train_target(spec: str, preset: str | None, config: tuple[str, ...] = ()) -> Any:
     """``--target`` of the training commands: a LlamaGen checkpoint (shaped by ``--preset``
     and ``--target-config``), ``demo`` (the embedded demo bundle's target) or ``tiny-random``."""
     overrides = _overrides(config, "--target-config")
@@ -271,7 +271,7 @@ def _label_list(text: str | None, num_classes: int) -> tuple[int, ...]:
 
 @cli.command("make-drafter-data")
 @click.option("--target", required=True, help="LlamaGen GPT checkpoint, 'demo' or 'tiny-random'")
-@click.option("--preset", default="GPT-B", show_default=True, help="shape of the --target checkpoint")
+@click.option("--preset", default=None, help="LlamaGen preset of the --target checkpoint (GPT-B ... GPT-7B) [default: what the checkpoint says, else GPT-B]")
 @click.option("--target-config", multiple=True, metavar="KEY=VALUE", help="override a GPTConfig field, e.g. block_size=576")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="data folder (resumed if it holds the same run)")
 @click.option("--tokens", "tokens_file", type=click.Path(dir_okay=False), help="teacher-force these sequences (safetensors: 'tokens' [M, N], optional 'labels' [M]) instead of sampling")
@@ -315,7 +315,7 @@ def make_drafter_data_command(**kw: Any) -> None:
 
 @cli.command("train-drafter")
 @click.option("--target", required=True, help="LlamaGen GPT checkpoint, 'demo' or 'tiny-random' (the one that made --data)")
-@click.option("--preset", default="GPT-B", show_default=True, help="shape of the --target checkpoint")
+@click.option("--preset", default=None, help="LlamaGen preset of the --target checkpoint (GPT-B ... GPT-7B) [default: what the checkpoint says, else GPT-B]")
 @click.option("--target-config", multiple=True, metavar="KEY=VALUE", help="override a GPTConfig field, e.g. block_size=576")
 @click.option("--data", required=True, type=click.Path(file_okay=False), help="a folder made by make-drafter-data")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="run folder; a run started again on it resumes")

@@ -36,7 +36,7 @@ def model_options(fn: F) -> F:
     return _apply([
         click.option("--model", default=None, help="built-in models when no --target is given: demo, demo-cascade (its drafter trained with CASCADE's loss) or tiny-random [default: demo when its bundle is installed]"),
         click.option("--target", type=click.Path(dir_okay=False), help="LlamaGen GPT checkpoint"),
-        click.option("--preset", default="GPT-B", show_default=True, help="shape of the --target checkpoint"),
+        click.option("--preset", default=None, help="LlamaGen preset of the --target checkpoint (GPT-B ... GPT-7B) [default: what the checkpoint says, else GPT-B]"),
         click.option("--target-config", multiple=True, metavar="KEY=VALUE", help="override a GPTConfig field, e.g. block_size=576"),
         click.option("--drafter", type=click.Path(dir_okay=False), help="EAGLE drafter weights (safetensors)"),
         click.option("--tokenizer", type=click.Path(dir_okay=False), help="LlamaGen VQ tokenizer checkpoint"),

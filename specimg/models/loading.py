@@ -37,7 +37,7 @@ def tiny_random(seed: int = 0) -> Models:
 
 def from_paths(
     target: str | os.PathLike[str],
-    preset: str = "GPT-B",
+    preset: str | None = None,
     drafter: str | os.PathLike[str] | None = None,
     tokenizer: str | os.PathLike[str] | None = None,
     target_overrides: dict[str, Any] | None = None,
