@@ -64,6 +64,15 @@ def methods() -> None:
             click.echo(f"    {name}.{field.name} = {field.default!r}")
 
 
+@cli.command()
+def models() -> None:
+    """List the supported model families and presets, and how to point at each."""
+    from specimg.models.families import catalogue
+
+    for line in catalogue():
+        click.echo(line)
+
+
 def _overrides(pairs: tuple[str, ...], flag: str) -> dict[str, Any]:
     """``("block_size=576", "model_type=t2i")`` -> keyword overrides, values read as JSON
     where they parse (numbers, booleans, lists) and as strings otherwise."""
@@ -245,8 +254,9 @@ def _decode(tokenizer: Any, codes: torch.Tensor) -> torch.Tensor:
 
 
 def _train_target(spec: str, preset: str | None, config: tuple[str, ...] = ()) -> Any:
-    """``--target`` of the training commands: a LlamaGen checkpoint (shaped by ``--preset``
-    and ``--target-config``), ``demo`` (the embedded demo bundle's target) or ``tiny-random``."""
+    """``--target`` of the training commands: a checkpoint (a LlamaGen file shaped by what it
+    says, ``--preset`` and ``--target-config``), ``demo`` (the embedded demo bundle's target)
+    or ``tiny-random``."""
     overrides = _overrides(config, "--target-config")
     if overrides and spec in ("tiny-random", "demo"):
         raise SpecimgError(f"--target-config goes with a checkpoint path, not --target {spec}")
@@ -258,9 +268,9 @@ def _train_target(spec: str, preset: str | None, config: tuple[str, ...] = ()) -
         from specimg.models.demo import load_demo
 
         return load_demo().target
-    from specimg.models.llamagen import load_target
+    from specimg.models import load_target
 
-    return load_target(spec, preset, **overrides)
+    return load_target(spec, **({"preset": preset} if preset else {}), **overrides)
 
 
 def _label_list(text: str | None, num_classes: int) -> tuple[int, ...]:

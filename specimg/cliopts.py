@@ -35,7 +35,7 @@ def model_options(fn: F) -> F:
     """The built-in models or a target / drafter / tokenizer from paths."""
     return _apply([
         click.option("--model", default=None, help="built-in models when no --target is given: demo, demo-cascade (its drafter trained with CASCADE's loss) or tiny-random [default: demo when its bundle is installed]"),
-        click.option("--target", type=click.Path(dir_okay=False), help="LlamaGen GPT checkpoint"),
+        click.option("--target", type=click.Path(), help="target checkpoint: a LlamaGen file, or a Hugging Face folder of another family (see `specimg models`)"),
         click.option("--preset", default=None, help="LlamaGen preset of the --target checkpoint (GPT-B ... GPT-7B) [default: what the checkpoint says, else GPT-B]"),
         click.option("--target-config", multiple=True, metavar="KEY=VALUE", help="override a GPTConfig field, e.g. block_size=576"),
         click.option("--drafter", type=click.Path(dir_okay=False), help="EAGLE drafter weights (safetensors)"),
