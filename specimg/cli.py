@@ -13,7 +13,8 @@ import click
 import torch
 from tqdm import tqdm
 
-from specimg.cliopts import condition_options, method_options, model_options, sampling_from, sampling_options, tree_from, tree_options
+from specimg.cliopts import condition_options, method_options, model_options, prompt_options, sampling_from, sampling_options, tree_from, tree_options
+from specimg.conditions import Conditions, conditions_for, shorten
 from specimg.config import LLAMAGEN_SAMPLING, Sampling
 from specimg.engine import Engine
 from specimg.errors import SpecimgError
@@ -130,12 +131,14 @@ def _base_sampling(model: str, target: str | None) -> Sampling:
 @method_options
 @model_options
 @condition_options(num_images=8)
+@prompt_options
 @sampling_options
 @tree_options
 @click.option("--out", type=click.Path(file_okay=False), default="out", show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads [default: 1 for the built-in models, which one thread runs fastest; torch's choice for --target]")
 def generate(**kw: Any) -> None:
-    """Generate images and write PNGs, a labelled grid and a JSONL manifest."""
+    """Generate images and write PNGs, a labelled grid and a JSONL manifest.  A c2i target
+    takes --class-labels, a t2i one --prompt / --prompts with --text-encoder."""
     if kw["threads"] or not kw["target"]:
         torch.set_num_threads(kw["threads"] or 1)
     model = kw["model"] or _default_model()
@@ -145,8 +148,7 @@ def generate(**kw: Any) -> None:
         sampling_from(kw, _base_sampling(model, kw["target"])), tree_from(kw),
         delta=kw["delta"], tokenizer=models.tokenizer,
     )
-    labels = class_labels(kw["class_labels"], kw["num_images"], models.num_classes)
-    _write_run(engine, models, labels, kw["seed"], kw["out"])
+    _write_run(engine, models, conditions_for(models.target, kw), kw["seed"], kw["out"])
 
 
 @cli.command()
@@ -157,9 +159,7 @@ def generate(**kw: Any) -> None:
 @condition_options(num_images=BENCH_IMAGES)
 @sampling_options
 @tree_options
-@click.option("--prompts", type=click.Path(dir_okay=False), help="captions for a t2i target: .txt, .jsonl, COCO captions_*.json or PartiPrompts.tsv")
-@click.option("--prompt-category", help="only the --prompts of this category (PartiPrompts)")
-@click.option("--text-encoder", help="turns --prompts into caption features: a local T5 folder or a specimg text-encoder file")
+@prompt_options
 @click.option("--classifier", type=click.Path(dir_okay=False), help="demo-format classifier for accuracy and Frechet distances [default: the demo bundle's]")
 @click.option("--num-real", type=click.IntRange(min=2), default=1000, show_default=True, help="reference images for Frechet distance / FID")
 @click.option("--real-images", type=click.Path(file_okay=False), help="folder of reference images for FID")
@@ -209,7 +209,7 @@ def train_demo(out: str, scale: str, threads: int | None, keep_work: bool) -> No
     )
 
 
-def _write_run(engine: Engine, models: Any, labels: list[int], seed: int, out: str) -> None:
+def _write_run(engine: Engine, models: Any, conditions: Conditions, seed: int, out: str) -> None:
     from specimg.images import make_grid, save_png_atomic, to_pil
     from specimg.manifest import Manifest
 
@@ -220,22 +220,24 @@ def _write_run(engine: Engine, models: Any, labels: list[int], seed: int, out: s
         "sampling": attrs.asdict(engine.sampling), "tree": attrs.asdict(engine.tree_config), "seed": seed,
     }
     manifest = Manifest(os.path.join(out, "manifest.jsonl"), settings)
-    todo = [i for i in range(len(labels)) if i not in manifest.done]
+    todo = [i for i in range(len(conditions.values)) if i not in manifest.done]
     forwards = tokens = 0
     start = time.perf_counter()
     with tqdm(total=len(todo) * models.target.num_tokens, unit="tok", desc=engine.method, disable=None) as bar:
         for index in todo:
-            result = engine.generate([labels[index]], seed=seed + index, progress=bar.update)
+            result = engine.generate([conditions.values[index]], seed=seed + index, progress=bar.update)
             image_stats = result.stats.images[0]
             forwards, tokens = forwards + image_stats.target_forwards, tokens + image_stats.tokens
             if models.tokenizer is not None:
                 save_png_atomic(to_pil(_decode(models.tokenizer, result.tokens))[0], os.path.join(out, "images", f"{index:05d}.png"))
-            manifest.add(index, {"condition": labels[index], "seed": seed + index, "tokens": result.tokens[0].tolist(), "stats": image_stats.as_dict()})
+            condition = {"prompt": conditions.keys[index]} if conditions.prompts is not None else {"condition": conditions.keys[index]}
+            manifest.add(index, {**condition, "seed": seed + index, "tokens": result.tokens[0].tolist(), "stats": image_stats.as_dict()})
     wall = time.perf_counter() - start
     if models.tokenizer is not None:
         entries = [manifest.done[i] for i in sorted(manifest.done)]
         codes = torch.tensor([e["tokens"] for e in entries])
-        grid = make_grid(_decode(models.tokenizer, codes), nrow=min(8, len(entries)), labels=[f"class {e['condition']}" for e in entries])
+        labels = [shorten(e["prompt"]) if "prompt" in e else f"class {e['condition']}" for e in entries]
+        grid = make_grid(_decode(models.tokenizer, codes), nrow=min(8, len(entries)), labels=labels)
         save_png_atomic(grid, os.path.join(out, "grid.png"))
     tau = tokens / max(1, forwards)
     s = engine.sampling

@@ -53,6 +53,16 @@ def condition_options(num_images: int) -> Callable[[F], F]:
     ])
 
 
+def prompt_options(fn: F) -> F:
+    """Prompts for a t2i target and the text encoder that turns them into caption features."""
+    return _apply([
+        click.option("--prompt", multiple=True, metavar="TEXT", help="a prompt for a t2i target (repeatable; cycled over the images)"),
+        click.option("--prompts", type=click.Path(dir_okay=False), help="prompts for a t2i target from a file: .txt, .jsonl, COCO captions_*.json or PartiPrompts.tsv"),
+        click.option("--prompt-category", help="only the --prompts of this category (PartiPrompts)"),
+        click.option("--text-encoder", help="turns prompts into caption features: a local T5 folder (flan-t5-xl for LlamaGen) or a specimg text-encoder file"),
+    ])(fn)
+
+
 def sampling_options(fn: F) -> F:
     """LlamaGen's sampling: CFG, temperature, top-k, top-p."""
     return _apply([

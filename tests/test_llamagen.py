@@ -256,7 +256,7 @@ def test_inference_mode_caches_and_low_precision() -> None:
 
 # ----------------------------------------------------------------------------- self-describing checkpoints
 
-TINY_SHAPE = dict(n_layer=2, n_head=4, dim=64, multiple_of=32)
+TINY_SHAPE = dict(n_layer=2, n_head=4, dim=64, multiple_of=32)  # the tiny_preset fixture's GPT-T
 
 
 def official_args(**fields: object) -> argparse.Namespace:
@@ -264,12 +264,6 @@ def official_args(**fields: object) -> argparse.Namespace:
     base = dict(gpt_model="GPT-T", gpt_type="c2i", vocab_size=64, cls_token_num=1, image_size=64, downsample_size=16,
                 num_classes=10, dropout_p=0.1, lr=1e-4, results_dir="results")
     return argparse.Namespace(**{**base, **fields})
-
-
-@pytest.fixture
-def tiny_preset(monkeypatch):
-    """A tiny model size named like the official ones, so a tiny file's args can name it."""
-    monkeypatch.setitem(PRESETS, "GPT-T", TINY_SHAPE)
 
 
 def test_checkpoint_with_args_loads_from_its_path_alone(tmp_path, tiny_preset) -> None:
