@@ -14,7 +14,7 @@ import torch
 from tqdm import tqdm
 
 from specimg.cliopts import condition_options, method_options, model_options, prompt_options, sampling_from, sampling_options, tree_from, tree_options
-from specimg.conditions import Conditions, conditions_for, shorten
+from specimg.conditions import Conditions, conditions_for, sample_captions, shorten
 from specimg.config import LLAMAGEN_SAMPLING, Sampling
 from specimg.engine import Engine
 from specimg.errors import SpecimgError
@@ -289,6 +289,7 @@ def _label_list(text: str | None, num_classes: int) -> tuple[int, ...]:
 @click.option("--tokens", "tokens_file", type=click.Path(dir_okay=False), help="teacher-force these sequences (safetensors: 'tokens' [M, N], optional 'labels' [M]) instead of sampling")
 @click.option("--num-samples", "-n", type=click.IntRange(min=1), help="images to sample (self-distillation) or to take from --tokens")
 @click.option("--class-labels", help="comma-separated class ids, cycled over the samples [default: 0, 1, 2, ...]")
+@prompt_options
 @click.option("--seed", type=int, default=0, show_default=True, help="sample i uses seed + i")
 @sampling_options
 @click.option("--uncond/--no-uncond", default=None, help="also store every sequence under the null class [default: when the target has one]")
@@ -298,8 +299,9 @@ def _label_list(text: str | None, num_classes: int) -> tuple[int, ...]:
 @click.option("--cpu", is_flag=True, help="stay on the CPU even if a GPU is present")
 def make_drafter_data_command(**kw: Any) -> None:
     """Generate drafter training data once: the target's teacher-forced features on
-    self-sampled (or given) token sequences, as safetensors shards.  Runs on several
-    processes under `accelerate launch`."""
+    self-sampled (or given) token sequences, as safetensors shards.  A c2i target samples
+    under --class-labels, a t2i one under --prompt / --prompts with --text-encoder.  Runs
+    on several processes under `accelerate launch`."""
     from accelerate import PartialState
 
     from specimg.train.data import DataSpec, make_drafter_data
@@ -307,8 +309,10 @@ def make_drafter_data_command(**kw: Any) -> None:
     state = PartialState(cpu=kw["cpu"])
     target = _train_target(kw["target"], kw["preset"], kw["target_config"]).to(state.device)
     sampling = sampling_from(kw, _base_sampling(kw["target"], None))
+    captions, prompts = sample_captions(target, kw)
     spec = DataSpec(
         num_samples=kw["num_samples"], labels=_label_list(kw["class_labels"], target.config.num_classes),
+        captions=captions, prompts=prompts,
         tokens_file=kw["tokens_file"], sampling=sampling, seed=kw["seed"], uncond=kw["uncond"], dtype=kw["dtype"],
         shard_size=kw["shard_size"], batch_size=kw["batch_size"],
     )

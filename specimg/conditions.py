@@ -73,3 +73,14 @@ def conditions_for(target: Any, kw: dict[str, Any]) -> Conditions:
     config = target.config
     captions = captions_for_target(load_text_encoder(kw["text_encoder"]), texts, config.cls_token_num, config.caption_dim)
     return Conditions(list(captions), list(texts), texts)
+
+
+def sample_captions(target: Any, kw: dict[str, Any]) -> tuple[tuple[Condition, ...], tuple[str, ...]]:
+    """``make-drafter-data``'s captions, one per sample (``num_samples``), and their prompts;
+    none for a c2i target, which samples under class labels."""
+    if not (is_t2i(target) or kw.get("prompt") or kw.get("prompts")):
+        return (), ()
+    if kw.get("num_samples") is None:
+        raise SpecimgError("drafter data from prompts needs --num-samples")
+    conditions = conditions_for(target, {**kw, "num_images": kw["num_samples"]})
+    return tuple(conditions.values), tuple(conditions.keys)

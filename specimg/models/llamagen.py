@@ -308,12 +308,12 @@ class LlamaGenTarget(nn.Module):
         rows = cfg_rows(cfg)
         self._ensure_cache(rows)
         cls = self.config.cls_token_num
-        x, caption_mask = self._embed_condition(condition, cfg)
+        x, caption_mask = self.embed_condition(condition, cfg)
         mask = None
         self._valid.fill_(True)
         if caption_mask is not None:
             self._valid[0, :cls] = caption_mask
-            mask = self._condition_mask(caption_mask[None])[0]
+            mask = self.condition_mask(caption_mask[None])[0]
         h = self._run(x, self.rope[:cls], mask, 0)
         self._len, self._pending = cls, 0
         return self._head(h[:, -1:])
@@ -370,7 +370,7 @@ class LlamaGenTarget(nn.Module):
         s = x.shape[1]
         mask = torch.ones(s, s, dtype=torch.bool, device=device).tril()
         if caption_mask is not None:
-            mask = self._condition_mask(caption_mask, s)[:, None]
+            mask = self.condition_mask(caption_mask, s)[:, None]
         h = x
         for layer in self.layers:
             h = layer(h, self.rope[:s], mask)
@@ -399,7 +399,7 @@ class LlamaGenTarget(nn.Module):
         w = self.tok_embeddings.weight
         return feats.to(w.device, w.dtype), mask.to(w.device, torch.bool)
 
-    def _embed_condition(self, condition: Condition, cfg: bool) -> tuple[Tensor, Tensor | None]:
+    def embed_condition(self, condition: Condition, cfg: bool) -> tuple[Tensor, Tensor | None]:
         """Condition rows [rows, cls, D] (row 1 unconditional) and the caption mask, if any."""
         c, device = self.config, self.tok_embeddings.weight.device
         if c.model_type == "c2i":
@@ -416,7 +416,7 @@ class LlamaGenTarget(nn.Module):
         rows = torch.stack([feats, self.cls_embedding.uncond_embedding.to(feats.dtype)]) if cfg else feats[None]
         return self.cls_embedding.cap_proj(rows), mask
 
-    def _condition_mask(self, caption_mask: Tensor, s: int | None = None) -> Tensor:
+    def condition_mask(self, caption_mask: Tensor, s: int | None = None) -> Tensor:
         """Causal mask [B, s, s] in which padded caption tokens are seen only by themselves."""
         cls = self.config.cls_token_num
         s = cls if s is None else s
