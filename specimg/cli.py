@@ -13,11 +13,13 @@ import click
 import torch
 from tqdm import tqdm
 
-from specimg.cliopts import (
-    condition_options, device_from, device_options, method_options, model_options, sampling_from, sampling_options, tree_from, tree_options,
-)
-from specimg.config import LLAMAGEN_SAMPLING, Sampling
 from specimg import costs
+from specimg.cliopts import (
+    condition_options, device_from, device_options, method_options, model_options, prompt_options, sampling_from, sampling_options,
+    tree_from, tree_options,
+)
+from specimg.conditions import Conditions, conditions_for, sample_captions, shorten
+from specimg.config import LLAMAGEN_SAMPLING, Sampling
 from specimg.engine import Engine
 from specimg.errors import SpecimgError
 from specimg.eval.bench import DEFAULT_IMAGES as BENCH_IMAGES
@@ -66,6 +68,15 @@ def methods() -> None:
         click.echo(f"{name:<12} {spec.description}")
         for field in attrs.fields(spec.options):
             click.echo(f"    {name}.{field.name} = {field.default!r}")
+
+
+@cli.command()
+def models() -> None:
+    """List the supported model families and presets, and how to point at each."""
+    from specimg.models.families import catalogue
+
+    for line in catalogue():
+        click.echo(line)
 
 
 def _overrides(pairs: tuple[str, ...], flag: str) -> dict[str, Any]:
@@ -125,13 +136,15 @@ def _base_sampling(model: str, target: str | None) -> Sampling:
 @method_options
 @model_options
 @condition_options(num_images=8)
+@prompt_options
 @sampling_options
 @tree_options
 @device_options
 @click.option("--out", type=click.Path(file_okay=False), default="out", show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads [default: 1 for the built-in models, which one thread runs fastest; torch's choice for --target]")
 def generate(**kw: Any) -> None:
-    """Generate images and write PNGs, a labelled grid and a JSONL manifest."""
+    """Generate images and write PNGs, a labelled grid and a JSONL manifest.  A c2i target
+    takes --class-labels, a t2i one --prompt / --prompts with --text-encoder."""
     if kw["threads"] or not kw["target"]:
         torch.set_num_threads(kw["threads"] or 1)
     device, dtype = device_from(kw)
@@ -142,8 +155,7 @@ def generate(**kw: Any) -> None:
         sampling_from(kw, _base_sampling(model, kw["target"])), tree_from(kw),
         delta=kw["delta"], tokenizer=models.tokenizer, device=device, dtype=dtype,
     )
-    labels = class_labels(kw["class_labels"], kw["num_images"], models.num_classes)
-    _write_run(engine, models, labels, kw["seed"], kw["out"])
+    _write_run(engine, models, conditions_for(models.target, kw), kw["seed"], kw["out"])
 
 
 @cli.command()
@@ -155,9 +167,7 @@ def generate(**kw: Any) -> None:
 @sampling_options
 @tree_options
 @device_options
-@click.option("--prompts", type=click.Path(dir_okay=False), help="captions for a t2i target: .txt, .jsonl, COCO captions_*.json or PartiPrompts.tsv")
-@click.option("--prompt-category", help="only the --prompts of this category (PartiPrompts)")
-@click.option("--text-encoder", help="turns --prompts into caption features: a local T5 folder or a specimg text-encoder file")
+@prompt_options
 @click.option("--classifier", type=click.Path(dir_okay=False), help="demo-format classifier for accuracy and Frechet distances [default: the demo bundle's]")
 @click.option("--num-real", type=click.IntRange(min=2), default=1000, show_default=True, help="reference images for Frechet distance / FID")
 @click.option("--real-images", type=click.Path(file_okay=False), help="folder of reference images for FID")
@@ -173,7 +183,6 @@ def bench(**kw: Any) -> None:
     conditions and seeds, interleaved.  Writes OUT/bench.{md,json,csv,png}.  Runs on
     several processes under `torchrun --nproc_per_node N -m specimg.cli bench ...`."""
     from specimg.eval.command import bench_command
-
     from specimg.models.loading import placed
 
     torch.set_num_threads(kw["threads"])
@@ -210,7 +219,7 @@ def train_demo(out: str, scale: str, threads: int | None, keep_work: bool) -> No
     )
 
 
-def _write_run(engine: Engine, models: Any, labels: list[int], seed: int, out: str) -> None:
+def _write_run(engine: Engine, models: Any, conditions: Conditions, seed: int, out: str) -> None:
     from specimg.images import make_grid, save_png_atomic, to_pil
     from specimg.manifest import Manifest
 
@@ -224,24 +233,26 @@ def _write_run(engine: Engine, models: Any, labels: list[int], seed: int, out: s
     if engine.auto_tree:  # auto trees depend on the cost model: a resumed run must use the same one
         settings["cost_model"] = costs.cost_key(engine.target, engine.drafter, engine.sampling)[0]
     manifest = Manifest(os.path.join(out, "manifest.jsonl"), settings)
-    todo = [i for i in range(len(labels)) if i not in manifest.done]
+    todo = [i for i in range(len(conditions.values)) if i not in manifest.done]
     forwards = tokens = 0
     images: list[Any] = []
     start = time.perf_counter()
     with tqdm(total=len(todo) * models.target.num_tokens, unit="tok", desc=engine.method, disable=None) as bar:
         for index in todo:
-            result = engine.generate([labels[index]], seed=seed + index, progress=bar.update)
+            result = engine.generate([conditions.values[index]], seed=seed + index, progress=bar.update)
             image_stats = result.stats.images[0]
             images.append(image_stats)
             forwards, tokens = forwards + image_stats.target_forwards, tokens + image_stats.tokens
             if models.tokenizer is not None:
                 save_png_atomic(to_pil(_decode(models.tokenizer, result.tokens))[0], os.path.join(out, "images", f"{index:05d}.png"))
-            manifest.add(index, {"condition": labels[index], "seed": seed + index, "tokens": result.tokens[0].tolist(), "stats": image_stats.as_dict()})
+            condition = {"prompt": conditions.keys[index]} if conditions.prompts is not None else {"condition": conditions.keys[index]}
+            manifest.add(index, {**condition, "seed": seed + index, "tokens": result.tokens[0].tolist(), "stats": image_stats.as_dict()})
     wall = time.perf_counter() - start
     if models.tokenizer is not None:
         entries = [manifest.done[i] for i in sorted(manifest.done)]
         codes = torch.tensor([e["tokens"] for e in entries])
-        grid = make_grid(_decode(models.tokenizer, codes), nrow=min(8, len(entries)), labels=[f"class {e['condition']}" for e in entries])
+        labels = [shorten(e["prompt"]) if "prompt" in e else f"class {e['condition']}" for e in entries]
+        grid = make_grid(_decode(models.tokenizer, codes), nrow=min(8, len(entries)), labels=labels)
         save_png_atomic(grid, os.path.join(out, "grid.png"))
     tau = tokens / max(1, forwards)
     s = engine.sampling
@@ -272,9 +283,10 @@ def _decode(tokenizer: Any, codes: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- drafter training
 
 
-def _train_target(spec: str, preset: str, config: tuple[str, ...] = ()) -> Any:
-    """``--target`` of the training commands: a LlamaGen checkpoint (shaped by ``--preset``
-    and ``--target-config``), ``demo`` (the embedded demo bundle's target) or ``tiny-random``."""
+def _train_target(spec: str, preset: str | None, config: tuple[str, ...] = ()) -> Any:
+    """``--target`` of the training commands: a checkpoint (a LlamaGen file shaped by what it
+    says, ``--preset`` and ``--target-config``), ``demo`` (the embedded demo bundle's target)
+    or ``tiny-random``."""
     overrides = _overrides(config, "--target-config")
     if overrides and spec in ("tiny-random", "demo"):
         raise SpecimgError(f"--target-config goes with a checkpoint path, not --target {spec}")
@@ -286,9 +298,9 @@ def _train_target(spec: str, preset: str, config: tuple[str, ...] = ()) -> Any:
         from specimg.models.demo import load_demo
 
         return load_demo().target
-    from specimg.models.llamagen import load_target
+    from specimg.models import load_target
 
-    return load_target(spec, preset, **overrides)
+    return load_target(spec, **({"preset": preset} if preset else {}), **overrides)
 
 
 def _label_list(text: str | None, num_classes: int) -> tuple[int, ...]:
@@ -299,12 +311,13 @@ def _label_list(text: str | None, num_classes: int) -> tuple[int, ...]:
 
 @cli.command("make-drafter-data")
 @click.option("--target", required=True, help="LlamaGen GPT checkpoint, 'demo' or 'tiny-random'")
-@click.option("--preset", default="GPT-B", show_default=True, help="shape of the --target checkpoint")
+@click.option("--preset", default=None, help="LlamaGen preset of the --target checkpoint (GPT-B ... GPT-7B) [default: what the checkpoint says, else GPT-B]")
 @click.option("--target-config", multiple=True, metavar="KEY=VALUE", help="override a GPTConfig field, e.g. block_size=576")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="data folder (resumed if it holds the same run)")
 @click.option("--tokens", "tokens_file", type=click.Path(dir_okay=False), help="teacher-force these sequences (safetensors: 'tokens' [M, N], optional 'labels' [M]) instead of sampling")
 @click.option("--num-samples", "-n", type=click.IntRange(min=1), help="images to sample (self-distillation) or to take from --tokens")
 @click.option("--class-labels", help="comma-separated class ids, cycled over the samples [default: 0, 1, 2, ...]")
+@prompt_options
 @click.option("--seed", type=int, default=0, show_default=True, help="sample i uses seed + i")
 @sampling_options
 @click.option("--uncond/--no-uncond", default=None, help="also store every sequence under the null class [default: when the target has one]")
@@ -314,8 +327,9 @@ def _label_list(text: str | None, num_classes: int) -> tuple[int, ...]:
 @click.option("--cpu", is_flag=True, help="stay on the CPU even if a GPU is present")
 def make_drafter_data_command(**kw: Any) -> None:
     """Generate drafter training data once: the target's teacher-forced features on
-    self-sampled (or given) token sequences, as safetensors shards.  Runs on several
-    processes under `accelerate launch`."""
+    self-sampled (or given) token sequences, as safetensors shards.  A c2i target samples
+    under --class-labels, a t2i one under --prompt / --prompts with --text-encoder.  Runs
+    on several processes under `accelerate launch`."""
     from accelerate import PartialState
 
     from specimg.train.data import DataSpec, make_drafter_data
@@ -323,8 +337,10 @@ def make_drafter_data_command(**kw: Any) -> None:
     state = PartialState(cpu=kw["cpu"])
     target = _train_target(kw["target"], kw["preset"], kw["target_config"]).to(state.device)
     sampling = sampling_from(kw, _base_sampling(kw["target"], None))
+    captions, prompts = sample_captions(target, kw)
     spec = DataSpec(
         num_samples=kw["num_samples"], labels=_label_list(kw["class_labels"], target.config.num_classes),
+        captions=captions, prompts=prompts,
         tokens_file=kw["tokens_file"], sampling=sampling, seed=kw["seed"], uncond=kw["uncond"], dtype=kw["dtype"],
         shard_size=kw["shard_size"], batch_size=kw["batch_size"],
     )
@@ -343,7 +359,7 @@ def make_drafter_data_command(**kw: Any) -> None:
 
 @cli.command("train-drafter")
 @click.option("--target", required=True, help="LlamaGen GPT checkpoint, 'demo' or 'tiny-random' (the one that made --data)")
-@click.option("--preset", default="GPT-B", show_default=True, help="shape of the --target checkpoint")
+@click.option("--preset", default=None, help="LlamaGen preset of the --target checkpoint (GPT-B ... GPT-7B) [default: what the checkpoint says, else GPT-B]")
 @click.option("--target-config", multiple=True, metavar="KEY=VALUE", help="override a GPTConfig field, e.g. block_size=576")
 @click.option("--data", required=True, type=click.Path(file_okay=False), help="a folder made by make-drafter-data")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="run folder; a run started again on it resumes")

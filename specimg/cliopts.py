@@ -37,8 +37,8 @@ def model_options(fn: F) -> F:
     """The built-in models or a target / drafter / tokenizer from paths."""
     return _apply([
         click.option("--model", default=None, help="built-in models when no --target is given: demo, demo-cascade (its drafter trained with CASCADE's loss) or tiny-random [default: demo when its bundle is installed]"),
-        click.option("--target", type=click.Path(dir_okay=False), help="LlamaGen GPT checkpoint"),
-        click.option("--preset", default="GPT-B", show_default=True, help="shape of the --target checkpoint"),
+        click.option("--target", type=click.Path(), help="target checkpoint: a LlamaGen file, or a Hugging Face folder of another family (see `specimg models`)"),
+        click.option("--preset", default=None, help="LlamaGen preset of the --target checkpoint (GPT-B ... GPT-7B) [default: what the checkpoint says, else GPT-B]"),
         click.option("--target-config", multiple=True, metavar="KEY=VALUE", help="override a GPTConfig field, e.g. block_size=576"),
         click.option("--drafter", type=click.Path(dir_okay=False), help="EAGLE drafter weights (safetensors)"),
         click.option("--tokenizer", type=click.Path(dir_okay=False), help="LlamaGen VQ tokenizer checkpoint"),
@@ -53,6 +53,16 @@ def condition_options(num_images: int) -> Callable[[F], F]:
         click.option("--num-images", "-n", type=click.IntRange(min=1), default=num_images, show_default=True),
         click.option("--seed", type=int, default=0, show_default=True, help="image i uses seed + i"),
     ])
+
+
+def prompt_options(fn: F) -> F:
+    """Prompts for a t2i target and the text encoder that turns them into caption features."""
+    return _apply([
+        click.option("--prompt", multiple=True, metavar="TEXT", help="a prompt for a t2i target (repeatable; cycled over the images)"),
+        click.option("--prompts", type=click.Path(dir_okay=False), help="prompts for a t2i target from a file: .txt, .jsonl, COCO captions_*.json or PartiPrompts.tsv"),
+        click.option("--prompt-category", help="only the --prompts of this category (PartiPrompts)"),
+        click.option("--text-encoder", help="turns prompts into caption features: a local T5 folder (flan-t5-xl for LlamaGen) or a specimg text-encoder file"),
+    ])(fn)
 
 
 def sampling_options(fn: F) -> F:

@@ -304,10 +304,10 @@ def test_t2i_bench_from_captions(tmp_path):
     (tmp_path / "p.txt").write_text("a red cube\na dog on grass\n")
     enc = prompts.HashTextEncoder(dim=12)
     enc.save(tmp_path / "enc.safetensors")
-    from specimg.eval.command import conditions_for
+    from specimg.conditions import conditions_for
 
     kw = {"num_images": 3, "prompts": str(tmp_path / "p.txt"), "text_encoder": str(tmp_path / "enc.safetensors"), "class_labels": None}
-    conditions, keys, captions = conditions_for(models, kw)
+    conditions, keys, captions = conditions_for(models.target, kw)
     assert keys == captions == ["a red cube", "a dog on grass", "a red cube"] and isinstance(conditions[0], Caption)
     variants, _ = plan_variants(["naive"], INSTALLED)
     spec = BenchSpec(tuple(variants), tuple(conditions), tuple(keys), 0, SAMPLING, TreeConfig(total_tokens=8, depth=2, topk=2), 0)
@@ -315,7 +315,7 @@ def test_t2i_bench_from_captions(tmp_path):
     summary = summarise(run.records, spec, Quality(target, None, SAMPLING, conditions, captions=captions))
     assert all(np.isfinite(row["quality"]["loglik"]) for row in summary["variants"])
     with pytest.raises(SpecimgError, match="needs --prompts"):
-        conditions_for(models, {**kw, "prompts": None})
+        conditions_for(models.target, {**kw, "prompts": None})
 
 
 def test_fid_and_clip_through_torchmetrics_with_stand_in_models(tmp_path):

@@ -252,3 +252,63 @@ def test_inference_mode_caches_and_low_precision() -> None:
     low = _prefill_and_step(target)
     assert low.dtype == torch.float32
     torch.testing.assert_close(low, ref, atol=0.1, rtol=0.05)
+
+
+# ----------------------------------------------------------------------------- self-describing checkpoints
+
+TINY_SHAPE = dict(n_layer=2, n_head=4, dim=64, multiple_of=32)  # the tiny_preset fixture's GPT-T
+
+
+def official_args(**fields: object) -> argparse.Namespace:
+    """The fields LlamaGen's train_c2i.py / train_t2i.py save under ``args`` (and more it saves but nobody reads)."""
+    base = dict(gpt_model="GPT-T", gpt_type="c2i", vocab_size=64, cls_token_num=1, image_size=64, downsample_size=16,
+                num_classes=10, dropout_p=0.1, lr=1e-4, results_dir="results")
+    return argparse.Namespace(**{**base, **fields})
+
+
+def test_checkpoint_with_args_loads_from_its_path_alone(tmp_path, tiny_preset) -> None:
+    from specimg.config import Sampling
+    from specimg.engine import Engine
+
+    target = tiny()
+    torch.save({"model": target.state_dict(), "args": official_args(), "steps": 1}, tmp_path / "with-args.pt")
+    torch.save({"model": target.state_dict()}, tmp_path / "bare.pt")
+    alone = load_target(tmp_path / "with-args.pt")
+    shaped = load_target(tmp_path / "bare.pt", "GPT-B", **{**TINY, "initializer_range": 0.02})
+    assert alone.config == shaped.config
+    sampling = Sampling(cfg_scale=2.0, temperature=1.0)
+    tokens = [Engine(t, method="ar", sampling=sampling).generate([3, 7], seed=5).tokens for t in (alone, shaped)]
+    assert torch.equal(tokens[0], tokens[1])
+
+
+def test_args_decide_the_grid_and_a_contradiction_names_both_values(tmp_path, tiny_preset) -> None:
+    state = tiny().state_dict()  # RoPE is no weight: the same tensors serve any grid
+    torch.save({"model": state}, tmp_path / "bare.pt")
+    torch.save({"model": state, "args": official_args(image_size=384, downsample_size=16)}, tmp_path / "384.pt")
+    assert load_target(tmp_path / "384.pt").config.block_size == 576
+    with pytest.raises(SpecimgError, match=r"block_size 256 was given, but the checkpoint \(args \(image_size 384 / downsample_size 16\)\) has 576"):
+        load_target(tmp_path / "384.pt", block_size=256)
+    with pytest.raises(SpecimgError, match=r"preset 'GPT-B' was given, but the checkpoint \(args\) has 'GPT-T'"):
+        load_target(tmp_path / "384.pt", "GPT-B", **TINY_SHAPE)
+    with pytest.raises(SpecimgError, match=r"n_layer 12 was given \(by preset GPT-B\), but the checkpoint \(weights\) has 2"):
+        load_target(tmp_path / "bare.pt", "GPT-B")
+    torch.save({"model": state, "args": official_args(vocab_size=16384)}, tmp_path / "liar.pt")
+    with pytest.raises(SpecimgError, match="vocab_size is 16384 by its args but 64 by its weights"):
+        load_target(tmp_path / "liar.pt")
+
+
+def test_released_shapes_describe_preset_and_conditioning() -> None:
+    """Without args a file still says its size (width x depth is unique per preset), its
+    conditioning and, for t2i, its caption width and slots; the grid only from a RoPE table."""
+    from specimg.models.checkpoint import Checkpoint
+    from specimg.models.llamagen import config_for, describe_checkpoint
+
+    with torch.device("meta"):
+        t2i = LlamaGenTarget(make_config("GPT-XL", model_type="t2i", block_size=1024)).state_dict()
+        c2i = LlamaGenTarget(make_config("GPT-L")).state_dict()
+    told = {k: v for k, (v, _) in describe_checkpoint(Checkpoint(t2i, {})).items()}
+    assert told == dict(vocab_size=16384, dim=1280, n_layer=36, model_type="t2i", cls_token_num=120, caption_dim=2048)
+    rope = torch.zeros(1 + 576, 32, 2)
+    told = {k: v for k, (v, _) in describe_checkpoint(Checkpoint({**c2i, "freqs_cis": rope}, {})).items()}
+    assert told == dict(vocab_size=16384, dim=1024, n_layer=24, model_type="c2i", block_size=576)
+    assert config_for(describe_checkpoint(Checkpoint(t2i, {})), None, {}, "t2i.pt") == make_config("GPT-XL", model_type="t2i")

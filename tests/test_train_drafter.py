@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+import attrs
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -288,3 +289,82 @@ def test_processes_share_the_shards(tmp_path) -> None:
         make_drafter_data(target, tmp_path / "two", spec, process_index=rank, num_processes=2)
     one, two = DrafterData(tmp_path / "one").get(range(10)), DrafterData(tmp_path / "two").get(range(10))
     assert all(torch.equal(one[k], two[k]) for k in one)
+
+
+# ----------------------------------------------------------------------------- text-to-image
+
+T2I = dict(TINY, model_type="t2i", cls_token_num=5, caption_dim=12)
+
+
+def captions(n: int) -> list:
+    """Left-padded captions of different lengths, as captions_for_target makes them."""
+    from specimg.eval.prompts import HashTextEncoder, captions_for_target
+
+    texts = ["a red cube", "two dogs on a beach at night", "a bird", "an old green tram"]
+    return captions_for_target(HashTextEncoder(dim=12), [texts[i % len(texts)] for i in range(n)], 5, 12)
+
+
+def test_batched_t2i_sampler_equals_engine_ar() -> None:
+    target = build_target("GPT-B", seed=0, **T2I)
+    caps, seeds = captions(3), [4, 5, 6]
+    assert len({int(c.mask.sum()) for c in caps}) > 1  # the rows are padded differently
+    for sampling in (Sampling(cfg_scale=3.0, top_k=20), Sampling(temperature=0.0, cfg_scale=1.0)):
+        batched = sample_tokens(target, caps, seeds, sampling)
+        engine = Engine(target, method="ar", sampling=sampling)
+        single = torch.cat([engine.generate([c], seed=s).tokens for c, s in zip(caps, seeds)])
+        assert torch.equal(batched, single)
+
+
+def test_t2i_data_holds_caption_and_unconditional_features_and_trains(tmp_path) -> None:
+    from specimg.models.base import Caption
+
+    target = build_target("GPT-B", seed=0, **T2I)
+    caps = captions(4)
+    spec = DataSpec(num_samples=4, captions=tuple(caps), prompts=("a", "b", "c", "d"), shard_size=3, seed=2, sampling=Sampling(cfg_scale=3.0))
+    meta = make_drafter_data(target, tmp_path / "d", spec)
+    assert meta["settings"]["prompts"] == ["a", "b", "c", "d"] and meta["num_examples"] == 8
+    batch = DrafterData(tmp_path / "d").get(range(8))
+    cond = batch["labels"] >= 0
+    assert batch["labels"][cond].tolist() == [0, 1, 2, 3] and (batch["labels"][~cond] == -1).sum() == 4
+    assert torch.equal(batch["tokens"][cond], sample_tokens(target, caps, [2, 3, 4, 5], Sampling(cfg_scale=3.0)))
+    order = batch["labels"][cond].tolist()
+    nulls = [Caption(target.cls_embedding.uncond_embedding, caps[i].mask) for i in order]
+    with torch.no_grad():
+        ref_cond = target.forward_sequence([caps[i] for i in order], batch["tokens"][cond]).hidden
+        ref_null = target.forward_sequence(nulls, batch["tokens"][~cond]).hidden
+    torch.testing.assert_close(batch["features"][cond], ref_cond, atol=1e-5, rtol=0)
+    torch.testing.assert_close(batch["features"][~cond], ref_null, atol=1e-5, rtol=0)
+    with pytest.raises(SpecimgError, match="other settings"):  # other captions never finish this folder
+        make_drafter_data(target, tmp_path / "d", attrs.evolve(spec, captions=tuple(captions(5)[1:])))
+    with pytest.raises(SpecimgError, match="one caption per sample"):
+        make_drafter_data(target, tmp_path / "e", attrs.evolve(spec, captions=tuple(caps[:2])))
+    result = train_drafter(target, tmp_path / "d", tmp_path / "run", TrainConfig(steps=4, batch_size=4, **FAST), progress=False)
+    assert result.steps == 4 and all(torch.isfinite(torch.tensor(e["loss"])) for e in read_log(str(tmp_path / "run")))
+
+
+def test_cli_drafter_from_prompts_for_a_t2i_checkpoint(tmp_path, tiny_preset) -> None:
+    """make-drafter-data and train-drafter on a t2i checkpoint given by its path alone."""
+    import argparse
+
+    from click.testing import CliRunner
+
+    from specimg.cli import cli
+    from specimg.eval.prompts import HashTextEncoder
+
+    args = argparse.Namespace(gpt_model="GPT-T", gpt_type="t2i", vocab_size=64, cls_token_num=5, image_size=64, downsample_size=16, num_classes=10)
+    torch.save({"model": build_target("GPT-B", seed=0, **T2I).state_dict(), "args": args}, tmp_path / "t2i.pt")
+    HashTextEncoder(dim=12).save(tmp_path / "enc.safetensors")
+    (tmp_path / "p.txt").write_text("a red cube\na dog\na tram at night\n")
+    runner = CliRunner()
+    target = ["--target", str(tmp_path / "t2i.pt")]
+    data = ["--prompts", str(tmp_path / "p.txt"), "--text-encoder", str(tmp_path / "enc.safetensors")]
+    result = runner.invoke(cli, ["make-drafter-data", *target, *data, "--out", str(tmp_path / "d"), "-n", "4", "--cfg-scale", "2", "--cpu"])
+    assert result.exit_code == 0, result.output
+    assert DrafterData(tmp_path / "d").meta["settings"]["prompts"] == ["a red cube", "a dog", "a tram at night", "a red cube"]
+    result = runner.invoke(cli, ["train-drafter", *target, "--data", str(tmp_path / "d"), "--out", str(tmp_path / "r"), "--steps", "2", "--batch-size", "4", "--cpu"])
+    assert result.exit_code == 0, result.output
+    assert os.path.exists(tmp_path / "r" / "drafter.safetensors")
+    result = runner.invoke(cli, ["make-drafter-data", *target, "--out", str(tmp_path / "x"), "-n", "2", "--cpu"])
+    assert isinstance(result.exception, SpecimgError) and "needs --prompts FILE or --prompt TEXT" in str(result.exception)
+    result = runner.invoke(cli, ["make-drafter-data", "--target", "tiny-random", *data, "--out", str(tmp_path / "y"), "-n", "2", "--cpu"])
+    assert isinstance(result.exception, SpecimgError) and "needs a t2i target" in str(result.exception)

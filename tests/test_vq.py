@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+import attrs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -116,9 +117,9 @@ def test_missing_or_misshapen_key_is_named(tok: VQTokenizer, tmp_path) -> None:
     torch.save({"model": sd}, tmp_path / "missing.pt")
     with pytest.raises(SpecimgError, match="decoder.conv_out.bias"):
         load_tokenizer(tmp_path / "missing.pt", **TINY)
-    sd = dict(tok.state_dict(), **{"quantize.embedding.weight": torch.zeros(32, 4)})
+    sd = dict(tok.state_dict(), **{"decoder.conv_out.weight": torch.zeros(3, 8, 3, 3)})
     torch.save({"model": sd}, tmp_path / "shape.pt")
-    with pytest.raises(SpecimgError, match="quantize.embedding.weight"):
+    with pytest.raises(SpecimgError, match="decoder.conv_out.weight"):
         load_tokenizer(tmp_path / "shape.pt", **TINY)
 
 
@@ -129,7 +130,7 @@ def test_save_load_roundtrip_needs_no_overrides(tok: VQTokenizer, tmp_path) -> N
     loaded = load_tokenizer(p)
     assert loaded.config == tok.config and not loaded.training
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in tok.state_dict().items())
-    with pytest.raises(SpecimgError, match="quantize.embedding.weight"):
+    with pytest.raises(SpecimgError, match=r"codebook_size 32 was given, but the checkpoint \(header\) has 64"):
         load_tokenizer(p, codebook_size=32)
 
 
@@ -170,3 +171,29 @@ def test_vq16_defaults_match_the_released_model() -> None:
     assert {k: shapes[k] for k in expected} == expected
     assert "decoder.conv_blocks.4.upsample.conv.weight" not in shapes
     assert model.downsample_factor == 16 and VQ_PRESETS["VQ-8"].downsample_factor == 8
+
+
+@pytest.mark.parametrize("name", ["VQ-16", "VQ-8"])
+def test_released_shapes_describe_their_preset(name: str) -> None:
+    from specimg.models.checkpoint import Checkpoint
+    from specimg.models.vq import describe_tokenizer
+
+    with torch.device("meta"):
+        state = VQTokenizer(VQ_PRESETS[name]).state_dict()
+    told = {k: v for k, (v, _) in describe_tokenizer(Checkpoint(state, {})).items()}
+    preset = attrs.asdict(VQ_PRESETS[name])
+    assert told == {k: preset[k] for k in ("codebook_size", "codebook_embed_dim", "ch", "z_channels", "encoder_ch_mult", "decoder_ch_mult", "num_res_blocks")}
+    assert VQConfig(**{**attrs.asdict(VQConfig()), **told}).downsample_factor == {"VQ-16": 16, "VQ-8": 8}[name]
+
+
+def test_official_file_needs_only_what_no_shape_holds(tok: VQTokenizer, tmp_path) -> None:
+    """Everything but GroupNorm's groups comes from the file (LlamaGen always uses 32; the
+    tiny test model uses 8); a contradicting preset or value names both sides."""
+    torch.save({"model": tok.state_dict(), "args": argparse.Namespace(vq_model="VQ-16", codebook_size=64)}, tmp_path / "vq.pt")
+    loaded = load_tokenizer(tmp_path / "vq.pt", norm_groups=8)
+    assert loaded.config == tok.config
+    with pytest.raises(SpecimgError, match=r"preset 'VQ-8' was given, but the checkpoint \(args\) has 'VQ-16'"):
+        load_tokenizer(tmp_path / "vq.pt", preset="VQ-8", norm_groups=8)
+    torch.save({"model": tok.state_dict(), "args": argparse.Namespace(codebook_size=128)}, tmp_path / "liar.pt")
+    with pytest.raises(SpecimgError, match="codebook_size is 128 by its args but 64 by its weights"):
+        load_tokenizer(tmp_path / "liar.pt", norm_groups=8)

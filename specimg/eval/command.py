@@ -11,36 +11,13 @@ from typing import Any
 import torch
 
 from specimg import costs
+from specimg.conditions import conditions_for
 from specimg.config import Sampling, TreeConfig
 from specimg.errors import SpecimgError
 from specimg.eval.bench import BenchSpec, build_engines, plan_variants, run_bench, save_sample_grid, summarise, write_outputs
 from specimg.methods import parse_options
 from specimg.plugins import get_plugin_manager
 from specimg.relax import checks_enabled
-
-def conditions_for(models: Any, kw: dict[str, Any]) -> tuple[list[Any], list[Any], list[str] | None]:
-    """(conditions, their JSON keys, captions or None) from --class-labels or --prompts."""
-    from specimg.eval.prompts import captions_for_target, class_labels, load_text_encoder, read_prompts, select_prompts
-
-    config = getattr(models.target, "config", None)
-    t2i = getattr(config, "model_type", "c2i") == "t2i"
-    n = kw["num_images"]
-    if kw.get("prompts"):
-        if not t2i:
-            raise SpecimgError("--prompts needs a t2i target; a class-conditional one takes --class-labels")
-        if kw.get("class_labels"):
-            raise SpecimgError("give --prompts or --class-labels, not both")
-        if not kw.get("text_encoder"):
-            raise SpecimgError("--prompts needs --text-encoder (a local T5 folder or a specimg text-encoder file)")
-        prompts = select_prompts(read_prompts(kw["prompts"]), n, kw.get("prompt_category"))
-        texts = [p.text for p in prompts]
-        captions = captions_for_target(load_text_encoder(kw["text_encoder"]), texts, config.cls_token_num, config.caption_dim)
-        return list(captions), texts, texts
-    if t2i:
-        raise SpecimgError("a t2i target needs --prompts and --text-encoder")
-    labels = class_labels(kw.get("class_labels"), n, models.num_classes)
-    return list(labels), list(labels), None
-
 
 def build_quality(models: Any, model_name: str, sampling: Sampling, conditions: list[Any], captions: list[str] | None, kw: dict[str, Any]) -> Any:
     """The :class:`~specimg.eval.quality.Quality` scorer the flags ask for."""
@@ -100,7 +77,7 @@ def bench_command(kw: dict[str, Any], models: Any, model_name: str, sampling: Sa
     if methods is not None and not methods:
         raise SpecimgError("--methods names no method")
     variants, notes = plan_variants(methods, get_plugin_manager().methods(), parse_options(kw.get("options", ())), kw.get("sweep", ()), kw.get("delta"))
-    conditions, keys, captions = conditions_for(models, kw)
+    conditions, keys, captions = conditions_for(models.target, kw)
     spec = BenchSpec(tuple(variants), tuple(conditions), tuple(keys), kw["seed"], sampling, tree, kw.get("warmup", 1))
     engines = build_engines(models, spec)
     quality, error = None, None

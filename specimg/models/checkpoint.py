@@ -2,7 +2,12 @@
 
 Released LlamaGen checkpoints wrap the weights as ``{"model": ...}``, ``{"ema": ...}``,
 ``{"module": ...}`` or ``{"state_dict": ...}`` and carry the training ``argparse.Namespace``
-under ``args``; nothing else pickled is ever executed.
+under ``args``; the allow-list admits exactly that class (rebuilt from its attribute
+dict, never by running pickled code), so the args can say what model the file holds.
+
+What a file says about its own shape (its args, its tensor shapes) is *described*; what a
+caller passes is *given*.  :func:`settle` merges the two and refuses a contradiction, so a
+checkpoint is never silently loaded into a model of another shape.
 """
 
 from __future__ import annotations
@@ -10,7 +15,9 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping
+from typing import Any
 
+import attrs
 import torch
 from torch import Tensor
 
@@ -20,8 +27,25 @@ _WRAPPER_KEYS = ("ema", "model", "module", "state_dict")
 _ALLOWED_GLOBALS = [argparse.Namespace]
 
 
+Described = dict[str, tuple[Any, str]]
+"""Field -> (value, where the checkpoint says so), e.g. ``{"block_size": (576, "args image_size 384 / downsample_size 16")}``."""
+
+
+@attrs.frozen(eq=False)
+class Checkpoint:
+    """A checkpoint's flat tensor state dict and its training args ({} when it has none)."""
+
+    state: dict[str, Tensor]
+    args: dict[str, Any]
+
+
 def load_state_dict(path: str | os.PathLike[str]) -> dict[str, Tensor]:
     """Read a checkpoint file and return its flat tensor state dict (on CPU)."""
+    return read_checkpoint(path).state
+
+
+def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+    """Read a checkpoint file: its tensors (on CPU) and, for a .pt file, its ``args``."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise SpecimgError(f"checkpoint not found: {path}")
@@ -29,7 +53,7 @@ def load_state_dict(path: str | os.PathLike[str]) -> dict[str, Tensor]:
         from safetensors.torch import load_file
 
         try:
-            return load_file(path, device="cpu")
+            return Checkpoint(load_file(path, device="cpu"), {})
         except Exception as err:  # safetensors raises several types for a bad file
             raise SpecimgError(f"cannot read safetensors checkpoint {path}: {err}") from None
     try:
@@ -37,7 +61,10 @@ def load_state_dict(path: str | os.PathLike[str]) -> dict[str, Tensor]:
             obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
         raise SpecimgError(f"cannot read checkpoint {path} safely: {err}") from None
-    return unwrap_state_dict(obj, path)
+    args = obj.get("args") if isinstance(obj, Mapping) else None
+    if isinstance(args, argparse.Namespace):
+        args = vars(args)
+    return Checkpoint(unwrap_state_dict(obj, path), dict(args) if isinstance(args, Mapping) else {})
 
 
 def unwrap_state_dict(obj: object, origin: str = "checkpoint") -> dict[str, Tensor]:
@@ -76,3 +103,26 @@ def load_into(module: torch.nn.Module, state: Mapping[str, Tensor], origin: str)
                 f"{origin}: key {key!r} has shape {tuple(state[key].shape)}, the model expects {tuple(value.shape)}; wrong preset or config?"
             )
     module.load_state_dict(state, strict=True)
+
+
+def agree(origin: str, *sources: Described) -> Described:
+    """Join several descriptions of one checkpoint (its args, its shapes); two that disagree
+    on a field mean a corrupt or mislabelled file."""
+    out: Described = {}
+    for source in sources:
+        for key, (value, where) in source.items():
+            if key in out and out[key][0] != value:
+                raise SpecimgError(f"{origin}: {key} is {out[key][0]!r} by its {out[key][1]} but {value!r} by its {where}")
+            out.setdefault(key, (value, where))
+    return out
+
+
+def settle(described: Described, given: Mapping[str, Any], origin: str, via: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The described fields overlaid with the given ones; a given value that contradicts a
+    described one is a SpecimgError naming both (and ``via[key]``, what gave it, if not the caller)."""
+    for key, value in given.items():
+        if key in described and described[key][0] != value:
+            told, where = described[key]
+            via_note = f" (by {via[key]})" if via and key in via else ""
+            raise SpecimgError(f"{origin}: {key} {value!r} was given{via_note}, but the checkpoint ({where}) has {told!r}; drop the override or use the right file")
+    return {**{k: v for k, (v, _) in described.items()}, **given}

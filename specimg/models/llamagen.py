@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from specimg.errors import SpecimgError
 from specimg.models.base import Caption, Condition, TargetOutput, cfg_rows
-from specimg.models.checkpoint import load_into, load_state_dict
+from specimg.models.checkpoint import Checkpoint, Described, agree, load_into, read_checkpoint, settle
 
 ModelType = Literal["c2i", "t2i"]
 
@@ -308,12 +308,12 @@ class LlamaGenTarget(nn.Module):
         rows = cfg_rows(cfg)
         self._ensure_cache(rows)
         cls = self.config.cls_token_num
-        x, caption_mask = self._embed_condition(condition, cfg)
+        x, caption_mask = self.embed_condition(condition, cfg)
         mask = None
         self._valid.fill_(True)
         if caption_mask is not None:
             self._valid[0, :cls] = caption_mask
-            mask = self._condition_mask(caption_mask[None])[0]
+            mask = self.condition_mask(caption_mask[None])[0]
         h = self._run(x, self.rope[:cls], mask, 0)
         self._len, self._pending = cls, 0
         return self._head(h[:, -1:])
@@ -370,7 +370,7 @@ class LlamaGenTarget(nn.Module):
         s = x.shape[1]
         mask = torch.ones(s, s, dtype=torch.bool, device=device).tril()
         if caption_mask is not None:
-            mask = self._condition_mask(caption_mask, s)[:, None]
+            mask = self.condition_mask(caption_mask, s)[:, None]
         h = x
         for layer in self.layers:
             h = layer(h, self.rope[:s], mask)
@@ -399,7 +399,7 @@ class LlamaGenTarget(nn.Module):
         w = self.tok_embeddings.weight
         return feats.to(w.device, w.dtype), mask.to(w.device, torch.bool)
 
-    def _embed_condition(self, condition: Condition, cfg: bool) -> tuple[Tensor, Tensor | None]:
+    def embed_condition(self, condition: Condition, cfg: bool) -> tuple[Tensor, Tensor | None]:
         """Condition rows [rows, cls, D] (row 1 unconditional) and the caption mask, if any."""
         c, device = self.config, self.tok_embeddings.weight.device
         if c.model_type == "c2i":
@@ -416,7 +416,7 @@ class LlamaGenTarget(nn.Module):
         rows = torch.stack([feats, self.cls_embedding.uncond_embedding.to(feats.dtype)]) if cfg else feats[None]
         return self.cls_embedding.cap_proj(rows), mask
 
-    def _condition_mask(self, caption_mask: Tensor, s: int | None = None) -> Tensor:
+    def condition_mask(self, caption_mask: Tensor, s: int | None = None) -> Tensor:
         """Causal mask [B, s, s] in which padded caption tokens are seen only by themselves."""
         cls = self.config.cls_token_num
         s = cls if s is None else s
@@ -461,24 +461,88 @@ def build_target(preset_or_config: str | GPTConfig = "GPT-B", *, seed: int = 0, 
     return target.eval()
 
 
+def describe_checkpoint(checkpoint: Checkpoint, origin: str = "checkpoint") -> Described:
+    """What a LlamaGen checkpoint says about its shape.  Its training args (official files
+    save them): ``gpt_model`` (the preset), ``image_size // downsample_size`` (the grid, so
+    block_size), ``vocab_size``, ``cls_token_num``, ``gpt_type``, ``num_classes``.  Its
+    tensors: width, depth and vocabulary, t2i or c2i, caption width and slots, and the grid
+    when the file carries the RoPE table."""
+    args, state = checkpoint.args, checkpoint.state
+    told: Described = {}
+    if isinstance(args.get("gpt_model"), str):
+        told["preset"] = (args["gpt_model"], "args")
+    if isinstance(args.get("image_size"), int) and isinstance(args.get("downsample_size"), int) and args["downsample_size"] > 0:
+        grid = args["image_size"] // args["downsample_size"]
+        told["block_size"] = (grid * grid, f"args (image_size {args['image_size']} / downsample_size {args['downsample_size']})")
+    for key, field in (("vocab_size", "vocab_size"), ("cls_token_num", "cls_token_num"), ("num_classes", "num_classes"), ("gpt_type", "model_type"), ("model_type", "model_type")):
+        if args.get(key) is not None:
+            told[field] = (args[key], "args")
+    seen: Described = {}
+    if "tok_embeddings.weight" in state:
+        vocab, dim = state["tok_embeddings.weight"].shape
+        seen.update(vocab_size=(int(vocab), "weights"), dim=(int(dim), "weights"))
+    layers = {k.split(".")[1] for k in state if k.startswith("layers.")}
+    if layers:
+        seen["n_layer"] = (len(layers), "weights")
+    if "cls_embedding.uncond_embedding" in state:
+        slots, caption_dim = state["cls_embedding.uncond_embedding"].shape
+        seen.update(model_type=("t2i", "weights"), cls_token_num=(int(slots), "weights"), caption_dim=(int(caption_dim), "weights"))
+    elif "cls_embedding.embedding_table.weight" in state:
+        seen["model_type"] = ("c2i", "weights")
+    described = agree(origin, told, seen)
+    if "freqs_cis" in state and state["freqs_cis"].dim() == 3:  # [cls + grid^2, head_dim / 2, 2]
+        default_cls = 120 if described.get("model_type", ("c2i",))[0] == "t2i" else 1
+        cells = state["freqs_cis"].shape[0] - described.get("cls_token_num", (default_cls,))[0]
+        described = agree(origin, described, {"block_size": (int(cells), "RoPE table")})
+    return described
+
+
+def config_for(described: Described, preset: str | None, overrides: dict[str, object], origin: str) -> GPTConfig:
+    """The config a checkpoint needs: its own description, the given preset and overrides
+    on top (a contradiction is an error naming both values).  Underneath, the preset of the
+    weights' width and depth (unique per preset; the head count is in no shape), else GPT-B."""
+    given = dict(overrides)
+    if preset is not None:
+        if preset not in PRESETS:
+            raise SpecimgError(f"unknown LlamaGen preset {preset!r}; choose one of {', '.join(PRESETS)}")
+        given = {"preset": preset, **PRESETS[preset], **given}
+    via = {k: f"preset {preset}" for k in PRESETS.get(preset or "", {}) if k not in overrides}
+    fields = settle(described, given, origin, via)
+    sized = [n for n, p in PRESETS.items() if (p["dim"], p["n_layer"]) == (fields.get("dim"), fields.get("n_layer"))]
+    name = fields.pop("preset", sized[0] if len(sized) == 1 else "GPT-B")
+    if name not in PRESETS:
+        raise SpecimgError(f"{origin}: its args name the model {name!r}, which is no LlamaGen preset ({', '.join(PRESETS)})")
+    if "n_head" not in fields and fields.get("dim", PRESETS[name]["dim"]) != PRESETS[name]["dim"]:
+        raise SpecimgError(
+            f"{origin}: its weights (dim {fields['dim']}, {fields.get('n_layer')} layers) match no LlamaGen preset; "
+            "give the head count (--target-config n_head=N)"
+        )
+    return make_config(name, **fields)
+
+
 def load_target(
     path: str | os.PathLike[str],
-    preset: str | GPTConfig = "GPT-B",
+    preset: str | GPTConfig | None = None,
     *,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     max_tree_nodes: int = 128,
     **overrides: object,
 ) -> LlamaGenTarget:
-    """Load an official (or compatible) LlamaGen checkpoint into a target of this shape.
+    """Load an official (or compatible) LlamaGen checkpoint.
 
-    The shape comes from ``preset`` and ``overrides`` (e.g. ``block_size=576`` for 384px
-    models, ``model_type="t2i"``); a key the file lacks, an extra key or a mismatched
-    shape is a SpecimgError naming the key.
+    The shape comes from the checkpoint itself where it says (:func:`describe_checkpoint`),
+    then from ``preset`` and ``overrides`` (e.g. ``block_size=576`` for a 384px file without
+    args); a given value that contradicts the file, a key the file lacks, an extra key or a
+    mismatched shape is a SpecimgError naming it.  A :class:`GPTConfig` is taken as is.
     """
-    config = make_config(preset, **overrides)
-    state = load_state_dict(path)
-    state = {k: v for k, v in state.items() if k not in _DERIVED_KEYS and ".kv_cache." not in k}
+    origin = os.fspath(path)
+    checkpoint = read_checkpoint(path)
+    if isinstance(preset, GPTConfig):
+        config = make_config(preset, **overrides)
+    else:
+        config = config_for(describe_checkpoint(checkpoint, origin), preset, overrides, origin)
+    state = {k: v for k, v in checkpoint.state.items() if k not in _DERIVED_KEYS and ".kv_cache." not in k}
     target = LlamaGenTarget(config, max_tree_nodes)
-    load_into(target, state, origin=os.fspath(path))
+    load_into(target, state, origin=origin)
     return target.to(device=device, dtype=dtype).eval()

@@ -9,7 +9,8 @@ import attrs
 import torch
 
 from specimg.models.eagle import EagleDrafter, build_drafter, load_drafter
-from specimg.models.llamagen import LlamaGenTarget, build_target, load_target
+from specimg.models.families import load_target
+from specimg.models.llamagen import LlamaGenTarget, build_target
 from specimg.models.vq import VQTokenizer, build_tokenizer, load_tokenizer
 
 TINY_GPT = dict(dim=64, n_layer=2, n_head=4, multiple_of=32, vocab_size=256, num_classes=10, block_size=64)
@@ -44,15 +45,16 @@ def tiny_random(seed: int = 0) -> Models:
 
 def from_paths(
     target: str | os.PathLike[str],
-    preset: str = "GPT-B",
+    preset: str | None = None,
     drafter: str | os.PathLike[str] | None = None,
     tokenizer: str | os.PathLike[str] | None = None,
     target_overrides: dict[str, Any] | None = None,
     tokenizer_overrides: dict[str, Any] | None = None,
 ) -> Models:
-    """Official (or compatible) checkpoints from local paths.  Without a drafter file the
-    drafter is randomly initialised (only ``ar`` and exactness checks make sense then)."""
-    model = load_target(target, preset, **(target_overrides or {}))
+    """Official (or compatible) checkpoints from local paths, the target's family detected
+    from its path.  Without a drafter file the drafter is randomly initialised (only ``ar``
+    and exactness checks make sense then)."""
+    model = load_target(target, **({"preset": preset} if preset else {}), **(target_overrides or {}))
     draft = load_drafter(model, drafter) if drafter else build_drafter(model)
     tok = load_tokenizer(tokenizer, **(tokenizer_overrides or {})) if tokenizer else None
     return Models(model, draft, tok, os.fspath(target))

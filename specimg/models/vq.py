@@ -20,7 +20,7 @@ from attrs import validators as v
 from torch import Tensor, nn
 
 from specimg.errors import SpecimgError
-from specimg.models.checkpoint import load_into, load_state_dict
+from specimg.models.checkpoint import Checkpoint, Described, agree, load_into, read_checkpoint, settle
 
 _METADATA_KEY = "specimg.vq_config"
 _USAGE_SLOTS = 65536  # size of LlamaGen's ``quantize.codebook_used`` buffer
@@ -342,21 +342,69 @@ def build_tokenizer(config: VQConfig | None = None, *, seed: int = 0, **override
         return VQTokenizer(cfg).eval()
 
 
-def load_tokenizer(path: str | os.PathLike[str], **overrides: Any) -> VQTokenizer:
+def describe_tokenizer(checkpoint: Checkpoint, header: VQConfig | None = None, origin: str = "tokenizer") -> Described:
+    """What a VQ checkpoint says about its shape: a specimg file's header, the training
+    args of an official file (``vq_model``, codebook size and width, ``codebook_l2_norm``,
+    loss weights), and its tensor shapes (codebook, widths, levels, so the downsampling,
+    res blocks, latent channels).  GroupNorm's group count is in no shape: LlamaGen's 32
+    unless the header says otherwise."""
+    state, args = checkpoint.state, checkpoint.args
+    told: Described = {k: (v, "header") for k, v in attrs.asdict(header).items()} if header else {}
+    if isinstance(args.get("vq_model"), str):
+        told["preset"] = (args["vq_model"], "args")
+    for key in ("codebook_size", "codebook_embed_dim", "codebook_l2_norm", "commit_loss_beta", "entropy_loss_ratio"):
+        if args.get(key) is not None:
+            told[key] = (args[key], "args")
+    seen: Described = {}
+    if "quantize.embedding.weight" in state:
+        size, width = state["quantize.embedding.weight"].shape
+        seen.update(codebook_size=(int(size), "weights"), codebook_embed_dim=(int(width), "weights"))
+    if "encoder.conv_in.weight" in state and "encoder.conv_out.weight" in state:
+        ch = int(state["encoder.conv_in.weight"].shape[0])
+        seen.update(ch=(ch, "weights"), z_channels=(int(state["encoder.conv_out.weight"].shape[0]), "weights"))
+        for part in ("encoder", "decoder"):
+            widths = [state.get(f"{part}.conv_blocks.{i}.res.0.conv2.weight") for i in range(len(_indices(state, f"{part}.conv_blocks.")))]
+            if widths and all(w is not None and w.shape[0] % ch == 0 for w in widths):
+                mults = tuple(int(w.shape[0]) // ch for w in widths)
+                seen[f"{part}_ch_mult"] = (mults if part == "encoder" else mults[::-1], "weights")
+        blocks = _indices(state, "encoder.conv_blocks.0.res.")
+        if blocks:
+            seen["num_res_blocks"] = (len(blocks), "weights")
+    return agree(origin, told, seen)
+
+
+def _indices(state: dict[str, Tensor], prefix: str) -> set[str]:
+    """The distinct first path components after ``prefix`` (the numbered children of a ModuleList)."""
+    return {k[len(prefix):].split(".")[0] for k in state if k.startswith(prefix)}
+
+
+def load_tokenizer(path: str | os.PathLike[str], preset: str | None = None, **overrides: Any) -> VQTokenizer:
     """Load an official LlamaGen VQ checkpoint (``{"model"}``/``{"ema"}``/raw .pt) or a file
-    written by ``save_tokenizer`` (its config comes from the header); ``overrides`` adjust the
-    config (e.g. ``encoder_ch_mult`` for VQ-8). Returns the model in eval mode."""
+    written by ``save_tokenizer``.  The shape comes from the file where it says
+    (:func:`describe_tokenizer`), then ``preset`` ("VQ-16", "VQ-8") and ``overrides``; a
+    given value that contradicts the file is a SpecimgError naming both.  Eval mode."""
     path = os.fspath(path)
-    state = load_state_dict(path)
-    base = VQConfig()
+    checkpoint = read_checkpoint(path)
+    header = None
     if path.endswith(".safetensors"):
         from safetensors import safe_open
 
         with safe_open(path, framework="pt") as f:
             text = (f.metadata() or {}).get(_METADATA_KEY)
         if text is not None:
-            base = VQConfig.from_json(text)
-    model = VQTokenizer(_config_with(base, overrides))
+            header = VQConfig.from_json(text)
+    given = dict(overrides)
+    if preset is not None:
+        if preset not in VQ_PRESETS:
+            raise SpecimgError(f"unknown VQ preset {preset!r}; choose one of {', '.join(VQ_PRESETS)}")
+        given = {"preset": preset, **attrs.asdict(VQ_PRESETS[preset]), **given}
+    via = {k: f"preset {preset}" for k in attrs.asdict(VQ_PRESETS[preset]) if k not in overrides} if preset else {}
+    fields = settle(describe_tokenizer(checkpoint, header, path), given, path, via)
+    name = fields.pop("preset", "VQ-16")
+    if name not in VQ_PRESETS:
+        raise SpecimgError(f"{path}: its args name the tokenizer {name!r}, which is no VQ preset ({', '.join(VQ_PRESETS)})")
+    model = VQTokenizer(_config_with(VQ_PRESETS[name], fields))
+    state = checkpoint.state
     state.setdefault("quantize.codebook_used", model.quantize.codebook_used)  # absent from some exports
     load_into(model, state, origin=path)
     return model.eval()

@@ -1,7 +1,7 @@
 """Drafter training data: the target's teacher-forced features, generated once, stored as shards.
 
 An *example* is one image's token sequence ``tokens`` [N] (N = the target's image tokens),
-its class ``label`` and the target's last hidden states ``features`` [N, D] after the
+its condition ``label`` and the target's last hidden states ``features`` [N, D] after the
 final norm, teacher-forced on those tokens: ``features[t]`` is the state at the position
 before ``tokens[t]`` (``forward_sequence``'s convention), so ``output(features[t])`` are the
 target's logits for ``tokens[t]``.  The target's distributions are not stored: the output
@@ -15,11 +15,17 @@ Token sequences come from
 - self-distillation: sampled from the target itself with its own sampling settings
   (CFG, temperature, top-k, top-p), as EAGLE and LANTERN do.  Sample i uses seed
   ``seed + i``, so the samples do not depend on the batch size or the number of
-  processes, and equal ``Engine(method="ar").generate([label], seed=seed + i)``.
+  processes, and equal ``Engine(method="ar").generate([condition], seed=seed + i)``.
 
-With ``uncond`` (the default when the target has a null class) every sequence is also
-teacher-forced under the null class and stored as a second example with
-``label = num_classes``: under CFG the drafter drafts the unconditional row too.
+A c2i target's samples are conditioned on class labels (``label`` = the class); a t2i
+target's on captions, one per sample, made from prompts by the caller's text encoder
+(``label`` = the sample's index in ``settings.prompts``; the captions' digest is part of the
+settings, so a folder is never finished with another encoder's features).
+
+With ``uncond`` (the default when the target has a null condition) every sequence is also
+teacher-forced under the null condition and stored as a second example with ``label =
+num_classes`` (c2i) or ``-1`` (t2i, LlamaGen's ``uncond_embedding`` with the sample's
+caption mask): under CFG the drafter drafts the unconditional row too.
 
 Layout of a data folder::
 
@@ -46,7 +52,7 @@ from torch import Tensor
 
 from specimg.config import Sampling
 from specimg.errors import SpecimgError
-from specimg.models.base import cfg_rows
+from specimg.models.base import Caption, cfg_rows
 from specimg.models.llamagen import KVSlot, LlamaGenTarget
 from specimg.sampling import probabilities
 
@@ -82,35 +88,41 @@ def _atomic_write_json(path: str, obj: Any) -> None:
 
 
 @torch.inference_mode()
-def sample_tokens(target: LlamaGenTarget, labels: Sequence[int], seeds: Sequence[int], sampling: Sampling) -> Tensor:
-    """Sample one image per class label from the target, batched, with a KV cache: tokens
-    [len(labels), num_tokens].  Image i draws with its own generator seeded ``seeds[i]``
-    exactly as the engine's AR loop does, so the result equals ``Engine(target,
-    method="ar", sampling=sampling).generate([labels[i]], seed=seeds[i])`` (up to
-    floating-point differences between batched and single-row matmuls)."""
+def sample_tokens(target: LlamaGenTarget, conditions: Sequence[int] | Sequence[Caption], seeds: Sequence[int], sampling: Sampling) -> Tensor:
+    """Sample one image per condition (class labels for a c2i target, captions for a t2i
+    one) from the target, batched, with a KV cache: tokens [len(conditions), num_tokens].
+    Image i draws with its own generator seeded ``seeds[i]`` exactly as the engine's AR
+    loop does, so the result equals ``Engine(target, method="ar", sampling=sampling)
+    .generate([conditions[i]], seed=seeds[i])`` (up to floating-point differences between
+    batched and single-row matmuls)."""
     c = target.config
-    if c.model_type != "c2i":
-        raise SpecimgError("self-distilled drafter data needs a class-conditional (c2i) target; t2i is not supported yet")
-    if len(labels) != len(seeds):
-        raise ValueError("one seed per label")
-    bad = [x for x in labels if not 0 <= x < c.num_classes]
-    if bad:
-        raise SpecimgError(f"class label {bad[0]} is outside [0, {c.num_classes})")
-    if sampling.cfg and c.class_dropout_prob <= 0:
-        raise SpecimgError("this target has no null class (class_dropout_prob = 0): sample without CFG (--cfg-scale 1)")
-    n, rows, vocab = len(labels), cfg_rows(sampling.cfg), c.vocab_size
+    if len(conditions) != len(seeds):
+        raise ValueError("one seed per condition")
+    if c.model_type == "c2i":
+        bad = [x for x in conditions if not 0 <= x < c.num_classes]
+        if bad:
+            raise SpecimgError(f"class label {bad[0]} is outside [0, {c.num_classes})")
+        if sampling.cfg and c.class_dropout_prob <= 0:
+            raise SpecimgError("this target has no null class (class_dropout_prob = 0): sample without CFG (--cfg-scale 1)")
+    n, rows, vocab = len(conditions), cfg_rows(sampling.cfg), c.vocab_size
     cls, num = c.cls_token_num, c.block_size
     w = target.tok_embeddings.weight
-    ids = torch.tensor(list(labels) + [c.num_classes] * n * (rows - 1), device=w.device)
+    # the prefill's own condition rows, image i's rows at r * n + i (row 1 unconditional)
+    embedded = [target.embed_condition(x, sampling.cfg) for x in conditions]
+    prefix = torch.stack([e for e, _ in embedded], dim=1).flatten(0, 1)
+    valid = None  # t2i: [rows * n, cls + num] the slots a query may see (padded caption tokens: none)
+    if c.model_type == "t2i":
+        valid = torch.ones(rows * n, cls + num, dtype=torch.bool, device=w.device)
+        valid[:, :cls] = torch.stack([m for _, m in embedded]).repeat(rows, 1)
     shape = (rows * n, c.kv_heads, cls + num, c.head_dim)
     caches: list[KVSlot] = [(w.new_zeros(shape), w.new_zeros(shape)) for _ in target.layers]
     generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
     out = torch.empty(n, num, dtype=torch.long)
 
-    def run(x: Tensor, start: int, width: int) -> Tensor:
+    def run(x: Tensor, start: int, width: int, mask: Tensor | None) -> Tensor:
         rope = target.rope[start : start + width]
         for layer, cache in zip(target.layers, caches):
-            x = layer(x, rope, None, cache, start)
+            x = layer(x, rope, mask, cache, start)
         return target.output(target.norm(x[:, -1])).float().view(rows, n, vocab)
 
     def draw(logits: Tensor, k: int, cfg_on: bool) -> None:
@@ -121,20 +133,22 @@ def sample_tokens(target: LlamaGenTarget, labels: Sequence[int], seeds: Sequence
         for i, g in enumerate(generators):
             out[i, k] = torch.multinomial(probs[i], 1, generator=g)[0]
 
-    # the condition (c2i: one class embedding); the first token is always guided, as in the engine
-    draw(run(target.cls_embedding.embedding_table(ids)[:, None], 0, cls), 0, True)
+    # the condition; the first token is always guided, as in the engine
+    draw(run(prefix, 0, cls, None if valid is None else target.condition_mask(valid[:, :cls])[:, None]), 0, True)
     for k in range(1, num):
         last = out[:, k - 1].to(w.device).repeat(rows)
         cfg_on = sampling.cfg_interval < 0 or k - 1 <= sampling.cfg_interval
-        draw(run(target.tok_embeddings(last)[:, None], cls + k - 1, 1), k, cfg_on)
+        start = cls + k - 1
+        draw(run(target.tok_embeddings(last)[:, None], start, 1, None if valid is None else valid[:, None, None, : start + 1]), k, cfg_on)
     return out
 
 
 @torch.inference_mode()
-def teacher_features(target: LlamaGenTarget, labels: Tensor, tokens: Tensor) -> Tensor:
-    """The target's last hidden states [B, N, D] teacher-forced on ``tokens`` [B, N]."""
+def teacher_features(target: LlamaGenTarget, conditions: Tensor | Sequence[Caption], tokens: Tensor) -> Tensor:
+    """The target's last hidden states [B, N, D] teacher-forced on ``tokens`` [B, N] under
+    ``conditions`` (class ids [B] or one caption per row)."""
     device = target.tok_embeddings.weight.device
-    return target.forward_sequence(labels.to(device), tokens.to(device)).hidden
+    return target.forward_sequence(conditions.to(device) if isinstance(conditions, Tensor) else conditions, tokens.to(device)).hidden
 
 
 def read_tokens_file(path: str | os.PathLike[str], target: LlamaGenTarget) -> tuple[Tensor, Tensor | None]:
@@ -166,6 +180,16 @@ def read_tokens_file(path: str | os.PathLike[str], target: LlamaGenTarget) -> tu
     return tokens, labels
 
 
+def _captions_digest(captions: Sequence[Caption]) -> str:
+    """A digest of caption features and masks; features rounded to bfloat16, so that float
+    noise between two runs of one text encoder does not count as other captions."""
+    h = hashlib.sha256()
+    for caption in captions:
+        h.update(caption.features.detach().to("cpu", torch.bfloat16).view(torch.int16).numpy().tobytes())
+        h.update(caption.mask.detach().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def _file_digest(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -181,10 +205,13 @@ def _file_digest(path: str) -> str:
 class DataSpec:
     """What to generate.  ``tokens_file`` None means self-distillation with ``sampling``;
     ``labels`` are cycled over the samples (default 0, 1, 2, ... mod num_classes; a tokens
-    file's own labels win)."""
+    file's own labels win).  A t2i target takes ``captions`` instead, one per sample, and
+    the ``prompts`` they were made from."""
 
     num_samples: int | None = None
     labels: tuple[int, ...] = ()
+    captions: tuple[Caption, ...] = ()
+    prompts: tuple[str, ...] = ()
     tokens_file: str | None = None
     sampling: Sampling = Sampling(cfg_scale=4.0)
     seed: int = 0
@@ -207,13 +234,16 @@ def make_drafter_data(
     """Generate (or finish generating) a data folder; returns its meta.  With several
     processes, call it in each with its index, the count and a barrier: the shards are
     shared round-robin.  ``progress`` is called with the samples each batch finished."""
+    if not isinstance(target, LlamaGenTarget):
+        raise SpecimgError(f"drafter data is made for LlamaGen targets so far, not {type(target).__name__}")
     c = target.config
-    if c.model_type != "c2i":
-        raise SpecimgError("drafter data needs a class-conditional (c2i) target; t2i (caption features) is not supported yet")
+    t2i = c.model_type == "t2i"
     out = os.fspath(out)
     tokens_all: Tensor | None = None
     file_labels: Tensor | None = None
     source: dict[str, Any]
+    if t2i and spec.tokens_file:
+        raise SpecimgError("a tokens file goes with a class-conditional target; a t2i target's data is sampled from prompts")
     if spec.tokens_file:
         tokens_all, file_labels = read_tokens_file(spec.tokens_file, target)
         available = tokens_all.shape[0]
@@ -228,24 +258,34 @@ def make_drafter_data(
         source = {"kind": "self", "sampling": attrs.asdict(spec.sampling), "seed": spec.seed}
     if num < 1:
         raise SpecimgError("drafter data needs at least one sample")
+    if t2i != bool(spec.captions) or (t2i and len(spec.captions) != num):
+        raise SpecimgError(
+            f"a t2i target's drafter data needs one caption per sample ({len(spec.captions)} for {num}): give --prompts and --text-encoder"
+            if t2i else "captions go with a t2i target; this one is class-conditional: give --class-labels"
+        )
     bad = [x for x in spec.labels if not 0 <= x < c.num_classes]
     if bad:
         raise SpecimgError(f"class label {bad[0]} is outside [0, {c.num_classes})")
-    if file_labels is not None:
+    if t2i:
+        labels = torch.arange(num)
+    elif file_labels is not None:
         labels = file_labels[:num]
     else:
         cycle = list(spec.labels) or list(range(c.num_classes))
         labels = torch.tensor([cycle[i % len(cycle)] for i in range(num)], dtype=torch.long)
-    has_null = c.class_dropout_prob > 0
+    has_null = t2i or c.class_dropout_prob > 0  # t2i: uncond_embedding
     uncond = has_null if spec.uncond is None else spec.uncond
     if uncond and not has_null:
         raise SpecimgError("this target has no null class (class_dropout_prob = 0): use --no-uncond")
+    null = -1 if t2i else c.num_classes
     num_shards = -(-num // spec.shard_size)
     fingerprint = target_fingerprint(target)
     settings = {
         "source": source, "num_samples": num, "labels": labels.tolist(), "uncond": uncond,
         "dtype": spec.dtype, "shard_size": spec.shard_size,
     }
+    if t2i:
+        settings.update(prompts=list(spec.prompts), captions_sha256=_captions_digest(spec.captions))
     meta = {
         "format": FORMAT, "settings": settings, "target": fingerprint, "num_shards": num_shards,
         "num_examples": num * (1 + uncond), "num_tokens": c.block_size, "hidden_size": c.dim,
@@ -277,13 +317,18 @@ def make_drafter_data(
         for start in range(lo, hi, spec.batch_size):
             idx = torch.arange(start, min(hi, start + spec.batch_size))
             lab = labels[idx]
+            captions = [spec.captions[int(i)] for i in idx] if t2i else []
+            conditions: Tensor | list[Caption] = captions if t2i else lab
             if tokens_all is not None:
                 tok = tokens_all[idx]
             else:
-                tok = sample_tokens(target, lab.tolist(), [spec.seed + int(i) for i in idx], spec.sampling)
-            variants = [lab] + ([torch.full_like(lab, c.num_classes)] if uncond else [])
-            for part, variant in zip(parts, variants):
-                part["features"].append(teacher_features(target, variant, tok).to("cpu", dtype))
+                tok = sample_tokens(target, captions if t2i else lab.tolist(), [spec.seed + int(i) for i in idx], spec.sampling)
+            variants = [(lab, conditions)]
+            if uncond:
+                null_labels = torch.full_like(lab, null)
+                variants.append((null_labels, [Caption(target.cls_embedding.uncond_embedding, x.mask) for x in captions] if t2i else null_labels))
+            for part, (variant, given) in zip(parts, variants):
+                part["features"].append(teacher_features(target, given, tok).to("cpu", dtype))
                 part["tokens"].append(tok)
                 part["labels"].append(variant)
                 part["sample"].append(idx)

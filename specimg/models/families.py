@@ -1,0 +1,103 @@
+"""Which model family a path holds, and loading a target of any family from it.
+
+A file (``.pt``, ``.pth``, ``.bin``, ``.safetensors``) is a LlamaGen checkpoint; a folder
+is a Hugging Face model whose ``config.json`` ``model_type`` names the family: ``janus``
+(Janus-Pro) or ``chameleon`` (Lumina-mGPT).  Each family's adapter lives in its own module
+of ``specimg.models``, imported only when a path of that family is loaded, so a family
+whose module is absent is reported as unsupported rather than breaking the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+from typing import Any
+
+import attrs
+
+from specimg.errors import SpecimgError
+
+_CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
+
+
+@attrs.frozen
+class Family:
+    """A model family: how to point at it and which module adapts it."""
+
+    name: str
+    title: str
+    source: str
+    """What ``--target`` takes for it."""
+    module: str
+    loader: str
+    model_type: str | None = None
+    """The Hugging Face ``config.json`` model_type of its folders (None: a checkpoint file)."""
+
+    @property
+    def installed(self) -> bool:
+        return importlib.util.find_spec(self.module) is not None
+
+
+FAMILIES = {f.name: f for f in (
+    Family("llamagen", "LlamaGen GPT, class- (c2i) or text-conditional (t2i)", "a checkpoint file (.pt or .safetensors)", "specimg.models.llamagen", "load_target"),
+    Family("janus", "Janus-Pro (transformers' JanusForConditionalGeneration)", 'a Hugging Face folder, config.json model_type "janus"', "specimg.models.janus", "load_janus_target", "janus"),
+    Family("lumina", "Lumina-mGPT (transformers' Chameleon)", 'a Hugging Face folder, config.json model_type "chameleon"', "specimg.models.lumina", "load_lumina_target", "chameleon"),
+)}
+
+
+def detect_family(path: str | os.PathLike[str]) -> Family:
+    """The family of the model at ``path`` (a SpecimgError when it is none of them)."""
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        if not path.endswith(_CHECKPOINT_SUFFIXES):
+            raise SpecimgError(f"{path}: not a checkpoint file ({', '.join(_CHECKPOINT_SUFFIXES)}) nor a Hugging Face folder")
+        return FAMILIES["llamagen"]
+    if not os.path.isdir(path):
+        raise SpecimgError(f"checkpoint not found: {path}")
+    config_path = os.path.join(path, "config.json")
+    try:
+        with open(config_path, encoding="utf-8") as fh:
+            model_type = json.load(fh).get("model_type")
+    except (OSError, json.JSONDecodeError, AttributeError) as err:
+        raise SpecimgError(f"{path} is no Hugging Face model folder (cannot read its config.json: {err})") from None
+    for family in FAMILIES.values():
+        if family.model_type is not None and family.model_type == model_type:
+            return family
+    known = ", ".join(repr(f.model_type) for f in FAMILIES.values() if f.model_type)
+    raise SpecimgError(f"{config_path}: model_type {model_type!r} is no supported family ({known})")
+
+
+def load_target(path: str | os.PathLike[str], **overrides: Any) -> Any:
+    """A target of whichever family ``path`` holds, shaped by ``overrides`` (for LlamaGen:
+    ``preset`` and GPTConfig fields; a checkpoint that describes itself needs none)."""
+    family = detect_family(path)
+    try:
+        module = importlib.import_module(family.module)
+    except ModuleNotFoundError as err:
+        if err.name != family.module:
+            raise
+        raise SpecimgError(f"{path}: {family.title} targets are not supported yet (this specimg has no {family.module})") from None
+    return getattr(module, family.loader)(path, **overrides)
+
+
+def catalogue() -> list[str]:
+    """``specimg models``: every family, its presets and how to point at it."""
+    from specimg.models.llamagen import PRESETS
+    from specimg.models.vq import VQ_PRESETS
+
+    lines = []
+    for family in FAMILIES.values():
+        status = "" if family.installed else f"  [not supported yet: needs {family.module}]"
+        lines.append(f"{family.name:<10} {family.title}{status}")
+        lines.append(f"{'':<10} --target {family.source}")
+        if family.name == "llamagen":
+            for name, p in PRESETS.items():
+                lines.append(f"{'':<10} {name:<9} {p['n_layer']} layers, {p['n_head']} heads, width {p['dim']}")
+            lines.append(f"{'':<10} c2i: --class-labels; t2i: --prompt / --prompts with --text-encoder (a local flan-t5-xl folder)")
+            lines.append(f"{'':<10} a file with training args needs no --preset; otherwise --preset NAME, --target-config block_size=576 for 384px")
+    lines.append(f"{'vq':<10} LlamaGen VQ tokenizer, for LlamaGen targets: --tokenizer FILE (shape read from the file)")
+    for name, config in VQ_PRESETS.items():
+        lines.append(f"{'':<10} {name:<9} codebook {config.codebook_size} x {config.codebook_embed_dim}, downsampling {config.downsample_factor}")
+    return lines
