@@ -139,6 +139,18 @@ def test_greedy_naive_equals_ar(target) -> None:
     assert stats.images[0].target_forwards < target.num_tokens
 
 
+@pytest.mark.parametrize("method", ["cascade+lantern", "gsd"])
+def test_relaxed_methods_run_on_janus_features(target, method: str) -> None:
+    """CASCADE reads the hidden states, LANTERN the VQ codebook, GSD the input embeddings."""
+    table = torch.zeros(target.vocab_size, target.vocab_size)
+    engine = Engine(target, MarkovDrafter(table), method=method, sampling=Sampling(cfg_scale=3.0),
+                    tree=TreeConfig(depth=3, topk=2, total_tokens=6), tokenizer=target.vq_tokenizer())
+    tokens, stats = engine.generate([PROMPT], seed=1)
+    assert tokens.shape == (1, target.num_tokens) and 0 <= int(tokens.min()) and int(tokens.max()) < target.vocab_size
+    assert stats.images[0].target_forwards <= target.num_tokens
+    assert target.vq_tokenizer().decode(tokens).isfinite().all()
+
+
 @pytest.mark.parametrize("cfg", [True, False])
 def test_tree_verification_equals_sequential_decoding(target, cfg: bool) -> None:
     assert isinstance(target, Target)
@@ -169,6 +181,17 @@ def test_commit_keeps_exactly_the_accepted_path(target) -> None:
         seq = committed + tokens[accepted].tolist() + nxt_tokens[path_to(node, nxt_parents)].tolist()
         chain = decode_chain(target, seq)
         torch.testing.assert_close(nxt.logits[:, node], chain.logits[:, 0], atol=ATOL, rtol=0)
+
+
+def test_bfloat16_weights_give_float32_logits_close_to_float32(folder, target) -> None:
+    low = load_janus_target(folder, dtype="bfloat16")
+    tokens, depths, mask, _ = random_tree(8, target.vocab_size, seed=5)
+    outs = []
+    for model in (target, low):
+        decode_chain(model, [7, 1, 30])
+        outs.append(model.forward_tree(tokens, depths, mask))
+    assert outs[1].logits.dtype == torch.float32 and outs[1].hidden.dtype == torch.bfloat16
+    torch.testing.assert_close(outs[1].logits, outs[0].logits, atol=2.0, rtol=0.1)  # logits reach ~20
 
 
 def test_text_prompt_in_janus_template_and_unconditional_row(target) -> None:
