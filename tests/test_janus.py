@@ -230,5 +230,5 @@ def test_user_errors(tmp_path, folder, target) -> None:
     with pytest.raises(SpecimgError, match="no config.json"):
         load_janus_target(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "chameleon"}))
-    with pytest.raises(SpecimgError, match="not a Janus"):
+    with pytest.raises(SpecimgError, match="not a 'janus' one"):
         load_janus_target(tmp_path)

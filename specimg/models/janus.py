@@ -19,47 +19,25 @@ entries down to the committed prefix and crops the rest.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, Union
 
-import attrs
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specimg.errors import SpecimgError
 from specimg.models.base import TargetOutput, cfg_rows
+from specimg.models.hf import HFOptions, additive_mask, keep_slots, load_folder, parse_options
 
-try:
-    from transformers import AutoTokenizer, DynamicCache, JanusForConditionalGeneration
-except ImportError as err:  # an optional extra: say which one
-    raise SpecimgError("Janus targets need transformers 4.57: pip install 'specimg[hf]'") from err
+from transformers import DynamicCache, JanusForConditionalGeneration  # isort: skip (hf explains a missing extra)
 
 PROMPT_TEMPLATE = "<|User|>: {}\n\n<|Assistant|>:"
 """Janus's one-turn image prompt (the DeepSeek SFT format with an empty system prompt)."""
 
 JanusCondition = Union[str, Tensor, Sequence[int]]
 """A prompt text, or prompt ids already in the template (ending in begin-of-image)."""
-
-
-def _dtype(value: torch.dtype | str) -> torch.dtype:
-    dtype = getattr(torch, value, None) if isinstance(value, str) else value
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise SpecimgError(f"dtype must be a floating torch dtype or its name, not {value!r}")
-    return dtype
-
-
-@attrs.frozen
-class JanusOptions:
-    """What ``load_janus_target`` may override.  The tree mask needs an attention that takes a
-    4-D mask: ``sdpa`` or ``eager`` (not flash attention)."""
-
-    device: str | torch.device = "cpu"
-    dtype: torch.dtype = attrs.field(default=torch.float32, converter=_dtype)
-    attn_implementation: str = attrs.field(default="sdpa", validator=attrs.validators.in_(("sdpa", "eager")))
 
 
 class JanusVQTokenizer:
@@ -159,8 +137,7 @@ class JanusTarget(nn.Module):
         attn = None  # the AR path: the root alone sees everything
         if n > 1:
             allowed = torch.cat([torch.ones(n, start, dtype=torch.bool, device=device), mask.to(device)], dim=1)
-            attn = torch.zeros(allowed.shape, dtype=x.dtype, device=device).masked_fill_(~allowed, torch.finfo(x.dtype).min)
-            attn = attn[None, None].expand(self._rows, 1, n, start + n)
+            attn = additive_mask(allowed[None], x.dtype).expand(self._rows, 1, n, start + n)
         out = self.model.model.language_model(
             inputs_embeds=x,
             attention_mask=attn,
@@ -179,11 +156,7 @@ class JanusTarget(nn.Module):
         m, start = nodes.shape[0], self._len
         if m > self._pending:
             raise ValueError(f"cannot commit {m} nodes of a {self._pending}-node tree")
-        src = nodes.to(self._device) + start
-        for layer in self._cache.layers:
-            layer.keys[:, :, start : start + m] = layer.keys[:, :, src]
-            layer.values[:, :, start : start + m] = layer.values[:, :, src]
-        self._cache.crop(start + m)
+        keep_slots(self._cache, start, nodes.to(self._device) + start)
         self._len, self._pending = start + m, 0
 
     # -- prompts
@@ -220,23 +193,8 @@ class JanusTarget(nn.Module):
 
 def load_janus_target(path: str | os.PathLike[str], **overrides: Any) -> JanusTarget:
     """Load a local Hugging Face Janus folder (``model_type`` "janus", e.g. the Janus-Pro-1B/7B
-    conversions); nothing is downloaded.  ``overrides``: the fields of :class:`JanusOptions`."""
-    try:
-        options = JanusOptions(**overrides)
-    except (TypeError, ValueError) as err:
-        fields = ", ".join(f.name for f in attrs.fields(JanusOptions))
-        raise SpecimgError(f"bad Janus option {sorted(overrides)}: {err} (options: {fields})") from None
-    folder = Path(path)
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise SpecimgError(f"{folder} is not a Hugging Face model folder (no config.json)")
-    model_type = json.loads(config_file.read_text()).get("model_type")
-    if model_type != "janus":
-        raise SpecimgError(f"{folder} holds a {model_type!r} model, not a Janus one (model_type 'janus')")
-    model = JanusForConditionalGeneration.from_pretrained(
-        folder, local_files_only=True, dtype=options.dtype, attn_implementation=options.attn_implementation
-    )
-    has_tokenizer = (folder / "tokenizer.json").is_file() or (folder / "tokenizer.model").is_file()
-    text_tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True) if has_tokenizer else None
-    return JanusTarget(model, text_tokenizer).to(options.device)
-
+    conversions); nothing is downloaded.  ``overrides``: the fields of
+    :class:`~specimg.models.hf.HFOptions` (device, dtype, attn_implementation)."""
+    options = parse_options(HFOptions, overrides, "Janus")
+    model, text_tokenizer = load_folder(path, "janus", JanusForConditionalGeneration, options)
+    return JanusTarget(model, text_tokenizer)
