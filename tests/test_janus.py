@@ -18,6 +18,7 @@ from specimg.errors import SpecimgError  # noqa: E402
 from specimg.models.base import Target, causal_tree_mask  # noqa: E402
 from specimg.models.janus import JanusTarget, load_janus_target  # noqa: E402
 from specimg.testing.markov import MarkovDrafter  # noqa: E402
+from specimg.testing.trees import path_to, random_tree  # noqa: E402
 
 BOS, PAD, BOI = 1, 2, 4
 WORDS = ["<unk>", "<bos>", "<pad>", "<eos>", "<begin_of_image>", "<|User|>:", "<|Assistant|>:", "a", "red", "cat"]
@@ -87,25 +88,6 @@ def greedy(target: JanusTarget, method: str, cfg_scale: float, drafter=None, pro
     engine = Engine(target, drafter, method=method, sampling=Sampling(temperature=0.0, cfg_scale=cfg_scale),
                     tree=TreeConfig(depth=4, topk=3, total_tokens=10), tokenizer=target.vq_tokenizer())
     return engine.generate([prompt])
-
-
-def random_tree(n: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-    """tokens, depths, ancestor-or-self mask, parents of a random tree (node 0 = root)."""
-    g = torch.Generator().manual_seed(seed)
-    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
-    mask = torch.eye(n, dtype=torch.bool)
-    depths = [0] * n
-    for i in range(1, n):
-        mask[i] |= mask[parents[i]]
-        depths[i] = depths[parents[i]] + 1
-    return torch.randint(0, vocab, (n,), generator=g), torch.tensor(depths), mask, parents
-
-
-def path_to(node: int, parents: list[int]) -> list[int]:
-    path = [node]
-    while parents[path[-1]] >= 0:
-        path.append(parents[path[-1]])
-    return path[::-1]
 
 
 def decode_chain(target: JanusTarget, tokens: list[int], cfg: bool = True):
