@@ -165,6 +165,16 @@ def test_commit_keeps_exactly_the_accepted_path(target) -> None:
         torch.testing.assert_close(nxt.logits[:, node], chain.logits[:, 0], atol=ATOL, rtol=0)
 
 
+def test_eager_attention_takes_the_tree_mask_too(folder, target) -> None:
+    eager = load_janus_target(folder, attn_implementation="eager")
+    tokens, depths, mask, _ = random_tree(8, target.vocab_size, seed=6)
+    outs = []
+    for model in (target, eager):
+        decode_chain(model, [7, 1, 30])
+        outs.append(model.forward_tree(tokens, depths, mask).logits)
+    torch.testing.assert_close(outs[1], outs[0], atol=ATOL, rtol=0)
+
+
 def test_bfloat16_weights_give_float32_logits_close_to_float32(folder, target) -> None:
     low = load_janus_target(folder, dtype="bfloat16")
     tokens, depths, mask, _ = random_tree(8, target.vocab_size, seed=5)
