@@ -1,0 +1,200 @@
+"""Janus-Pro as a speculative-decoding target, over transformers' ``JanusForConditionalGeneration``.
+
+Image generation as the released inference code (deepseek-ai/Janus, ``generation_inference.py``)
+and transformers' ``generate(generation_mode="image")`` run it:
+
+- the prompt is ``<|User|>: {text}\\n\\n<|Assistant|>:`` after BOS, then the begin-of-image
+  token; the logits at begin-of-image give image token 0;
+- the unconditional row is the same sequence with every token except BOS and begin-of-image
+  replaced by the pad id; CFG is ``uncond + s * (cond - uncond)`` (specimg's sampling);
+- an image code is fed back as ``generation_aligner(generation_embeddings(code))`` and scored
+  by ``generation_head`` on the language model's final-norm hidden state;
+- positions are plain 1-D sequence positions (Llama RoPE), so a tree node at depth d sits at
+  position ``committed + d``.
+
+The language model runs with a ``DynamicCache``; a tree is verified in one forward with a
+4-D additive mask and explicit ``position_ids``, and ``commit`` moves the accepted path's
+entries down to the committed prefix and crops the rest.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specimg.errors import SpecimgError
+from specimg.models.base import TargetOutput, cfg_rows
+from specimg.models.hf import HFOptions, additive_mask, keep_slots, load_folder, parse_options
+
+from transformers import DynamicCache, JanusForConditionalGeneration  # isort: skip (hf explains a missing extra)
+
+PROMPT_TEMPLATE = "<|User|>: {}\n\n<|Assistant|>:"
+"""Janus's one-turn image prompt (the DeepSeek SFT format with an empty system prompt)."""
+
+JanusCondition = Union[str, Tensor, Sequence[int]]
+"""A prompt text, or prompt ids already in the template (ending in begin-of-image)."""
+
+
+class JanusVQTokenizer:
+    """Janus's VQ model with specimg's tokenizer interface; it shares the target's weights."""
+
+    def __init__(self, vqmodel: nn.Module) -> None:
+        self.vqmodel = vqmodel
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.vqmodel.config.num_embeddings)
+
+    @torch.no_grad()
+    def decode(self, codes: Tensor) -> Tensor:
+        """codes [B, n] (row-major, n = the grid's cells) -> images [B, 3, H, W] in about [-1, 1]."""
+        side = self.vqmodel.quantize.quant_state_dims[0]
+        if codes.dim() != 2 or codes.shape[1] != side * side:
+            raise SpecimgError(f"codes must be [B, {side * side}] (a {side}x{side} grid), got {tuple(codes.shape)}")
+        if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= self.vocab_size):
+            raise SpecimgError(f"codes must lie in [0, {self.vocab_size}) (the VQ codebook); vocabulary mismatch?")
+        return self.vqmodel.decode(codes.to(self.vqmodel.post_quant_conv.weight.device, torch.long))
+
+    @torch.no_grad()
+    def codebook_vectors(self) -> Tensor:
+        """[K, d]: the code vectors the decoder sees (Janus L2-normalises them when decoding)."""
+        return F.normalize(self.vqmodel.quantize.embedding.weight.detach(), dim=-1)
+
+
+class JanusTarget(nn.Module):
+    """``JanusForConditionalGeneration`` with the :class:`~specimg.models.base.Target` interface."""
+
+    def __init__(self, model: JanusForConditionalGeneration, text_tokenizer: Any = None) -> None:
+        super().__init__()
+        self.model = model.eval()
+        self.text_tokenizer = text_tokenizer
+        config = model.config
+        self.vocab_size = int(config.vq_config.num_embeddings)
+        self.num_tokens = int(config.vision_config.num_image_tokens)
+        self.hidden_size = int(config.text_config.hidden_size)
+        side = model.model.vqmodel.quantize.quant_state_dims[0]
+        if side * side != self.num_tokens:
+            raise SpecimgError(f"Janus config: {self.num_tokens} image tokens do not fill the VQ model's {side}x{side} grid")
+        gen = model.generation_config
+        boi = (getattr(gen, "generation_kwargs", None) or {}).get("boi_token_id", getattr(gen, "boi_token_id", None))
+        ids = {"bos_token_id": gen.bos_token_id, "pad_token_id": gen.pad_token_id, "boi_token_id": boi}
+        missing = [name for name, value in ids.items() if value is None]
+        if missing:
+            raise SpecimgError(f"the Janus generation config lacks {', '.join(missing)} (generation_config.json)")
+        self.bos_id, self.pad_id, self.boi_id = int(gen.bos_token_id), int(gen.pad_token_id), int(boi)
+        self._cache: DynamicCache | None = None
+        self._table: Tensor | None = None  # input_embeddings(), computed once per weights
+        self._rows = 0
+        self._len = 0  # committed cache entries (prompt + consumed image tokens)
+        self._pending = 0  # nodes of the last forward_tree
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        """Moving the weights drops the cache and the embedding table made from them."""
+        super()._apply(fn, recurse)
+        self._cache, self._table = None, None
+        return self
+
+    def vq_tokenizer(self) -> JanusVQTokenizer:
+        """The image tokenizer that decodes this target's codes."""
+        return JanusVQTokenizer(self.model.model.vqmodel)
+
+    # -- Target protocol
+
+    @torch.no_grad()
+    def input_embeddings(self) -> Tensor:
+        """[V, D]: each code's input embedding, ``generation_aligner(generation_embeddings(code))``."""
+        if self._table is None:
+            codes = torch.arange(self.vocab_size, device=self._device)
+            self._table = self.model.prepare_embeddings_for_image_generation(codes).detach()
+        return self._table
+
+    @torch.no_grad()
+    def prefill(self, condition: JanusCondition, cfg: bool) -> TargetOutput:
+        ids = self.prompt_ids(condition).to(self._device)
+        rows = ids[None].repeat(cfg_rows(cfg), 1)
+        if cfg:
+            rows[1] = torch.where((ids == self.bos_id) | (ids == self.boi_id), ids, torch.full_like(ids, self.pad_id))
+        self._cache = DynamicCache()
+        out = self.model.model.language_model(
+            inputs_embeds=self.model.get_input_embeddings()(rows), past_key_values=self._cache, use_cache=True
+        )
+        self._rows, self._len, self._pending = rows.shape[0], ids.shape[0], 0
+        return self._head(out.last_hidden_state[:, -1:])
+
+    @torch.no_grad()
+    def forward_tree(self, tokens: Tensor, depths: Tensor, mask: Tensor) -> TargetOutput:
+        if self._cache is None:
+            raise RuntimeError("call prefill before forward_tree (also after moving the target)")
+        n, start, device = tokens.shape[0], self._len, self._device
+        self._cache.crop(start)  # a previous tree left uncommitted
+        x = self.model.prepare_embeddings_for_image_generation(tokens.to(device))
+        x = x[None].expand(self._rows, n, -1)
+        attn = None  # the AR path: the root alone sees everything
+        if n > 1:
+            allowed = torch.cat([torch.ones(n, start, dtype=torch.bool, device=device), mask.to(device)], dim=1)
+            attn = additive_mask(allowed[None], x.dtype).expand(self._rows, 1, n, start + n)
+        out = self.model.model.language_model(
+            inputs_embeds=x,
+            attention_mask=attn,
+            position_ids=(depths.to(device) + start)[None].expand(self._rows, n),
+            cache_position=torch.arange(start, start + n, device=device),
+            past_key_values=self._cache,
+            use_cache=True,
+        )
+        self._pending = n
+        return self._head(out.last_hidden_state)
+
+    @torch.no_grad()
+    def commit(self, nodes: Tensor) -> None:
+        if self._cache is None:
+            raise RuntimeError("call prefill before commit")
+        m, start = nodes.shape[0], self._len
+        if m > self._pending:
+            raise ValueError(f"cannot commit {m} nodes of a {self._pending}-node tree")
+        keep_slots(self._cache, start, nodes.to(self._device) + start)
+        self._len, self._pending = start + m, 0
+
+    # -- prompts
+
+    def prompt_ids(self, condition: JanusCondition) -> Tensor:
+        """The prompt ids [L] in Janus's image template, ending in begin-of-image.
+
+        A text is put in the template and tokenized with the folder's tokenizer; ids are taken
+        as they are (as ``JanusProcessor(generation_mode="image")`` returns them)."""
+        if isinstance(condition, str):
+            if self.text_tokenizer is None:
+                raise SpecimgError("this Janus folder has no tokenizer: pass prompt ids instead of text")
+            ids = self.text_tokenizer.encode(PROMPT_TEMPLATE.format(condition.strip()))
+            if not ids or ids[0] != self.bos_id:
+                ids = [self.bos_id, *ids]
+            return torch.tensor([*ids, self.boi_id])
+        try:
+            ids = torch.as_tensor(condition, dtype=torch.long)
+        except (TypeError, ValueError):
+            raise SpecimgError(f"a Janus target takes a prompt text or prompt ids, not {type(condition).__name__}") from None
+        if ids.dim() != 1 or ids.numel() == 0 or int(ids[-1]) != self.boi_id:
+            raise SpecimgError(f"prompt ids must be one non-empty sequence ending in begin-of-image ({self.boi_id})")
+        return ids
+
+    # -- internals
+
+    @property
+    def _device(self) -> torch.device:
+        return self.model.model.generation_head.vision_head.weight.device
+
+    def _head(self, hidden: Tensor) -> TargetOutput:
+        return TargetOutput(self.model.model.generation_head(hidden).float(), hidden)
+
+
+def load_janus_target(path: str | os.PathLike[str], **overrides: Any) -> JanusTarget:
+    """Load a local Hugging Face Janus folder (``model_type`` "janus", e.g. the Janus-Pro-1B/7B
+    conversions); nothing is downloaded.  ``overrides``: the fields of
+    :class:`~specimg.models.hf.HFOptions` (device, dtype, attn_implementation)."""
+    options = parse_options(HFOptions, overrides, "Janus")
+    model, text_tokenizer = load_folder(path, "janus", JanusForConditionalGeneration, options)
+    return JanusTarget(model, text_tokenizer)

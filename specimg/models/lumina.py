@@ -1,0 +1,227 @@
+"""Lumina-mGPT as a speculative-decoding target, over transformers' ``ChameleonForConditionalGeneration``.
+
+Image generation as the released inference code (Alpha-VLLM/Lumina-mGPT,
+``inference_solver.py``) runs it:
+
+- the prompt is BOS, ``Generate an image of {w}x{h} according to the following prompt:\\n{text}``
+  and the turn separator ``<reserved08706>``; the image then opens with ``<racm3:break>`` and
+  two size tokens (``<reserved{8800 + pixels / 32}>``, height then width), which the
+  model samples in Lumina-mGPT and the target feeds itself, fixing the size;
+- every row of image codes ends with the newline token ``<reserved08799>``, which Lumina-mGPT
+  forces; the target feeds it too, so drafts and the engine only ever see image codes and
+  positions count the newlines;
+- logits are restricted to the image codes (BPE ids of Chameleon's ``IMGIMG`` tokens, in code
+  order through its vocabulary mapping), as Lumina-mGPT's logits processor suppresses the rest;
+- the unconditional row starts at ``<racm3:break>`` with positions restarting at 0 (no prompt);
+  CFG is ``uncond + s * (cond - uncond)``.  Lumina-mGPT samples image codes at temperature 1,
+  CFG 4 and an image top-k of 2000: ``Sampling(cfg_scale=4.0, top_k=2000)``.
+
+Both rows run in one batch: the unconditional row is left-padded to the prompt's length with
+masked slots.  A draft tree is expanded with a newline node after every node that ends a row;
+each node's outputs are read at its newline node when it has one.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any, Union
+
+import attrs
+import torch
+from torch import Tensor, nn
+
+from specimg.errors import SpecimgError
+from specimg.models.base import TargetOutput, cfg_rows
+from specimg.models.hf import HFOptions, additive_mask, keep_slots, load_folder, parse_options
+
+from transformers import ChameleonForConditionalGeneration, DynamicCache  # isort: skip (hf explains a missing extra)
+
+IMAGE_START = "<racm3:break>"
+NEW_LINE = "<reserved08799>"
+TURN_END = "<reserved08706>"
+PROMPT_TEMPLATE = "Generate an image of {size}x{size} according to the following prompt:\n{text}"
+PIXELS_PER_SIZE_UNIT = 32  # a size token counts 32-pixel units: 2x2 codes of the 16x VQGAN
+
+
+def size_token(units: int) -> str:
+    return f"<reserved{8800 + units:05d}>"
+
+
+LuminaCondition = Union[str, Tensor, Sequence[int]]
+"""A prompt text, or prompt ids already in the template (up to the turn separator)."""
+
+
+@attrs.frozen
+class LuminaOptions(HFOptions):
+    """:class:`~specimg.models.hf.HFOptions` and ``image_size`` in pixels (square, a multiple
+    of 32; Lumina-mGPT-7B-768 draws 768)."""
+
+    image_size: int = attrs.field(default=768)
+
+    @image_size.validator
+    def _check_size(self, attribute: Any, value: int) -> None:
+        if value < PIXELS_PER_SIZE_UNIT or value % PIXELS_PER_SIZE_UNIT:
+            raise ValueError(f"image_size must be a positive multiple of {PIXELS_PER_SIZE_UNIT}, not {value}")
+
+
+class LuminaTarget(nn.Module):
+    """Chameleon-architecture Lumina-mGPT with the :class:`~specimg.models.base.Target` interface."""
+
+    def __init__(self, model: ChameleonForConditionalGeneration, image_size: int = 768, text_tokenizer: Any = None) -> None:
+        super().__init__()
+        self.model = model.eval()
+        self.text_tokenizer = text_tokenizer
+        self.image_size = image_size
+        self.side = image_size // 16
+        self.num_tokens = self.side * self.side
+        self.hidden_size = int(model.config.hidden_size)
+        vocab = model.config.vocabulary_map or {}
+        names = [IMAGE_START, NEW_LINE, size_token(image_size // PIXELS_PER_SIZE_UNIT)]
+        missing = [name for name in names if name not in vocab]
+        if missing:
+            raise SpecimgError(f"the Chameleon vocabulary lacks {', '.join(missing)}: not a Lumina-mGPT model, or no {image_size}-px size token")
+        self.start_id, self.newline_id, self.size_id = (int(vocab[name]) for name in names)
+        img2bpe = model.model.vocabulary_mapping.img2bpe
+        self.vocab_size = len(img2bpe)
+        if sorted(img2bpe) != list(range(self.vocab_size)):
+            raise SpecimgError("the Chameleon vocabulary's image tokens do not name codes 0..K-1")
+        self._code_bpe = torch.tensor([img2bpe[c] for c in range(self.vocab_size)], device=self._device)
+        self._cache: DynamicCache | None = None
+        self._pad = torch.zeros(1, dtype=torch.long)  # [rows]: masked slots before each row's sequence
+        self._base = torch.zeros(1, dtype=torch.long)  # [rows]: position of image code 0
+        self._rows = 0
+        self._len = 0  # committed cache slots (padded prompt, image head, codes and newlines)
+        self._codes = 0  # committed image codes
+        self._pending: tuple[Tensor, Tensor] | None = None  # last tree: node slots, newline slots (-1: none)
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        """Moving the weights drops the cache; the code-to-BPE table follows the device."""
+        super()._apply(fn, recurse)
+        self._code_bpe = self._code_bpe.to(self._device)
+        self._cache = None
+        return self
+
+    # -- Target protocol
+
+    @torch.no_grad()
+    def input_embeddings(self) -> Tensor:
+        """[V, D]: each image code's input embedding (its BPE token's row)."""
+        return self.model.model.embed_tokens.weight[self._code_bpe].detach()
+
+    @torch.no_grad()
+    def prefill(self, condition: LuminaCondition, cfg: bool) -> TargetOutput:
+        device = self._device
+        prompt = self.prompt_ids(condition).to(device)
+        head = torch.tensor([self.start_id, self.size_id, self.size_id], device=device)
+        p, rows = prompt.shape[0], cfg_rows(cfg)
+        length = p + 3
+        ids = torch.cat([prompt, head])[None].repeat(rows, 1)
+        self._pad = torch.tensor([0, p][:rows], device=device)
+        positions = torch.arange(length, device=device)[None] - self._pad[:, None]
+        if cfg:
+            ids[1, :p] = self.start_id  # masked padding; any id would do
+        keys = torch.arange(length, device=device)
+        allowed = (keys[None, :] <= keys[:, None]) & (keys[None, None, :] >= self._pad[:, None, None])
+        allowed |= torch.eye(length, dtype=torch.bool, device=device)  # padding sees itself: no empty softmax
+        self._cache = DynamicCache()
+        out = self.model.model(
+            input_ids=ids, attention_mask=additive_mask(allowed, self._dtype), position_ids=positions.clamp(min=0),
+            past_key_values=self._cache, use_cache=True,
+        )
+        self._rows, self._len, self._codes, self._pending = rows, length, 0, None
+        self._base = positions[:, -1] + 1
+        return self._head(out.last_hidden_state[:, -1:])
+
+    @torch.no_grad()
+    def forward_tree(self, tokens: Tensor, depths: Tensor, mask: Tensor) -> TargetOutput:
+        if self._cache is None:
+            raise RuntimeError("call prefill before forward_tree (also after moving the target)")
+        device, start, n = self._device, self._len, tokens.shape[0]
+        self._cache.crop(start)  # a previous tree left uncommitted
+        tokens, depths, mask = tokens.to(device), depths.to(device), mask.to(device)
+        code = self._codes + depths
+        newline = (code % self.side == self.side - 1) & (code + 1 < self.num_tokens)
+        slot = torch.arange(n, device=device) + torch.cumsum(newline, 0) - newline.long()
+        nl_slot = torch.where(newline, slot + 1, -1)
+        total = n + int(newline.sum())
+        ids = torch.full((total,), self.newline_id, device=device)
+        ids[slot] = self._code_bpe[tokens]
+        offset = torch.zeros(total, dtype=torch.long, device=device)
+        offset[slot] = code + code // self.side
+        offset[nl_slot[newline]] = offset[slot[newline]] + 1
+        allowed = torch.zeros(total, total, dtype=torch.bool, device=device)
+        nl = nl_slot[newline]
+        allowed[slot[:, None], slot[None, :]] = mask
+        allowed[slot[:, None], nl[None, :]] = (mask & ~torch.eye(n, dtype=torch.bool, device=device))[:, newline]
+        allowed[nl[:, None], slot[None, :]] = mask[newline]
+        allowed[nl[:, None], nl[None, :]] = mask[newline][:, newline]
+        prefix = torch.arange(start, device=device)[None, None, :] >= self._pad[:, None, None]
+        full = torch.cat([prefix.expand(self._rows, total, start), allowed[None].expand(self._rows, -1, -1)], dim=2)
+        out = self.model.model(
+            input_ids=ids[None].expand(self._rows, -1),
+            attention_mask=additive_mask(full, self._dtype),
+            position_ids=self._base[:, None] + offset[None],
+            cache_position=torch.arange(start, start + total, device=device),
+            past_key_values=self._cache,
+            use_cache=True,
+        )
+        self._pending = (slot, nl_slot)
+        return self._head(out.last_hidden_state[:, torch.where(newline, nl_slot, slot)])
+
+    @torch.no_grad()
+    def commit(self, nodes: Tensor) -> None:
+        if self._cache is None or self._pending is None:
+            raise RuntimeError("call forward_tree before commit")
+        slot, nl_slot = self._pending
+        if nodes.shape[0] > slot.shape[0]:
+            raise ValueError(f"cannot commit {nodes.shape[0]} nodes of a {slot.shape[0]}-node tree")
+        nodes = nodes.to(self._device)
+        src = torch.stack([slot[nodes], nl_slot[nodes]], dim=1).flatten()
+        src = src[src >= 0] + self._len
+        keep_slots(self._cache, self._len, src)
+        self._len, self._codes, self._pending = self._len + src.shape[0], self._codes + nodes.shape[0], None
+
+    # -- prompts
+
+    def prompt_ids(self, condition: LuminaCondition) -> Tensor:
+        """The prompt ids [L] in Lumina-mGPT's template, up to and including the turn separator.
+
+        A text is put in the template and tokenized with the folder's tokenizer after BOS; ids
+        are taken as they are."""
+        if isinstance(condition, str):
+            if self.text_tokenizer is None:
+                raise SpecimgError("this Lumina-mGPT folder has no tokenizer: pass prompt ids instead of text")
+            text = PROMPT_TEMPLATE.format(size=self.image_size, text=condition.strip()) + TURN_END
+            ids = self.text_tokenizer.encode(text, add_special_tokens=False)
+            return torch.tensor([int(self.model.config.bos_token_id), *ids])
+        try:
+            ids = torch.as_tensor(condition, dtype=torch.long)
+        except (TypeError, ValueError):
+            raise SpecimgError(f"a Lumina-mGPT target takes a prompt text or prompt ids, not {type(condition).__name__}") from None
+        if ids.dim() != 1 or ids.numel() == 0:
+            raise SpecimgError("prompt ids must be one non-empty sequence")
+        return ids
+
+    # -- internals
+
+    @property
+    def _device(self) -> torch.device:
+        return self.model.lm_head.weight.device
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        return self.model.lm_head.weight.dtype
+
+    def _head(self, hidden: Tensor) -> TargetOutput:
+        return TargetOutput(self.model.lm_head(hidden)[..., self._code_bpe].float(), hidden)
+
+
+def load_lumina_target(path: str | os.PathLike[str], **overrides: Any) -> LuminaTarget:
+    """Load a local Hugging Face Lumina-mGPT folder (``model_type`` "chameleon", e.g.
+    Lumina-mGPT-7B-768); nothing is downloaded.  ``overrides``: the fields of
+    :class:`LuminaOptions`.  Its images decode with Chameleon's VQGAN
+    (:func:`specimg.models.chameleon_vq.load_chameleon_vq_decoder`)."""
+    options = parse_options(LuminaOptions, overrides, "Lumina-mGPT")
+    model, text_tokenizer = load_folder(path, "chameleon", ChameleonForConditionalGeneration, options)
+    return LuminaTarget(model, options.image_size, text_tokenizer)
