@@ -5,6 +5,7 @@ import os
 
 import attrs
 import pytest
+import torch
 from PIL import Image
 
 from specimg.cli import main
@@ -114,3 +115,13 @@ def test_generate_from_checkpoints_in_llamagen_format(tmp_path, capsys):
         assert len(os.listdir(out / "images")) == 2
     assert run("generate", "--target", str(target_path), "--out", str(tmp_path / "x")) == 2
     assert "match no LlamaGen preset; give the head count" in capsys.readouterr().err
+
+
+def test_device_and_dtype_options(tmp_path, capsys):
+    assert run("generate", "--model", "tiny-random", "-n", "1", "--dtype", "bfloat16", "--device", "cpu", "--out", str(tmp_path / "a")) == 0
+    settings = json.loads((tmp_path / "a" / "manifest.jsonl").read_text().splitlines()[0])["settings"]
+    assert (settings["device"], settings["dtype"]) == ("cpu", "torch.bfloat16")
+    for device, message in (("cuda:7", "no CUDA GPU" if not torch.cuda.is_available() else "GPU(s)"), ("tpu", "not a device")):
+        assert run("generate", "--model", "tiny-random", "--device", device, "--out", str(tmp_path / "b")) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()

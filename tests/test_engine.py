@@ -130,3 +130,16 @@ def test_sampled_naive_reproduces_ar_tokens_seed_for_seed(models):
     spec = specimg.Engine(target, drafter, method="naive", sampling=sampling).generate(list(range(5)) * 2, seed=11)
     assert spec.stats.mean_accepted > 0  # drafts were accepted, not only corrections drawn
     assert torch.equal(spec.tokens, ar.tokens)
+
+
+def test_device_and_dtype_follow_the_engine_arguments():
+    """bfloat16 weights on the CPU: models are cast, probabilities stay float32, and the
+    same seed gives the same images."""
+    target = build_target("GPT-B", seed=0, **TINY)
+    drafter = build_drafter(target, seed=1)
+    engine = specimg.Engine(target, drafter, "naive", sampling=specimg.Sampling(cfg_scale=2.0), device="cpu", dtype=torch.bfloat16)
+    assert engine.device == torch.device("cpu")
+    assert target.tok_embeddings.weight.dtype == torch.bfloat16 and drafter.fc.weight.dtype == torch.bfloat16
+    out = engine.generate([1, 2], seed=5)
+    assert out.tokens.shape == (2, target.num_tokens)
+    assert torch.equal(engine.generate([2], seed=6).tokens[0], out.tokens[1])

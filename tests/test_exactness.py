@@ -14,7 +14,12 @@ from specimg.plugins import PluginManager
 from specimg.step import Acceptance
 from specimg.testing import statistics
 
-TREES = {"topk-tree": statistics.TREE, "sampled-tree": attrs.evolve(statistics.TREE, sample=True)}
+TREES = {
+    "topk-tree": statistics.TREE,
+    "sampled-tree": attrs.evolve(statistics.TREE, sample=True),
+    "auto-tree": TreeConfig(),
+    "auto-sampled-tree": TreeConfig(sample=True),
+}
 RUNS = {"ar": ("ar", TREES["topk-tree"]), **{f"naive-{name}": ("naive", tree) for name, tree in TREES.items()}}
 SAMPLINGS = {"cfg": statistics.SAMPLING, "cfg-topk2": Sampling(cfg_scale=2.0, top_k=2, temperature=0.8)}
 PROBLEM = 17
@@ -24,8 +29,9 @@ noncentrality of about 660 (top-k tree) and 360 (sampled tree) at 2000 images (m
 
 
 def _engine(method: str, problem: statistics.MarkovProblem, **kwargs) -> Engine:
+    """Auto trees are planned on a made-up machine, so the test draws the same trees anywhere."""
     drafter = None if method == "ar" else problem.drafter
-    return Engine(problem.target, drafter, method, tokenizer=problem.tokenizer, **kwargs)
+    return Engine(problem.target, drafter, method, tokenizer=problem.tokenizer, cost_model=statistics.flat_costs(), **kwargs)
 
 
 @pytest.mark.parametrize("sampling", SAMPLINGS.values(), ids=SAMPLINGS)
@@ -69,5 +75,8 @@ def test_a_wrong_acceptance_rule_fails_the_chi_square_test(tree: TreeConfig):
     plugins = PluginManager(autoload=False)
     plugins.register(ResampleFromP(), name="resample-from-p")
     problem = statistics.markov_problem(PROBLEM)
-    engine = Engine(problem.target, problem.drafter, "resample-from-p", sampling=statistics.SAMPLING, tree=tree, plugins=plugins)
+    engine = Engine(
+        problem.target, problem.drafter, "resample-from-p", sampling=statistics.SAMPLING, tree=tree, plugins=plugins,
+        cost_model=statistics.flat_costs(),
+    )
     assert statistics.exact_law_pvalue(engine, seed=100) < statistics.ALPHA

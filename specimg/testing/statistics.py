@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from specimg.config import Sampling, TreeConfig
+from specimg.costs import CostModel
 from specimg.engine import Engine
 from specimg.relax import tvd
 from specimg.sampling import cfg_active_at, probabilities
@@ -141,3 +142,12 @@ def check_within_delta(engine: Engine, images: int = IMAGES, seed: int = 0, alph
         assert distance <= bound, (
             f"{engine.method}: token {t} after token {prev}: TVD {distance:.4f} to the target's law exceeds delta + tolerance = {bound:.4f} ({count} samples)"
         )
+
+
+def flat_costs(nodes: int = 8) -> CostModel:
+    """A made-up machine on which any tree of up to ``nodes`` nodes verifies in one AR
+    step's time and drafting is nearly free: auto trees grow branching trees of that size,
+    whatever the machine that runs the test."""
+    table = tuple((n, 1.0 if n <= nodes else 100.0 * n) for n in (1, nodes, nodes + 1, 128))
+    widths = tuple((k, 0.01) for k in (1, 10))
+    return CostModel("flat", "a made-up machine", table, widths, widths, 0.01, 0.0, 1.0)

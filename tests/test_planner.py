@@ -1,0 +1,111 @@
+"""Auto trees: the planner's arithmetic by hand, its choice on made-up machines, the profile
+it learns, the cost model's cache, and the engine's use of them."""
+
+import numpy as np
+import pytest
+import torch
+
+import specimg
+from specimg import costs, planner
+from specimg.costs import CostModel
+from specimg.models.eagle import build_drafter
+from specimg.models.llamagen import build_target
+from specimg.planner import AcceptanceProfile, choose, expected_tokens
+from specimg.tree import DraftTree
+
+TINY = dict(dim=64, n_layer=2, n_head=4, multiple_of=32, vocab_size=64, num_classes=5, block_size=16)
+
+
+def machine(verify: dict[int, float], level: float = 0.0, start: float = 0.0, ar: float = 1.0) -> CostModel:
+    widths = ((1, level), (10, level))
+    return CostModel("test", "made up", tuple(sorted(verify.items())), ((1, 0.0), (10, 0.0)), widths, start, 0.0, ar)
+
+
+def test_expected_tokens_follow_the_eagle2_tree_by_hand():
+    rates = np.array([[0.7, 0.28] + [0.0] * 8] * 10)
+    # level 1: 0.7, 0.28; level 2 (both expanded): 0.49, 0.196, 0.196, 0.0784; best first, summed
+    np.testing.assert_allclose(expected_tokens(rates, 2, 2), [1, 1.7, 2.19, 2.47, 2.666, 2.862, 2.9404])
+    # top-k 1 is a chain: 1 + 0.7 + 0.49 + 0.343
+    np.testing.assert_allclose(expected_tokens(rates, 3, 1), [1, 1.7, 2.19, 2.533])
+
+
+def test_a_flat_machine_gets_the_deepest_tree_that_fits_and_a_steep_one_a_small_tree():
+    chain_only = np.array([[0.9] + [0.0] * 9] * 10)
+    flat_to_8 = machine({1: 1.0, 8: 1.0, 9: 50.0, 128: 1000.0})
+    plan = choose(flat_to_8, chain_only, max_nodes=128)
+    assert (plan.depth, plan.topk, plan.nodes) == (7, 1, 8)  # ties go to the narrower tree
+    assert plan.tokens_per_step == pytest.approx(1 + sum(0.9**d for d in range(1, 8)))
+    assert plan.speedup == pytest.approx(plan.tokens_per_step)  # one AR step's time per step
+    steep = machine({1: 1.0, 2: 1.6, 3: 2.6, 128: 200.0})
+    assert choose(steep, chain_only, max_nodes=128).nodes == 2  # 1.9 tokens in 1.6 beats 2.71 in 2.6
+
+
+def test_wide_rates_make_wide_trees_and_limits_hold():
+    wide = np.array([[0.3] * 10] * 10)
+    plan = choose(machine({1: 1.0, 16: 1.0, 17: 100.0}), wide, max_nodes=128)
+    assert plan.topk > 1 and plan.nodes == 16
+    assert choose(machine({1: 1.0, 128: 1.0}), wide, max_nodes=6).nodes <= 6
+    capped = choose(machine({1: 1.0, 128: 1.0}), wide, max_nodes=128, max_fed=4)
+    assert (capped.depth - 1) * capped.topk <= 4
+
+
+def test_the_profile_learns_what_each_child_was_worth():
+    tree = DraftTree.from_parents([5, 1, 2, 3], [-1, 0, 0, 1])  # root: children 1 (rank 0), 2 (rank 1); node 1: child 3
+    dist = torch.zeros(4, 6)
+    dist[0, [1, 2, 4]] = torch.tensor([0.5, 0.2, 0.3])
+    dist[1, [3, 0]] = torch.tensor([0.6, 0.4])
+    profile = AcceptanceProfile(depth=3, width=2)
+    before = profile.sums.clone(), profile.counts.clone()
+    profile.observe(tree, dist, [0, 1], greedy=False)
+    added = profile.sums - before[0], profile.counts - before[1]
+    torch.testing.assert_close(added[0], torch.tensor([[0.5, 0.2], [0.6, 0.0], [0.0, 0.0]], dtype=torch.float64))
+    torch.testing.assert_close(added[1], torch.tensor([[1.0, 1.0], [1.0, 0.0], [0.0, 0.0]], dtype=torch.float64))
+    profile.observe(tree, dist, [0, 1], greedy=True)  # argmax: token 1 at the root (rank 0), token 3 at node 1
+    assert profile.sums[0, 0] - before[0][0, 0] == pytest.approx(1.5)
+    rates = profile.rates()
+    assert np.all(np.diff(rates, axis=1) <= 0)
+
+
+def test_the_engine_plans_on_its_cost_model_and_stays_deterministic():
+    target = build_target("GPT-B", seed=0, **TINY)
+    drafter = build_drafter(target, seed=1)
+    flat = machine({1: 1.0, 6: 1.0, 7: 100.0, 128: 100.0})
+    engine = specimg.Engine(target, drafter, "naive", sampling=specimg.Sampling(cfg_scale=2.0), cost_model=flat)
+    out = engine.generate([1, 2], seed=3)
+    for image in out.stats.images:
+        assert image.trees and all(nodes <= 6 for _, _, _, nodes in image.trees)
+        assert max(image.tree_sizes) <= 6 and image.predicted_speedup is not None
+    again = specimg.Engine(target, drafter, "naive", sampling=specimg.Sampling(cfg_scale=2.0), cost_model=flat).generate([2], seed=4)
+    assert torch.equal(again.tokens[0], out.tokens[1])  # per-image planning: no dependence on earlier images
+
+
+def test_cost_model_is_measured_once_and_read_back_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECIMG_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(costs, "_memory", {})
+    target = build_target("GPT-B", seed=0, **TINY)
+    drafter = build_drafter(target, seed=1)
+    sampling = specimg.Sampling(cfg_scale=2.0)
+    model = costs.load_or_measure(target, drafter, sampling, 0)
+    verify = dict(model.verify_ms)
+    assert set(verify) >= {1, 8, 128} and all(ms > 0 for ms in verify.values())
+    assert list(verify.values()) == sorted(verify.values())
+    files = list((tmp_path / "costs").glob("*.json"))
+    assert [f.stem for f in files] == [model.key]
+    monkeypatch.setattr(costs, "_memory", {})
+    monkeypatch.setattr(costs, "measure", lambda *a, **k: pytest.fail("measured again"))
+    assert costs.load_or_measure(target, drafter, sampling, 0) == model
+    other = costs.cost_key(target, drafter, specimg.Sampling(cfg_scale=1.0))[0]
+    assert other != model.key  # no CFG: one row, other timings
+
+
+def test_planner_replans_from_the_profile():
+    rates_machine = machine({1: 1.0, 4: 1.2, 16: 2.0, 128: 20.0})
+    p = planner.TreePlanner(rates_machine, max_nodes=128, max_fed=128, device="cpu")
+    first = p.plan
+    tree = DraftTree.from_parents([0, 1, 2, 3, 4], [-1, 0, 1, 2, 3])
+    dist = torch.zeros(5, 8)
+    dist[torch.arange(5), torch.tensor([1, 2, 3, 4, 0])] = 1.0  # each node's child is certain
+    for _ in range(planner.REPLAN_EVERY * 4):
+        p.observe(tree, dist, [0, 1, 2, 3, 4], greedy=False)
+    assert p.plan.depth > first.depth and p.plan.topk == 1  # every first draft accepted: deep chains pay
+    assert [start for start, _ in p.plans] == sorted({start for start, _ in p.plans})
