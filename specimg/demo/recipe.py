@@ -28,6 +28,7 @@ from tqdm import tqdm
 from specimg.config import LLAMAGEN_SAMPLING
 from specimg.demo.data import NUM_CLASSES, RECIPE, make_dataset
 from specimg.errors import SpecimgError
+from specimg.files import atomic_path
 
 MANIFEST = "manifest.json"
 TOKENIZER, TARGET, CLASSIFIER = "tokenizer.safetensors", "target.safetensors", "classifier.safetensors"
@@ -128,11 +129,9 @@ class _Run:
             self.save()
 
     def save(self) -> None:
-        tmp = f"{self.path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
+        with atomic_path(self.path) as tmp, open(tmp, "w") as f:
             json.dump(self.manifest, f, indent=2, sort_keys=False)
             f.write("\n")
-        os.replace(tmp, self.path)
 
     def stage(self, name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         done = self.manifest["stages"].get(name)
@@ -262,10 +261,9 @@ def _tokenise(run: _Run) -> dict[str, Any]:
 def save_target(target: Any, path: str) -> None:
     from safetensors.torch import save_file
 
-    tmp = f"{path}.tmp{os.getpid()}"
     meta = {TARGET_CONFIG_KEY: json.dumps(attrs.asdict(target.config))}
-    save_file({k: v.detach().contiguous().cpu() for k, v in target.state_dict().items()}, tmp, metadata=meta)
-    os.replace(tmp, path)
+    with atomic_path(path, ".safetensors") as tmp:
+        save_file({k: v.detach().contiguous().cpu() for k, v in target.state_dict().items()}, tmp, metadata=meta)
 
 
 def load_target_file(path: str, max_tree_nodes: int = 128) -> Any:
@@ -443,8 +441,8 @@ def _train_drafter(run: _Run, name: str, method: str) -> dict[str, Any]:
     stack = None if method == "plain" else method
     folder = run.work_file(f"run-{method}")
     result = train_drafter(target, run.work_file("drafter-data"), folder, config, method=stack, progress=True)
-    shutil.copyfile(result.path, run.file(name) + ".tmp")
-    os.replace(run.file(name) + ".tmp", run.file(name))
+    with atomic_path(run.file(name), ".safetensors") as tmp:
+        shutil.copyfile(result.path, tmp)
     with open(os.path.join(folder, "log.jsonl")) as f:
         log = [json.loads(line) for line in f if line.strip()]
     keep = ("step", "loss", "ce", "reg", "acc")

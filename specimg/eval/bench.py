@@ -38,6 +38,7 @@ import torch
 from specimg.config import Sampling, TreeConfig
 from specimg.engine import Engine
 from specimg.errors import SpecimgError
+from specimg.files import atomic_path
 from specimg.manifest import Manifest
 from specimg.methods import AR
 from specimg.models.base import Caption, Condition
@@ -429,10 +430,8 @@ def csv_text(summary: Mapping[str, Any]) -> str:
 
 
 def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as fh:
         fh.write(text)
-    os.replace(tmp, path)
 
 
 def _plot(summary: Mapping[str, Any], path: str) -> str | None:

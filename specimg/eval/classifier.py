@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from specimg.errors import SpecimgError
+from specimg.files import atomic_path
 
 _METADATA_KEY = "specimg.classifier"
 
@@ -66,10 +67,9 @@ def save_classifier(model: DemoClassifier, path: str | os.PathLike[str]) -> None
     from safetensors.torch import save_file
 
     path = os.fspath(path)
-    tmp = f"{path}.tmp{os.getpid()}"
     meta = json.dumps({"num_classes": model.num_classes, "width": model.width})
-    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, tmp, metadata={_METADATA_KEY: meta})
-    os.replace(tmp, path)
+    with atomic_path(path, ".safetensors") as tmp:
+        save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, tmp, metadata={_METADATA_KEY: meta})
 
 
 def load_classifier(path: str | os.PathLike[str]) -> DemoClassifier:
