@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from typing import Any
 
 import attrs
@@ -13,26 +14,55 @@ import click
 import torch
 from tqdm import tqdm
 
-from specimg.cliopts import condition_options, method_options, model_options, sampling_from, sampling_options, tree_from, tree_options
+from specimg.cliopts import (
+    SEED, FiniteFloat, check_tree_fits, condition_options, method_options, model_options, sampling_from, sampling_options, tree_from,
+    tree_options,
+)
 from specimg.config import LLAMAGEN_SAMPLING, Sampling
 from specimg.engine import Engine
 from specimg.errors import SpecimgError
 from specimg.eval.bench import DEFAULT_IMAGES as BENCH_IMAGES
 from specimg.eval.prompts import class_labels
+from specimg.files import writable_folder
 from specimg.methods import AR, parse_options
 from specimg.plugins import get_plugin_manager
+from specimg.relax import BudgetError
 from specimg.train.drafter import TrainConfig
 
 
+_NO_ARGS = getattr(click.exceptions, "NoArgsIsHelpError", ())
+"""What click (8.2 and later) raises for a bare ``specimg``: the help, not a one-line error."""
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: user errors end with one line on stderr and exit status 2."""
+    """Entry point: user errors end with one line on stderr and exit status 2, and so does
+    a method that breaks its budget, naming the package to blame; warnings take one line."""
+    with warnings.catch_warnings():
+        warnings.showwarning = _one_line_warning
+        _run(argv)
+
+
+def _one_line_warning(message: Warning | str, *args: Any, **kwargs: Any) -> None:
+    click.echo(f"specimg: warning: {message}", err=True)
+
+
+def _run(argv: list[str] | None) -> None:
     try:
         cli.main(args=argv, prog_name="specimg", standalone_mode=False)
+    except BudgetError as err:
+        provider = get_plugin_manager().provider(err.method)
+        origin = f"plugin {provider.name!r} ({provider.source})" if provider else "its plugin"
+        click.echo(f"specimg: error: {err}, a bug in {origin}: leave {err.method} out of --method and report it to its authors", err=True)
+        sys.exit(2)
     except SpecimgError as err:
         click.echo(f"specimg: error: {err}", err=True)
         sys.exit(2)
-    except click.ClickException as err:
+    except _NO_ARGS as err:
         err.show()
+        sys.exit(2)
+    except click.ClickException as err:
+        hint = f" (see '{err.ctx.command_path} --help')" if isinstance(err, click.UsageError) and err.ctx else ""
+        click.echo(f"specimg: error: {err.format_message()}{hint}", err=True)
         sys.exit(2)
     except click.Abort:
         click.echo("aborted", err=True)
@@ -47,11 +77,17 @@ def cli() -> None:
 
 @cli.command()
 def plugins() -> None:
-    """List installed plugins and where they come from."""
-    pm = get_plugin_manager()
-    for info in pm.plugins:
-        status = f"FAILED: {info.error}" if info.error else "ok"
-        click.echo(f"{info.name:<16} {info.source:<24} {info.target}  [{status}]")
+    """List installed plugins, where they come from and the methods they register; a
+    faulty plugin is listed with its error (and left out everywhere else)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # each fault is in the listing
+        pm = get_plugin_manager()
+    rows = [("plugin", "package", "methods", "module", "status")] + [
+        (p.name, p.source, " ".join(p.methods) or "-", p.target, f"FAILED: {p.error}" if p.error else "ok") for p in pm.plugins
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    for row in rows:
+        click.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[4])
 
 
 @cli.command()
@@ -130,10 +166,12 @@ def generate(**kw: Any) -> None:
     if kw["threads"] or not kw["target"]:
         torch.set_num_threads(kw["threads"] or 1)
     model = kw["model"] or _default_model()
+    tree = tree_from(kw)
     models = _models(kw, model)
+    check_tree_fits(tree, models.target, models.drafter)
     engine = Engine(
         models.target, models.drafter, kw["method"], parse_options(kw["options"]),
-        sampling_from(kw, _base_sampling(model, kw["target"])), tree_from(kw),
+        sampling_from(kw, _base_sampling(model, kw["target"])), tree,
         delta=kw["delta"], tokenizer=models.tokenizer,
     )
     labels = class_labels(kw["class_labels"], kw["num_images"], models.num_classes)
@@ -169,8 +207,11 @@ def bench(**kw: Any) -> None:
 
     torch.set_num_threads(kw["threads"])
     model = kw["model"] or _default_model()
+    tree = tree_from(kw)
     models = _models(kw, model)
-    bench_command(kw, models, model, sampling_from(kw, _base_sampling(model, kw["target"])), tree_from(kw), click.echo)
+    check_tree_fits(tree, models.target, models.drafter)
+    writable_folder(kw["out"])
+    bench_command(kw, models, model, sampling_from(kw, _base_sampling(model, kw["target"])), tree, click.echo)
 
 
 @cli.command("train-demo")
@@ -189,8 +230,7 @@ def train_demo(out: str, scale: str, threads: int | None, keep_work: bool) -> No
         raise SpecimgError(f"train-demo needs the demo extra ({err.name} is missing): pip install 'specimg[demo]'") from None
     if threads is not None:
         torch.set_num_threads(threads)
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise SpecimgError(f"--out {out} is a file, not a folder")
+    writable_folder(out)
     manifest = run_recipe(out, scale, log=lambda m: click.echo(m, err=True), keep_work=keep_work)
     q = manifest["stages"].get("quality", {})
     click.echo(
@@ -204,6 +244,7 @@ def _write_run(engine: Engine, models: Any, labels: list[int], seed: int, out: s
     from specimg.images import make_grid, save_png_atomic, to_pil
     from specimg.manifest import Manifest
 
+    writable_folder(out)
     os.makedirs(os.path.join(out, "images"), exist_ok=True)
     settings = {
         "model": models.name, "method": engine.method,
@@ -211,7 +252,16 @@ def _write_run(engine: Engine, models: Any, labels: list[int], seed: int, out: s
         "sampling": attrs.asdict(engine.sampling), "tree": attrs.asdict(engine.tree_config), "seed": seed,
     }
     manifest = Manifest(os.path.join(out, "manifest.jsonl"), settings)
+    other = next((i for i in sorted(manifest.done) if i < len(labels) and manifest.done[i]["condition"] != labels[i]), None)
+    if other is not None:
+        raise SpecimgError(
+            f"{out} holds image {other} of class {manifest.done[other]['condition']}, this run asks for class {labels[other]}: "
+            f"its --class-labels differ; give another --out or remove {out}"
+        )
     todo = [i for i in range(len(labels)) if i not in manifest.done]
+    if not todo:
+        click.echo(f"{engine.method}: {out} already holds these {len(labels)} images; nothing to do (more images: raise -n)")
+        return
     forwards = tokens = 0
     start = time.perf_counter()
     with tqdm(total=len(todo) * models.target.num_tokens, unit="tok", desc=engine.method, disable=None) as bar:
@@ -277,7 +327,7 @@ def _label_list(text: str | None, num_classes: int) -> tuple[int, ...]:
 @click.option("--tokens", "tokens_file", type=click.Path(dir_okay=False), help="teacher-force these sequences (safetensors: 'tokens' [M, N], optional 'labels' [M]) instead of sampling")
 @click.option("--num-samples", "-n", type=click.IntRange(min=1), help="images to sample (self-distillation) or to take from --tokens")
 @click.option("--class-labels", help="comma-separated class ids, cycled over the samples [default: 0, 1, 2, ...]")
-@click.option("--seed", type=int, default=0, show_default=True, help="sample i uses seed + i")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="sample i uses seed + i")
 @sampling_options
 @click.option("--uncond/--no-uncond", default=None, help="also store every sequence under the null class [default: when the target has one]")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True, help="storage type of the features")
@@ -292,6 +342,7 @@ def make_drafter_data_command(**kw: Any) -> None:
 
     from specimg.train.data import DataSpec, make_drafter_data
 
+    writable_folder(kw["out"])
     state = PartialState(cpu=kw["cpu"])
     target = _train_target(kw["target"], kw["preset"], kw["target_config"]).to(state.device)
     sampling = sampling_from(kw, _base_sampling(kw["target"], None))
@@ -325,20 +376,20 @@ def make_drafter_data_command(**kw: Any) -> None:
 @click.option("--init", type=click.Path(dir_okay=False), help="start from these drafter weights (safetensors)")
 @click.option("--steps", type=click.IntRange(min=1), default=TrainConfig().steps, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=TrainConfig().batch_size, show_default=True, help="global batch (all processes), in images")
-@click.option("--lr", type=click.FloatRange(min=0.0, min_open=True), default=TrainConfig().lr, show_default=True)
+@click.option("--lr", type=FiniteFloat(min=0.0, min_open=True), default=TrainConfig().lr, show_default=True)
 @click.option("--warmup", type=click.IntRange(min=0), default=None, help="warmup steps [default: 5% of --steps]")
-@click.option("--min-lr-ratio", type=click.FloatRange(0.0, 1.0), default=0.0, show_default=True, help="cosine floor, as a fraction of --lr")
-@click.option("--weight-decay", type=click.FloatRange(min=0.0), default=0.0, show_default=True)
-@click.option("--w-cls", type=click.FloatRange(min=0.0), default=0.1, show_default=True, help="weight of the soft cross-entropy (EAGLE p_w)")
-@click.option("--w-reg", type=click.FloatRange(min=0.0), default=1.0, show_default=True, help="weight of the SmoothL1 feature regression (EAGLE v_w)")
-@click.option("--clip-value", type=click.FloatRange(min=0.0, min_open=True), default=0.5, show_default=True, help="clip gradient values (EAGLE)")
-@click.option("--clip-norm", type=click.FloatRange(min=0.0, min_open=True), default=None, help="clip the gradient norm")
-@click.option("--noise", type=click.FloatRange(min=0.0), default=0.0, show_default=True, help="width of uniform noise on the input features")
+@click.option("--min-lr-ratio", type=FiniteFloat(0.0, 1.0), default=0.0, show_default=True, help="cosine floor, as a fraction of --lr")
+@click.option("--weight-decay", type=FiniteFloat(min=0.0), default=0.0, show_default=True)
+@click.option("--w-cls", type=FiniteFloat(min=0.0), default=0.1, show_default=True, help="weight of the soft cross-entropy (EAGLE p_w)")
+@click.option("--w-reg", type=FiniteFloat(min=0.0), default=1.0, show_default=True, help="weight of the SmoothL1 feature regression (EAGLE v_w)")
+@click.option("--clip-value", type=FiniteFloat(min=0.0, min_open=True), default=0.5, show_default=True, help="clip gradient values (EAGLE)")
+@click.option("--clip-norm", type=FiniteFloat(min=0.0, min_open=True), default=None, help="clip the gradient norm")
+@click.option("--noise", type=FiniteFloat(min=0.0), default=0.0, show_default=True, help="width of uniform noise on the input features")
 @click.option("--checkpoint-every", type=click.IntRange(min=1), default=500, show_default=True)
 @click.option("--keep-checkpoints", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--log-every", type=click.IntRange(min=1), default=10, show_default=True)
 @click.option("--mixed-precision", type=click.Choice(["no", "fp16", "bf16"]), default="no", show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True, help="drafter init and data order")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="drafter init and data order")
 @click.option("--cpu", is_flag=True, help="stay on the CPU even if a GPU is present")
 def train_drafter_command(**kw: Any) -> None:
     """Train an EAGLE-1 drafter on drafter data (accelerate: `accelerate launch -m specimg.cli
@@ -356,6 +407,7 @@ def train_drafter_command(**kw: Any) -> None:
         keep_checkpoints=kw["keep_checkpoints"], log_every=kw["log_every"], seed=kw["seed"],
         mixed_precision=kw["mixed_precision"], drafter_type=kw["drafter_type"],
     )
+    writable_folder(kw["out"])
     target = _train_target(kw["target"], kw["preset"], kw["target_config"])
     accelerator = Accelerator(mixed_precision=config.mixed_precision, cpu=kw["cpu"])
     start = time.perf_counter()

@@ -3,6 +3,7 @@ so that a flag means the same thing, with the same default and help, everywhere.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -10,8 +11,41 @@ import attrs
 import click
 
 from specimg.config import Sampling, TreeConfig
+from specimg.errors import SpecimgError
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+class FiniteFloat(click.FloatRange):
+    """A float range that refuses inf and nan, which click's FloatRange lets through."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
+
+
+SEED = click.IntRange(0, 2**32 - 1)
+"""Seeds as numpy and torch both take them; sample i's seed ``seed + i`` stays in torch's range."""
+
+
+class RankPaths(click.ParamType):
+    """A static tree's nodes as rank paths: ``"0 1 0.0 0.1"`` is the drafter's two best
+    tokens at the root, and the two best under the first of them."""
+
+    name = "RANK-PATHS"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[tuple[int, ...], ...]:
+        if isinstance(value, tuple):
+            return value
+        try:
+            paths = tuple(tuple(int(rank) for rank in path.split(".")) for path in value.replace(",", " ").split())
+        except ValueError:
+            self.fail(f"{value!r} is not a list of rank paths such as '0 1 0.0 0.1'.", param, ctx)
+        if not paths or any(rank < 0 for path in paths for rank in path):
+            self.fail(f"{value!r} names no node, or a negative rank.", param, ctx)
+        return paths
 
 
 def _apply(options: list[Callable[[F], F]]) -> Callable[[F], F]:
@@ -27,7 +61,7 @@ def method_options(fn: F) -> F:
     """``-o METHOD.KEY=VALUE`` (repeatable) and ``--delta``."""
     return _apply([
         click.option("--option", "-o", "options", multiple=True, metavar="METHOD.KEY=VALUE", help="a method option (repeatable)"),
-        click.option("--delta", type=float, default=None, help="the stack's total-variation budget [default: largest member delta]"),
+        click.option("--delta", type=FiniteFloat(0.0, 1.0), default=None, help="the stack's total-variation budget [default: largest member delta]"),
     ])(fn)
 
 
@@ -49,18 +83,18 @@ def condition_options(num_images: int) -> Callable[[F], F]:
     return _apply([
         click.option("--class-labels", help="comma-separated class ids, cycled over the images [default: 0, 1, 2, ...]"),
         click.option("--num-images", "-n", type=click.IntRange(min=1), default=num_images, show_default=True),
-        click.option("--seed", type=int, default=0, show_default=True, help="image i uses seed + i"),
+        click.option("--seed", type=SEED, default=0, show_default=True, help="image i uses seed + i"),
     ])
 
 
 def sampling_options(fn: F) -> F:
     """LlamaGen's sampling: CFG, temperature, top-k, top-p."""
     return _apply([
-        click.option("--cfg-scale", type=click.FloatRange(min=1.0), default=None, help="classifier-free guidance [default: the demo's measured scale, else 4.0]"),
+        click.option("--cfg-scale", type=FiniteFloat(min=1.0), default=None, help="classifier-free guidance [default: the demo's measured scale, else 4.0]"),
         click.option("--cfg-interval", type=click.IntRange(min=-1), default=-1, show_default=True),
-        click.option("--temperature", type=click.FloatRange(min=0.0), default=None, help="[default: the demo's measured value, else 1.0]"),
+        click.option("--temperature", type=FiniteFloat(min=0.0), default=None, help="[default: the demo's measured value, else 1.0]"),
         click.option("--top-k", type=click.IntRange(min=0), default=None, help="0 = no top-k [default: the demo's measured value, else 0]"),
-        click.option("--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=None, help="[default: the demo's measured value, else 1.0]"),
+        click.option("--top-p", type=FiniteFloat(min=0.0, max=1.0, min_open=True), default=None, help="[default: the demo's measured value, else 1.0]"),
     ])(fn)
 
 
@@ -71,6 +105,7 @@ def tree_options(fn: F) -> F:
         click.option("--depth", type=click.IntRange(min=1), default=TreeConfig().depth, show_default=True),
         click.option("--topk", type=click.IntRange(min=1), default=TreeConfig().topk, show_default=True, help="children per expanded node"),
         click.option("--total-tokens", type=click.IntRange(min=1), default=TreeConfig().total_tokens, show_default=True, help="tree size budget"),
+        click.option("--rank-paths", type=RankPaths(), help="the nodes of --tree static, e.g. '0 1 0.0 0.1' (dot-separated draft ranks from the root)"),
         click.option("--sample-drafts", is_flag=True, help="draw draft children instead of taking the drafter's top-k"),
     ])(fn)
 
@@ -83,4 +118,24 @@ def sampling_from(kw: dict[str, Any], base: Sampling) -> Sampling:
 
 
 def tree_from(kw: dict[str, Any]) -> TreeConfig:
-    return TreeConfig(kw["tree_kind"], kw["depth"], kw["topk"], kw["total_tokens"], sample=kw["sample_drafts"])
+    if (kw["tree_kind"] == "static") != bool(kw["rank_paths"]):
+        raise SpecimgError("--tree static needs --rank-paths, and --rank-paths needs --tree static")
+    return TreeConfig(kw["tree_kind"], kw["depth"], kw["topk"], kw["total_tokens"], kw["rank_paths"] or (), sample=kw["sample_drafts"])
+
+
+def check_tree_fits(tree: TreeConfig, target: Any, drafter: Any) -> None:
+    """Refuse, before the first image, a tree larger than the models' caches (their
+    ``max_tree_nodes``): the most nodes the target verifies and the drafter feeds per step,
+    by the builders of ``specimg.tree``."""
+    if tree.kind == "static":
+        parents = {path[:-1] for path in tree.rank_paths if len(path) > 1}
+        bounds = [(target, 1 + len(set(tree.rank_paths)), "--rank-paths"), (drafter, len(parents), "--rank-paths")]
+    elif tree.kind == "chain":
+        bounds = [(target, tree.depth + 1, "--depth"), (drafter, tree.depth - 1, "--depth")]
+    else:
+        nodes = min(tree.total_tokens, 1 + tree.topk + (tree.depth - 1) * tree.topk**2)
+        bounds = [(target, nodes, "--total-tokens, --topk or --depth"), (drafter, (tree.depth - 1) * tree.topk, "--topk or --depth")]
+    for (model, count, flags), role in zip(bounds, ("target", "drafter")):
+        limit = getattr(model, "max_tree_nodes", None)
+        if limit is not None and count > limit:
+            raise SpecimgError(f"this tree takes up to {count} nodes per step in the {role}'s cache, which holds {limit}: lower {flags}")

@@ -78,7 +78,12 @@ def transfer(
 
 
 class BudgetError(RuntimeError):
-    """A relaxation broke the contract: a bug in that method, named in the message."""
+    """A relaxation broke the contract: a bug in the method ``method``, which the message
+    names, so that the CLI can name the package it came from."""
+
+    def __init__(self, method: str, problem: str):
+        super().__init__(f"method {method!r} {problem}")
+        self.method = method
 
 
 def check_relaxed(name: str, new: Tensor, before: Tensor, target_dist: Tensor, budget: Tensor, stack_delta: float) -> Tensor:
@@ -88,16 +93,16 @@ def check_relaxed(name: str, new: Tensor, before: Tensor, target_dist: Tensor, b
     entries.
     """
     if new.shape != target_dist.shape:
-        raise BudgetError(f"method {name!r} returned shape {tuple(new.shape)}, expected {tuple(target_dist.shape)}")
+        raise BudgetError(name, f"returned shape {tuple(new.shape)}, expected {tuple(target_dist.shape)}")
     if not bool(new.min() >= 0) or bool(((new.sum(-1) - 1).abs() > _TOL).any()):
-        raise BudgetError(f"method {name!r} returned something that is not a distribution")
+        raise BudgetError(name, "returned something that is not a distribution")
     if bool(new.masked_fill(target_dist > 0, 0).any()):
-        raise BudgetError(f"method {name!r} put mass where the target's distribution is zero")
+        raise BudgetError(name, "put mass where the target's distribution is zero")
     if bool((0.5 * (new - before).abs().sum(-1) > budget + _TOL).any()):
-        raise BudgetError(f"method {name!r} spent more than its budget")
+        raise BudgetError(name, "spent more than its budget")
     distance = 0.5 * (new - target_dist).abs().sum(-1)
     if bool((distance > stack_delta + _TOL).any()):
-        raise BudgetError(f"method {name!r} took the stack past its total-variation budget {stack_delta}")
+        raise BudgetError(name, f"took the stack past its total-variation budget {stack_delta}")
     return distance
 
 

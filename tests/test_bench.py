@@ -394,7 +394,7 @@ def test_cli_bench_writes_table_json_csv_and_plot(tmp_path, capsys):
         (["--methods", "naive,nope"], "unknown method 'nope'"),
         (["--methods", "naive", "--sweep", "cascade.delta=0.1"], "in no benchmarked stack"),
         (["--methods", "naive", "--sweep", "naive"], "--sweep takes"),
-        (["--methods", "cascade", "--sweep", "cascade.delta=x"], "not a valid float"),
+        (["--methods", "cascade", "--sweep", "cascade.delta=x"], "not a valid finite float"),
         (["--methods", "naive", "--prompts", "p.txt"], "needs a t2i target"),
         (["--methods", "naive", "--fid-features", "missing.pt"], "no feature extractor file"),
     ],
