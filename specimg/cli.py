@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from specimg.cliopts import (
-    SEED, FiniteFloat, check_tree_fits, condition_options, method_options, model_options, sampling_from, sampling_options, tree_from,
+    IMAGES, SEED, THREADS, FiniteFloat, check_tree_fits, condition_options, method_options, model_options, sampling_from, sampling_options, tree_from,
     tree_options,
 )
 from specimg.config import LLAMAGEN_SAMPLING, Sampling
@@ -160,7 +160,7 @@ def _base_sampling(model: str, target: str | None) -> Sampling:
 @sampling_options
 @tree_options
 @click.option("--out", type=click.Path(file_okay=False), default="out", show_default=True)
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads [default: 1 for the built-in models, which one thread runs fastest; torch's choice for --target]")
+@click.option("--threads", type=THREADS, default=None, help="torch CPU threads [default: 1 for the built-in models, which one thread runs fastest; torch's choice for --target]")
 def generate(**kw: Any) -> None:
     """Generate images and write PNGs, a labelled grid and a JSONL manifest."""
     if kw["threads"] or not kw["target"]:
@@ -190,14 +190,14 @@ def generate(**kw: Any) -> None:
 @click.option("--prompt-category", help="only the --prompts of this category (PartiPrompts)")
 @click.option("--text-encoder", help="turns --prompts into caption features: a local T5 folder or a specimg text-encoder file")
 @click.option("--classifier", type=click.Path(dir_okay=False), help="demo-format classifier for accuracy and Frechet distances [default: the demo bundle's]")
-@click.option("--num-real", type=click.IntRange(min=2), default=1000, show_default=True, help="reference images for Frechet distance / FID")
+@click.option("--num-real", type=click.IntRange(2, 10**6), default=1000, show_default=True, help="reference images for Frechet distance / FID")
 @click.option("--real-images", type=click.Path(file_okay=False), help="folder of reference images for FID")
 @click.option("--fid-features", help="FID feature extractor: a TorchScript file, or inception:PATH (torch-fidelity weights)")
-@click.option("--fid-size", type=click.IntRange(min=8), default=299, show_default=True, help="image side the FID extractor sees")
+@click.option("--fid-size", type=click.IntRange(8, 4096), default=299, show_default=True, help="image side the FID extractor sees")
 @click.option("--clip-model", type=click.Path(file_okay=False), help="local Hugging Face CLIP folder, for CLIP score with --prompts")
 @click.option("--quality/--no-quality", default=True, show_default=True, help="compute quality metrics")
 @click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True, help="images per method generated and discarded before timing")
-@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True, help="torch CPU threads per process (more threads slow small models down on a busy machine)")
+@click.option("--threads", type=THREADS, default=1, show_default=True, help="torch CPU threads per process (more threads slow small models down on a busy machine)")
 @click.option("--out", type=click.Path(file_okay=False), default="bench", show_default=True, help="output folder; a run started again on it resumes")
 def bench(**kw: Any) -> None:
     """Benchmark methods side by side: tau, speedup against AR and quality, on the same
@@ -217,7 +217,7 @@ def bench(**kw: Any) -> None:
 @cli.command("train-demo")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="folder for the bundle (resumed if it holds a partial run)")
 @click.option("--scale", type=click.Choice(["full", "toy"]), default="full", show_default=True, help="toy: the same recipe at toy size, in seconds")
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads [default: torch's choice]")
+@click.option("--threads", type=THREADS, default=None, help="torch CPU threads [default: torch's choice]")
 @click.option("--keep-work", is_flag=True, help="keep the intermediate token sets and samples in OUT/work")
 def train_demo(out: str, scale: str, threads: int | None, keep_work: bool) -> None:
     """Re-create the embedded demo bundle from scratch: data, VQ, GPT, classifier, drafters."""
@@ -325,7 +325,7 @@ def _label_list(text: str | None, num_classes: int) -> tuple[int, ...]:
 @click.option("--target-config", multiple=True, metavar="KEY=VALUE", help="override a GPTConfig field, e.g. block_size=576")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="data folder (resumed if it holds the same run)")
 @click.option("--tokens", "tokens_file", type=click.Path(dir_okay=False), help="teacher-force these sequences (safetensors: 'tokens' [M, N], optional 'labels' [M]) instead of sampling")
-@click.option("--num-samples", "-n", type=click.IntRange(min=1), help="images to sample (self-distillation) or to take from --tokens")
+@click.option("--num-samples", "-n", type=IMAGES, help="images to sample (self-distillation) or to take from --tokens")
 @click.option("--class-labels", help="comma-separated class ids, cycled over the samples [default: 0, 1, 2, ...]")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="sample i uses seed + i")
 @sampling_options

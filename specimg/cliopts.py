@@ -29,6 +29,11 @@ class FiniteFloat(click.FloatRange):
 SEED = click.IntRange(0, 2**32 - 1)
 """Seeds as numpy and torch both take them; sample i's seed ``seed + i`` stays in torch's range."""
 
+IMAGES = click.IntRange(1, 10**6)
+"""Images per command: more would only exhaust memory on the per-image lists."""
+
+THREADS = click.IntRange(1, 1024)
+
 
 class RankPaths(click.ParamType):
     """A static tree's nodes as rank paths: ``"0 1 0.0 0.1"`` is the drafter's two best
@@ -82,7 +87,7 @@ def condition_options(num_images: int) -> Callable[[F], F]:
     """``--class-labels``, ``--num-images`` (default ``num_images``) and ``--seed``."""
     return _apply([
         click.option("--class-labels", help="comma-separated class ids, cycled over the images [default: 0, 1, 2, ...]"),
-        click.option("--num-images", "-n", type=click.IntRange(min=1), default=num_images, show_default=True),
+        click.option("--num-images", "-n", type=IMAGES, default=num_images, show_default=True),
         click.option("--seed", type=SEED, default=0, show_default=True, help="image i uses seed + i"),
     ])
 
@@ -91,7 +96,7 @@ def sampling_options(fn: F) -> F:
     """LlamaGen's sampling: CFG, temperature, top-k, top-p."""
     return _apply([
         click.option("--cfg-scale", type=FiniteFloat(min=1.0), default=None, help="classifier-free guidance [default: the demo's measured scale, else 4.0]"),
-        click.option("--cfg-interval", type=click.IntRange(min=-1), default=-1, show_default=True),
+        click.option("--cfg-interval", type=click.IntRange(-1, 2**31 - 1), default=-1, show_default=True),
         click.option("--temperature", type=FiniteFloat(min=0.0), default=None, help="[default: the demo's measured value, else 1.0]"),
         click.option("--top-k", type=click.IntRange(min=0), default=None, help="0 = no top-k [default: the demo's measured value, else 0]"),
         click.option("--top-p", type=FiniteFloat(min=0.0, max=1.0, min_open=True), default=None, help="[default: the demo's measured value, else 1.0]"),
