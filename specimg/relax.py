@@ -1,5 +1,5 @@
 """Relaxation under a total-variation budget: the one shared mechanism, and the one place
-the budget is enforced (DESIGN.md section 4).
+the budget contract (docs/architecture.md) is enforced.
 
 A method names, per node, its candidates (the node's children, in draft-rank order) and
 for each candidate an ordered list of donor tokens.  ``transfer`` moves probability mass
