@@ -270,7 +270,7 @@ def test_quality_with_a_classifier_and_outputs(models, tmp_path):
     from specimg.eval.classifier import DemoClassifier
 
     variants, _ = plan_variants(["naive"], INSTALLED)
-    spec = spec_for(variants, [0, 1, 2, 3])
+    spec = spec_for(variants, [7, 1, 7, 3])  # the untrained classifier below calls most images a 7
     run = run_bench(models, spec, tmp_path, state=OneProcess(), progress=False)
     torch.manual_seed(0)
     classifier = DemoClassifier(num_classes=10, width=8).eval()
@@ -283,7 +283,11 @@ def test_quality_with_a_classifier_and_outputs(models, tmp_path):
     ar_q, naive_q = (row["quality"] for row in summary["variants"])
     assert ar_q["frechet_ar"]["value"] == pytest.approx(0.0, abs=1e-6)
     assert naive_q["frechet_real"]["n_a"] == 4 and naive_q["frechet_real"]["n_b"] == 20
-    assert 0.0 <= naive_q["accuracy"] <= 1.0 and naive_q["loglik"] < 0
+    naive_tokens = torch.tensor([r["tokens"] for r in run.records if r["label"] == "naive"])
+    with torch.no_grad():
+        predicted = classifier.predict(models.tokenizer.decode(naive_tokens).clamp(-1, 1))
+    assert naive_q["accuracy"] == pytest.approx((predicted == torch.tensor(spec.conditions)).float().mean().item())
+    assert naive_q["loglik"] < 0
     assert summary["floors"]["frechet_real"]["n_a"] == 4
     paths = write_outputs(summary, spec, tmp_path, {"model": models.name})
     doc = json.loads(open(paths["json"]).read())

@@ -121,8 +121,9 @@ class _Run:
         if os.path.exists(self.path):
             with open(self.path) as f:
                 self.manifest = json.load(f)
-            if self.manifest.get("scale", {}).get("name") != scale.name:
-                raise SpecimgError(f"{out} holds a bundle of another scale; use an empty folder")
+            held = self.manifest.get("scale", {}).get("name")
+            if held != scale.name:
+                raise SpecimgError(f"{out} holds a bundle of scale {held}, not {scale.name}; give another --out or --scale {held}")
             self.manifest["scale"] = attrs.asdict(scale)
         else:
             self.manifest = _fresh_manifest(scale)
