@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -407,3 +408,25 @@ def test_cli_bench_user_errors_are_one_line(tmp_path, capsys, extra, message):
     assert run_cli("bench", "--model", "tiny-random", "-n", "1", "--out", str(tmp_path / "o"), *extra) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_the_plot_draws_each_finite_point_and_lists_the_others(tmp_path):
+    from specimg.eval.plot import scatter_plot
+
+    path = tmp_path / "p.png"
+    assert scatter_plot([("ar", 1.0, 1.0), ("naive", 2.0, 1.5), ("broken", float("nan"), 2.0)], path, "x", "y", hline=1.0)
+    img = Image.open(path).convert("RGB")
+    assert img.size == (800, 560)
+    colours = {colour for _, colour in img.getcolors(800 * 560)}
+    assert {(31, 119, 180), (255, 127, 14)} <= colours  # C0 and C1: the two finite points
+    assert (44, 160, 44) not in colours  # C2 would be a third point
+    assert any(r > 150 and g < 30 and b < 30 for r, g, b in colours)  # the red "not plotted" line
+
+
+def test_bench_without_matplotlib_writes_all_but_the_plot(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import fails as if not installed
+    out = tmp_path / "b"
+    args = ["bench", "--model", "tiny-random", "-n", "1", "--methods", "naive", "--warmup", "0", "--no-quality", "--out", str(out)]
+    assert run_cli(*args) == 0
+    assert "note: no bench.png: the plot needs matplotlib (pip install 'specimg[plot]')" in capsys.readouterr().out
+    assert {"bench.json", "bench.csv", "bench.md"} <= set(os.listdir(out)) and "bench.png" not in os.listdir(out)

@@ -434,7 +434,8 @@ def _write_atomic(path: str, text: str) -> None:
         fh.write(text)
 
 
-def _plot(summary: Mapping[str, Any], path: str) -> str | None:
+def _plot(summary: Mapping[str, Any], path: str) -> tuple[str | None, bool]:
+    """Plot speedup against the primary quality metric; (that metric, whether a plot was written)."""
     from specimg.eval.plot import scatter_plot
     from specimg.eval.quality import LOWER_IS_BETTER, primary_metric
 
@@ -449,16 +450,19 @@ def _plot(summary: Mapping[str, Any], path: str) -> str | None:
                  "frechet_ar": "Frechet distance to AR samples (classifier features)", "loglik": "target log-likelihood per token"}
         n = f", n={_n(rows, metric)}" if metric in ("fid", "frechet_real", "frechet_ar") else ""
         x_label = f"{names[metric]}{n} ({'lower' if LOWER_IS_BETTER[metric] else 'higher'} is better)"
-    scatter_plot(points, path, x_label, "speedup vs AR (x)", title=f"specimg bench: {summary['images']} images per method", hline=1.0)
-    return metric
+    plotted = scatter_plot(points, path, x_label, "speedup vs AR (x)", title=f"specimg bench: {summary['images']} images per method", hline=1.0)
+    return metric, plotted
 
 
 def write_outputs(summary: dict[str, Any], spec: BenchSpec, out: str | os.PathLike[str], extra: Mapping[str, Any] | None = None) -> dict[str, str]:
-    """bench.json (everything), bench.csv (one row per variant), bench.md (the table) and
-    bench.png (speedup against the primary quality metric); returns their paths."""
+    """bench.json (everything), bench.csv (one row per variant), bench.md (the table) and,
+    with matplotlib, bench.png (speedup against the primary quality metric); returns the
+    paths written."""
     out = os.fspath(out)
     paths = {k: os.path.join(out, f"bench.{k}") for k in ("json", "csv", "md", "png")}
-    metric = _plot(summary, paths["png"])
+    metric, plotted = _plot(summary, paths["png"])
+    if not plotted:
+        del paths["png"]
     doc = {
         "format": FORMAT, "plot_metric": metric, **summary,
         "settings": {**spec.settings(str((extra or {}).get("model", ""))), "num_images": len(spec.conditions), "warmup": spec.warmup},

@@ -13,6 +13,7 @@ import torch
 from specimg.config import Sampling, TreeConfig
 from specimg.errors import SpecimgError
 from specimg.eval.bench import BenchSpec, build_engines, plan_variants, run_bench, save_sample_grid, summarise, write_outputs
+from specimg.eval.plot import MISSING as MISSING_PLOT
 from specimg.methods import parse_options
 from specimg.plugins import get_plugin_manager
 
@@ -132,6 +133,8 @@ def bench_command(kw: dict[str, Any], models: Any, model_name: str, sampling: Sa
     echo(markdown_table(summary))
     for note in summary.get("notes", []):
         echo(f"note: {note}")
+    if "png" not in paths:
+        echo(f"note: {MISSING_PLOT}")
     floor = summary["floors"].get("frechet_real")
     if floor is not None:
         echo(f"Frechet floor (real vs real at n={floor['n_a']} vs {floor['n_b']}): {floor['value']:.2f}")
