@@ -211,7 +211,12 @@ def bench(**kw: Any) -> None:
     models = _models(kw, model)
     check_tree_fits(tree, models.target, models.drafter)
     writable_folder(kw["out"])
-    bench_command(kw, models, model, sampling_from(kw, _base_sampling(model, kw["target"])), tree, click.echo)
+    real = None
+    if model.startswith("demo") and not kw["target"]:  # the demo's real images are the quality reference
+        from specimg.demo.data import real_images
+
+        real = real_images
+    bench_command(kw, models, model, sampling_from(kw, _base_sampling(model, kw["target"])), tree, click.echo, real)
 
 
 @cli.command("train-demo")

@@ -29,11 +29,11 @@ from specimg.config import LLAMAGEN_SAMPLING
 from specimg.demo.data import NUM_CLASSES, RECIPE, make_dataset
 from specimg.errors import SpecimgError
 from specimg.files import atomic_path
+from specimg.models.demo import load_target_file, save_target
 
 MANIFEST = "manifest.json"
 TOKENIZER, TARGET, CLASSIFIER = "tokenizer.safetensors", "target.safetensors", "classifier.safetensors"
 DRAFTER, DRAFTER_CASCADE = "drafter.safetensors", "drafter-cascade.safetensors"
-TARGET_CONFIG_KEY = "specimg.gpt_config"
 CLASS_SLOT_SCORE = 5.0
 """How far below the class slot every image key starts in each layer's head 0 (``class_slot``)."""
 
@@ -257,26 +257,6 @@ def _tokenise(run: _Run) -> dict[str, Any]:
     p = hist / hist.sum()
     entropy = -(p[p > 0] * p[p > 0].log()).sum().item()
     return {"images": s.gpt_images, "unigram_entropy_nats": round(entropy, 3), "codes_used": int((hist > 0).sum())}
-
-
-def save_target(target: Any, path: str) -> None:
-    from safetensors.torch import save_file
-
-    meta = {TARGET_CONFIG_KEY: json.dumps(attrs.asdict(target.config))}
-    with atomic_path(path, ".safetensors") as tmp:
-        save_file({k: v.detach().contiguous().cpu() for k, v in target.state_dict().items()}, tmp, metadata=meta)
-
-
-def load_target_file(path: str, max_tree_nodes: int = 128) -> Any:
-    from safetensors import safe_open
-
-    from specimg.models.llamagen import GPTConfig, load_target
-
-    with safe_open(path, framework="pt") as f:
-        text = (f.metadata() or {}).get(TARGET_CONFIG_KEY)
-    if text is None:
-        raise SpecimgError(f"{path} has no {TARGET_CONFIG_KEY} header")
-    return load_target(path, GPTConfig(**json.loads(text)), max_tree_nodes=max_tree_nodes)
 
 
 def _train_gpt(run: _Run) -> dict[str, Any]:

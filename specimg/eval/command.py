@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from specimg.config import Sampling, TreeConfig
 from specimg.errors import SpecimgError
@@ -41,11 +42,15 @@ def conditions_for(models: Any, kw: dict[str, Any]) -> tuple[list[Any], list[Any
     return list(labels), list(labels), None
 
 
-def build_quality(models: Any, model_name: str, sampling: Sampling, conditions: list[Any], captions: list[str] | None, kw: dict[str, Any]) -> Any:
-    """The :class:`~specimg.eval.quality.Quality` scorer the flags ask for."""
-    from specimg.eval.quality import Quality, demo_real_images
+def build_quality(
+    models: Any, model_name: str, sampling: Sampling, conditions: list[Any], captions: list[str] | None, kw: dict[str, Any],
+    real: Callable[[int, int], Tensor] | None = None,
+) -> Any:
+    """The :class:`~specimg.eval.quality.Quality` scorer the flags ask for; ``real(n, seed)``
+    gives real reference images (the demo's), if the models have any."""
+    from specimg.eval.quality import Quality
 
-    classifier, real = None, None
+    classifier = None
     if kw.get("classifier"):
         from specimg.eval.classifier import load_classifier
 
@@ -57,8 +62,6 @@ def build_quality(models: Any, model_name: str, sampling: Sampling, conditions: 
         path = os.path.join(bundle_dir(), "classifier.safetensors")
         if os.path.isfile(path):
             classifier = load_classifier(path)
-    if model_name.startswith("demo") and not kw.get("target"):
-        real = demo_real_images
     fid = None
     if kw.get("fid_features"):
         from specimg.eval.fid import FID, load_feature_extractor, read_image_folder, to_uint8
@@ -84,9 +87,13 @@ def build_quality(models: Any, model_name: str, sampling: Sampling, conditions: 
     )
 
 
-def bench_command(kw: dict[str, Any], models: Any, model_name: str, sampling: Sampling, tree: TreeConfig, echo: Callable[[str], None]) -> dict[str, Any] | None:
+def bench_command(
+    kw: dict[str, Any], models: Any, model_name: str, sampling: Sampling, tree: TreeConfig, echo: Callable[[str], None],
+    real: Callable[[int, int], Tensor] | None = None,
+) -> dict[str, Any] | None:
     """Run the benchmark the flags describe; on the main process write the outputs, print
-    the table and return the summary (None on the other processes)."""
+    the table and return the summary (None on the other processes).  ``real(n, seed)``
+    gives real reference images for the quality metrics, if the models have any."""
     from accelerate import PartialState
 
     start = time.perf_counter()
@@ -105,7 +112,7 @@ def bench_command(kw: dict[str, Any], models: Any, model_name: str, sampling: Sa
     quality, error = None, None
     if kw.get("quality", True) and state.is_main_process:
         try:
-            quality = build_quality(models, model_name, sampling, conditions, captions, kw)
+            quality = build_quality(models, model_name, sampling, conditions, captions, kw, real)
         except SpecimgError as err:
             error = str(err)
     if state.num_processes > 1:  # the other processes must stop too, not wait for the main one
