@@ -16,7 +16,7 @@ from specimg.config import Sampling, TreeConfig
 from specimg.engine import Engine
 from specimg.errors import SpecimgError
 from specimg.eval import metrics, prompts
-from specimg.eval.bench import BenchSpec, plan_variants, run_bench, split_stack, summarise, write_outputs
+from specimg.eval.bench import BenchSpec, plan_variants, run_bench, stack_members, summarise, write_outputs
 from specimg.eval.quality import Quality
 from specimg.models import loading
 from specimg.models.base import Caption
@@ -49,9 +49,17 @@ def tokens_of(records):
 # ----------------------------------------------------------------------------- metrics
 
 
-def test_frechet_distance_matches_numpy_in_both_regimes_and_knows_its_counts():
-    from specimg.eval.classifier import frechet_distance as numpy_frechet
+def numpy_frechet(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The textbook form, as a reference: tr sqrt(S1 S2) through sqrt(S1) S2 sqrt(S1)."""
+    x, y = a.double().numpy(), b.double().numpy()
+    s1, s2 = np.atleast_2d(np.cov(x, rowvar=False)), np.atleast_2d(np.cov(y, rowvar=False))
+    w, v = np.linalg.eigh(s1)
+    root = (v * np.sqrt(np.clip(w, 0, None))) @ v.T
+    tr_covmean = np.sqrt(np.clip(np.linalg.eigvalsh(root @ s2 @ root), 0, None)).sum()
+    return float(((x.mean(0) - y.mean(0)) ** 2).sum() + np.trace(s1) + np.trace(s2) - 2 * tr_covmean)
 
+
+def test_frechet_distance_matches_numpy_in_both_regimes_and_knows_its_counts():
     g = torch.Generator().manual_seed(0)
     for n, m, d in ((5, 40, 16), (60, 80, 4)):  # fewer samples than dimensions (nuclear-norm form), and more
         a, b = torch.randn(n, d, generator=g), torch.randn(m, d, generator=g) * 1.5 + 0.3
@@ -148,8 +156,9 @@ def test_text_encoder_file_round_trip_and_left_padding(tmp_path):
 
 
 def test_variants_defaults_sweeps_and_errors():
-    assert split_stack("cascade+lantern++", INSTALLED) == ["cascade", "lantern++"]
-    assert split_stack("lantern++", INSTALLED) == ["lantern++"]
+    assert stack_members("cascade+lantern++", INSTALLED) == ["cascade", "lantern++"]
+    assert stack_members("lantern+++cascade", INSTALLED) == ["lantern++", "cascade"]
+    assert stack_members("lantern++", INSTALLED) == ["lantern++"]
     variants, notes = plan_variants(None, ["naive", "cascade", "lantern"])
     assert [v.label for v in variants] == ["ar", "naive", "lantern", "cascade", "cascade+lantern"]
     assert any("lantern++" in n for n in notes) and any("gsd" in n for n in notes)

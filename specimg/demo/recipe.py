@@ -438,7 +438,8 @@ def _train_drafter(run: _Run, name: str, method: str) -> dict[str, Any]:
 def _evaluate(run: _Run) -> dict[str, Any]:
     from specimg.config import Sampling
     from specimg.engine import Engine
-    from specimg.eval.classifier import frechet_distance, load_classifier
+    from specimg.eval.classifier import load_classifier
+    from specimg.eval.metrics import frechet_distance
     from specimg.images import make_grid, save_png_atomic
     from specimg.models.vq import load_tokenizer
 
@@ -469,7 +470,7 @@ def _evaluate(run: _Run) -> dict[str, Any]:
         imgs = decode(codes)
         acc = (clf.predict(imgs) == torch.tensor(sweep_labels)).float().mean().item()
         sweep.append({"cfg_scale": cfg, "temperature": temp, "acc": round(acc, 4),
-                      "frechet_real_vs_ar": round(frechet_distance(f_real, clf.all_features(imgs)), 3)})
+                      "frechet_real_vs_ar": round(frechet_distance(f_real, clf.all_features(imgs)).value, 3)})
         run.log(f"  cfg {cfg}, temperature {temp}: accuracy {acc:.3f}, Frechet {sweep[-1]['frechet_real_vs_ar']:.2f}")
     best = max(v["acc"] for v in sweep)
     chosen = min((v for v in sweep if v["acc"] >= best - 0.02), key=lambda v: (-v["temperature"], v["cfg_scale"]))
@@ -507,9 +508,9 @@ def _evaluate(run: _Run) -> dict[str, Any]:
         "samples": len(wanted), "sampling_sweep": sweep,
         "classifier_acc_ar_samples": round(acc, 4), "per_class_acc_ar_samples": per_class,
         "classifier_acc_real_test": run.manifest["stages"]["classifier"]["acc_real_test"],
-        "frechet_real_vs_ar": round(frechet_distance(f_real, f_samp), 3),
-        "frechet_real_vs_real": round(frechet_distance(f_real[:half], f_real[half:]), 3),
-        "frechet_real_vs_vq_recon": round(frechet_distance(f_real, f_recon), 3),
+        "frechet_real_vs_ar": round(frechet_distance(f_real, f_samp).value, 3),
+        "frechet_real_vs_real": round(frechet_distance(f_real[:half], f_real[half:]).value, 3),
+        "frechet_real_vs_vq_recon": round(frechet_distance(f_real, f_recon).value, 3),
         "feature_dim": int(f_real.shape[1]),
     }
 

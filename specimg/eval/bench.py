@@ -40,7 +40,7 @@ from specimg.engine import Engine
 from specimg.errors import SpecimgError
 from specimg.files import atomic_path
 from specimg.manifest import Manifest
-from specimg.methods import AR
+from specimg.methods import AR, split_stack
 from specimg.models.base import Caption, Condition
 from specimg.stats import PHASES
 
@@ -69,24 +69,19 @@ class Variant:
         return {"label": self.label, "method": self.method, "options": self.options, "delta": self.delta, "sweep": dict(self.sweep)}
 
 
-def split_stack(method: str, installed: Iterable[str]) -> list[str]:
-    """``"cascade+lantern++"`` -> ``["cascade", "lantern++"]``: members matched against the
-    installed names, longest first, so names that contain ``+`` split correctly.  An
-    unknown member is a SpecimgError naming it and what is installed."""
-    names = sorted(set(installed) | {AR}, key=len, reverse=True)
-    out, rest = [], method.strip()
-    while rest:
-        hit = next((n for n in names if rest == n or rest.startswith(n + "+")), None)
-        if hit is None:
-            unknown = rest.split("+")[0] or rest
-            raise SpecimgError(f"unknown method {unknown!r} in {method!r} (installed: {', '.join(sorted(set(installed) | {AR}))})")
-        out.append(hit)
-        rest = rest[len(hit) + 1 :]
-    if not out:
+def stack_members(method: str, installed: Iterable[str]) -> list[str]:
+    """The members of one ``--methods`` entry (split as every method string is), each
+    installed or ``ar``, which stands alone."""
+    if not method.strip():
         raise SpecimgError("an empty method in --methods")
-    if AR in out and len(out) > 1:
+    known = set(installed) | {AR}
+    members = split_stack(method)
+    unknown = next((m for m in members if m not in known), None)
+    if unknown is not None:
+        raise SpecimgError(f"unknown method {unknown!r} in {method!r} (installed: {', '.join(sorted(known))})")
+    if AR in members and len(members) > 1:
         raise SpecimgError(f"'ar' cannot be stacked ({method!r})")
-    return out
+    return members
 
 
 def parse_sweep(text: str) -> tuple[str, list[str]]:
@@ -118,11 +113,11 @@ def plan_variants(
         stacks = []
         for stack in DEFAULT_METHODS:
             try:
-                stacks.append((stack, split_stack(stack, installed)))
+                stacks.append((stack, stack_members(stack, installed)))
             except SpecimgError:
                 notes.append(f"skipped {stack} (not installed)")
     else:
-        stacks = [(m.strip(), split_stack(m, installed)) for m in methods]
+        stacks = [(m.strip(), stack_members(m, installed)) for m in methods]
     seen: set[str] = set()
     for stack, _ in stacks:
         if stack in seen:
