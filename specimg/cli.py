@@ -15,8 +15,8 @@ import torch
 from tqdm import tqdm
 
 from specimg.cliopts import (
-    IMAGES, SEED, THREADS, FiniteFloat, check_tree_fits, condition_options, method_options, model_options, sampling_from, sampling_options, tree_from,
-    tree_options,
+    IMAGES, SEED, THREADS, FiniteFloat, check_tree_fits, condition_options, method_options, model_options, sampling_from,
+    sampling_options, tree_from, tree_options,
 )
 from specimg.config import LLAMAGEN_SAMPLING, Sampling
 from specimg.engine import Engine

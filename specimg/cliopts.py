@@ -42,8 +42,6 @@ class RankPaths(click.ParamType):
     name = "RANK-PATHS"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[tuple[int, ...], ...]:
-        if isinstance(value, tuple):
-            return value
         try:
             paths = tuple(tuple(int(rank) for rank in path.split(".")) for path in value.replace(",", " ").split())
         except ValueError:
