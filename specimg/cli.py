@@ -64,9 +64,9 @@ def _run(argv: list[str] | None) -> None:
         hint = f" (see '{err.ctx.command_path} --help')" if isinstance(err, click.UsageError) and err.ctx else ""
         click.echo(f"specimg: error: {err.format_message()}{hint}", err=True)
         sys.exit(2)
-    except click.Abort:
-        click.echo("aborted", err=True)
-        sys.exit(1)
+    except (click.Abort, KeyboardInterrupt):
+        click.echo("specimg: interrupted; the same command resumes where it stopped", err=True)
+        sys.exit(130)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

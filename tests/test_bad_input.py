@@ -229,6 +229,17 @@ def test_stale_output_folders(tmp_path, capsys):
     assert (out / "manifest.jsonl").read_text() == before
 
 
+def test_an_interrupted_run_says_how_to_resume(tmp_path, capsys, monkeypatch):
+    import specimg.cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(specimg.cli, "_write_run", interrupted)
+    assert run(["generate", *TINY, "--out", str(tmp_path)]) == 130
+    assert capsys.readouterr().err.strip() == "specimg: interrupted; the same command resumes where it stopped"  # after click's newline
+
+
 def test_a_plugin_that_breaks_its_budget_is_named_with_its_package(tmp_path, capsys, fake_plugins):
     fake_plugins(overspends="specimg_fake_plugins:overspends")
     line = one_line_error(capsys, ["generate", *TINY, "-m", "overspends", "--out", str(tmp_path / "o")])
