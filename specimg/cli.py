@@ -27,6 +27,7 @@ from specimg.files import writable_folder
 from specimg.methods import AR, parse_options
 from specimg.plugins import get_plugin_manager
 from specimg.relax import BudgetError
+from specimg.stats import ImageStats, RunStats
 from specimg.train.drafter import TrainConfig
 
 
@@ -267,13 +268,13 @@ def _write_run(engine: Engine, models: Any, labels: list[int], seed: int, out: s
     if not todo:
         click.echo(f"{engine.method}: {out} already holds these {len(labels)} images; nothing to do (more images: raise -n)")
         return
-    forwards = tokens = 0
+    images: list[ImageStats] = []
     start = time.perf_counter()
     with tqdm(total=len(todo) * models.target.num_tokens, unit="tok", desc=engine.method, disable=None) as bar:
         for index in todo:
             result = engine.generate([labels[index]], seed=seed + index, progress=bar.update)
             image_stats = result.stats.images[0]
-            forwards, tokens = forwards + image_stats.target_forwards, tokens + image_stats.tokens
+            images.append(image_stats)
             if models.tokenizer is not None:
                 save_png_atomic(to_pil(_decode(models.tokenizer, result.tokens))[0], os.path.join(out, "images", f"{index:05d}.png"))
             manifest.add(index, {"condition": labels[index], "seed": seed + index, "tokens": result.tokens[0].tolist(), "stats": image_stats.as_dict()})
@@ -283,10 +284,9 @@ def _write_run(engine: Engine, models: Any, labels: list[int], seed: int, out: s
         codes = torch.tensor([e["tokens"] for e in entries])
         grid = make_grid(_decode(models.tokenizer, codes), nrow=min(8, len(entries)), labels=[f"class {e['condition']}" for e in entries])
         save_png_atomic(grid, os.path.join(out, "grid.png"))
-    tau = tokens / max(1, forwards)
-    s = engine.sampling
+    run, s = RunStats(tuple(images)), engine.sampling
     click.echo(
-        f"{engine.method}: tau {tau:.2f} | {forwards} target forwards for {tokens} tokens | {len(todo)} images in {wall:.2f}s "
+        f"{engine.method}: tau {run.tau:.2f} | {run.target_forwards} target forwards for {run.tokens} tokens | {len(todo)} images in {wall:.2f}s "
         f"| cfg {s.cfg_scale:g}, temperature {s.temperature:g}, top-k {s.top_k}, top-p {s.top_p:g} -> {out}"
     )
 
