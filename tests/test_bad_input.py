@@ -259,3 +259,7 @@ def test_faulty_plugins_break_no_command_and_are_listed(tmp_path, capsys, fake_p
     ]
     line = one_line_error(capsys, ["generate", *TINY, "-m", "misspelled", "--out", str(tmp_path / "p")])
     assert line.startswith("specimg: error: unknown method 'misspelled'")
+    assert run(["plugins"]) == 0
+    listed = {line.split()[0]: line.split(None, 4)[4] for line in capsys.readouterr().out.splitlines()[1:]}
+    assert listed["naive_again"].endswith("FAILED: it registers method 'naive', which plugin 'naive' (specimg 0.1.0) already provides")
+    assert listed["misspelled"].endswith("FAILED: it implements 'build_relaxed_distt', which is not a specimg hook (misspelled?)")
