@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ import torch
 from torch import Tensor
 
 from specimg.errors import SpecimgError
+from specimg.files import atomic_path
 
 CACHE_ENV = "SPECIMG_CACHE_DIR"
 _CHUNK_ROWS = 512
@@ -84,11 +84,8 @@ def _load_or_build(codebook: Tensor, key: str, k: int) -> Tensor:
             pass
     table = nearest_codes(codebook, k)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        with os.fdopen(fd, "wb") as file:
-            torch.save(table, file)
-        os.replace(tmp, path)
+        with atomic_path(path, ".pt") as tmp:
+            torch.save(table, tmp)
     except OSError:  # a read-only cache only costs the rebuild next time
         pass
     return table
