@@ -1,4 +1,4 @@
-"""Exact acceptance over a draft tree (docs/architecture.md, "Acceptance").
+"""Exact acceptance over a draft tree (the exactness contract: docs/architecture.md).
 
 Every rule here emits, at each node it reaches, a sample of that node's distribution q:
 the accepted child's token or the correction token.  With q = p that is exact

@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from typing import Any
 
 import attrs
@@ -15,34 +16,60 @@ from tqdm import tqdm
 
 from specimg import costs
 from specimg.cliopts import (
-    condition_options, device_from, device_options, method_options, model_options, prompt_options, sampling_from, sampling_options,
-    tree_from, tree_options,
+    IMAGES, SEED, THREADS, FiniteFloat, check_tree_fits, condition_options, device_from, device_options, method_options,
+    model_options, prompt_options, sampling_from, sampling_options, tree_from, tree_options,
 )
-from specimg.conditions import Conditions, conditions_for, sample_captions, shorten
+from specimg.eval.conditions import Conditions, conditions_for, sample_captions, shorten
 from specimg.config import LLAMAGEN_SAMPLING, Sampling
 from specimg.engine import Engine
 from specimg.errors import SpecimgError
 from specimg.eval.bench import DEFAULT_IMAGES as BENCH_IMAGES
 from specimg.eval.prompts import class_labels
+from specimg.files import writable_folder
 from specimg.methods import AR, parse_options
 from specimg.plugins import get_plugin_manager
-from specimg.stats import RunStats
+from specimg.relax import BudgetError
+from specimg.stats import ImageStats, RunStats
 from specimg.train.drafter import TrainConfig
 
 
+_NO_ARGS = getattr(click.exceptions, "NoArgsIsHelpError", ())
+"""What click (8.2 and later) raises for a bare ``specimg``: the help, not a one-line error."""
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: user errors end with one line on stderr and exit status 2."""
+    """Entry point: user errors end with one line on stderr and exit status 2, and so does
+    a method that breaks its budget, naming the package to blame; warnings take one line."""
+    with warnings.catch_warnings():
+        warnings.showwarning = _one_line_warning
+        _run(argv)
+
+
+def _one_line_warning(message: Warning | str, *args: Any, **kwargs: Any) -> None:
+    click.echo(f"specimg: warning: {message}", err=True)
+
+
+def _run(argv: list[str] | None) -> None:
     try:
         cli.main(args=argv, prog_name="specimg", standalone_mode=False)
+    except BudgetError as err:
+        provider = get_plugin_manager().provider(err.method)
+        origin = f"plugin {provider.name!r} ({provider.source})" if provider else "its plugin"
+        click.echo(f"specimg: error: {err}, a bug in {origin}: leave {err.method} out of --method and report it to its authors", err=True)
+        sys.exit(2)
     except SpecimgError as err:
         click.echo(f"specimg: error: {err}", err=True)
         sys.exit(2)
-    except click.ClickException as err:
+    except _NO_ARGS as err:
         err.show()
         sys.exit(2)
-    except click.Abort:
-        click.echo("aborted", err=True)
-        sys.exit(1)
+    except click.ClickException as err:
+        hint = f" (see '{err.ctx.command_path} --help')" if isinstance(err, click.UsageError) and err.ctx else ""
+        click.echo(f"specimg: error: {err.format_message()}{hint}", err=True)
+        sys.exit(2)
+    except (click.Abort, KeyboardInterrupt):
+        click.echo("specimg: interrupted; the same command resumes where it stopped", err=True)
+        sys.exit(130)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -53,11 +80,17 @@ def cli() -> None:
 
 @cli.command()
 def plugins() -> None:
-    """List installed plugins and where they come from."""
-    pm = get_plugin_manager()
-    for info in pm.plugins:
-        status = f"FAILED: {info.error}" if info.error else "ok"
-        click.echo(f"{info.name:<16} {info.source:<24} {info.target}  [{status}]")
+    """List installed plugins, where they come from and the methods they register; a
+    faulty plugin is listed with its error (and left out everywhere else)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # each fault is in the listing
+        pm = get_plugin_manager()
+    rows = [("plugin", "package", "methods", "module", "status")] + [
+        (p.name, p.source, " ".join(p.methods) or "-", p.target, f"FAILED: {p.error}" if p.error else "ok") for p in pm.plugins
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    for row in rows:
+        click.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[4])
 
 
 @cli.command()
@@ -141,7 +174,7 @@ def _base_sampling(model: str, target: str | None) -> Sampling:
 @tree_options
 @device_options
 @click.option("--out", type=click.Path(file_okay=False), default="out", show_default=True)
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads [default: 1 for the built-in models, which one thread runs fastest; torch's choice for --target]")
+@click.option("--threads", type=THREADS, default=None, help="torch CPU threads [default: 1 for the built-in models, which one thread runs fastest; torch's choice for --target]")
 def generate(**kw: Any) -> None:
     """Generate images and write PNGs, a labelled grid and a JSONL manifest.  A c2i target
     takes --class-labels, a t2i one --prompt / --prompts with --text-encoder."""
@@ -149,10 +182,12 @@ def generate(**kw: Any) -> None:
         torch.set_num_threads(kw["threads"] or 1)
     device, dtype = device_from(kw)
     model = kw["model"] or _default_model()
+    tree = tree_from(kw)
     models = _models(kw, model)
+    check_tree_fits(tree, models.target, models.drafter)
     engine = Engine(
         models.target, models.drafter, kw["method"], parse_options(kw["options"]),
-        sampling_from(kw, _base_sampling(model, kw["target"])), tree_from(kw),
+        sampling_from(kw, _base_sampling(model, kw["target"])), tree,
         delta=kw["delta"], tokenizer=models.tokenizer, device=device, dtype=dtype,
     )
     _write_run(engine, models, conditions_for(models.target, kw), kw["seed"], kw["out"])
@@ -169,14 +204,14 @@ def generate(**kw: Any) -> None:
 @device_options
 @prompt_options
 @click.option("--classifier", type=click.Path(dir_okay=False), help="demo-format classifier for accuracy and Frechet distances [default: the demo bundle's]")
-@click.option("--num-real", type=click.IntRange(min=2), default=1000, show_default=True, help="reference images for Frechet distance / FID")
+@click.option("--num-real", type=click.IntRange(2, 10**6), default=1000, show_default=True, help="reference images for Frechet distance / FID")
 @click.option("--real-images", type=click.Path(file_okay=False), help="folder of reference images for FID")
 @click.option("--fid-features", help="FID feature extractor: a TorchScript file, or inception:PATH (torch-fidelity weights)")
-@click.option("--fid-size", type=click.IntRange(min=8), default=299, show_default=True, help="image side the FID extractor sees")
+@click.option("--fid-size", type=click.IntRange(8, 4096), default=299, show_default=True, help="image side the FID extractor sees")
 @click.option("--clip-model", type=click.Path(file_okay=False), help="local Hugging Face CLIP folder, for CLIP score with --prompts")
 @click.option("--quality/--no-quality", default=True, show_default=True, help="compute quality metrics")
 @click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True, help="images per method generated and discarded before timing")
-@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True, help="torch CPU threads per process (more threads slow small models down on a busy machine)")
+@click.option("--threads", type=THREADS, default=1, show_default=True, help="torch CPU threads per process (more threads slow small models down on a busy machine)")
 @click.option("--out", type=click.Path(file_okay=False), default="bench", show_default=True, help="output folder; a run started again on it resumes")
 def bench(**kw: Any) -> None:
     """Benchmark methods side by side: tau, speedup against AR and quality, on the same
@@ -188,14 +223,22 @@ def bench(**kw: Any) -> None:
     torch.set_num_threads(kw["threads"])
     device, dtype = device_from(kw)
     model = kw["model"] or _default_model()
+    tree = tree_from(kw)
     models = placed(_models(kw, model), device, dtype)
-    bench_command(kw, models, model, sampling_from(kw, _base_sampling(model, kw["target"])), tree_from(kw), click.echo)
+    check_tree_fits(tree, models.target, models.drafter)
+    writable_folder(kw["out"])
+    real = None
+    if model.startswith("demo") and not kw["target"]:  # the demo's real images are the quality reference
+        from specimg.demo.data import real_images
+
+        real = real_images
+    bench_command(kw, models, model, sampling_from(kw, _base_sampling(model, kw["target"])), tree, click.echo, real)
 
 
 @cli.command("train-demo")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="folder for the bundle (resumed if it holds a partial run)")
 @click.option("--scale", type=click.Choice(["full", "toy"]), default="full", show_default=True, help="toy: the same recipe at toy size, in seconds")
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads [default: torch's choice]")
+@click.option("--threads", type=THREADS, default=None, help="torch CPU threads [default: torch's choice]")
 @click.option("--keep-work", is_flag=True, help="keep the intermediate token sets and samples in OUT/work")
 def train_demo(out: str, scale: str, threads: int | None, keep_work: bool) -> None:
     """Re-create the embedded demo bundle from scratch: data, VQ, GPT, classifier, drafters."""
@@ -208,8 +251,7 @@ def train_demo(out: str, scale: str, threads: int | None, keep_work: bool) -> No
         raise SpecimgError(f"train-demo needs the demo extra ({err.name} is missing): pip install 'specimg[demo]'") from None
     if threads is not None:
         torch.set_num_threads(threads)
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise SpecimgError(f"--out {out} is a file, not a folder")
+    writable_folder(out)
     manifest = run_recipe(out, scale, log=lambda m: click.echo(m, err=True), keep_work=keep_work)
     q = manifest["stages"].get("quality", {})
     click.echo(
@@ -223,6 +265,7 @@ def _write_run(engine: Engine, models: Any, conditions: Conditions, seed: int, o
     from specimg.images import make_grid, save_png_atomic, to_pil
     from specimg.manifest import Manifest
 
+    writable_folder(out)
     os.makedirs(os.path.join(out, "images"), exist_ok=True)
     settings = {
         "model": models.name, "method": engine.method,
@@ -231,18 +274,26 @@ def _write_run(engine: Engine, models: Any, conditions: Conditions, seed: int, o
         "device": engine.device.type, "dtype": str(engine.target.input_embeddings().dtype),
     }
     if engine.auto_tree:  # auto trees depend on the cost model: a resumed run must use the same one
-        settings["cost_model"] = costs.cost_key(engine.target, engine.drafter, engine.sampling)[0]
+        settings["tree"]["cost_model"] = costs.cost_key(engine.target, engine.drafter, engine.sampling)[0]
     manifest = Manifest(os.path.join(out, "manifest.jsonl"), settings)
-    todo = [i for i in range(len(conditions.values)) if i not in manifest.done]
-    forwards = tokens = 0
-    images: list[Any] = []
+    key = "prompt" if conditions.prompts is not None else "condition"
+    keys = conditions.keys
+    other = next((i for i in sorted(manifest.done) if i < len(keys) and manifest.done[i].get(key) != keys[i]), None)
+    if other is not None:
+        there, here = manifest.done[other].get(key), keys[other]
+        held = f"of class {there}, this run asks for class {here}: its --class-labels" if key == "condition" else f"for the prompt {there!r}, this run asks for {here!r}: its prompts"
+        raise SpecimgError(f"{out} holds image {other} {held} differ; give another --out or remove {out}")
+    todo = [i for i in range(len(keys)) if i not in manifest.done]
+    if not todo:
+        click.echo(f"{engine.method}: {out} already holds these {len(keys)} images; nothing to do (more images: raise -n)")
+        return
+    images: list[ImageStats] = []
     start = time.perf_counter()
     with tqdm(total=len(todo) * models.target.num_tokens, unit="tok", desc=engine.method, disable=None) as bar:
         for index in todo:
             result = engine.generate([conditions.values[index]], seed=seed + index, progress=bar.update)
             image_stats = result.stats.images[0]
             images.append(image_stats)
-            forwards, tokens = forwards + image_stats.target_forwards, tokens + image_stats.tokens
             if models.tokenizer is not None:
                 save_png_atomic(to_pil(_decode(models.tokenizer, result.tokens))[0], os.path.join(out, "images", f"{index:05d}.png"))
             condition = {"prompt": conditions.keys[index]} if conditions.prompts is not None else {"condition": conditions.keys[index]}
@@ -254,10 +305,9 @@ def _write_run(engine: Engine, models: Any, conditions: Conditions, seed: int, o
         labels = [shorten(e["prompt"]) if "prompt" in e else f"class {e['condition']}" for e in entries]
         grid = make_grid(_decode(models.tokenizer, codes), nrow=min(8, len(entries)), labels=labels)
         save_png_atomic(grid, os.path.join(out, "grid.png"))
-    tau = tokens / max(1, forwards)
-    s = engine.sampling
+    run, s = RunStats(tuple(images)), engine.sampling
     click.echo(
-        f"{engine.method}: tau {tau:.2f} | {forwards} target forwards for {tokens} tokens | {len(todo)} images in {wall:.2f}s "
+        f"{engine.method}: tau {run.tau:.2f} | {run.target_forwards} target forwards for {run.tokens} tokens | {len(todo)} images in {wall:.2f}s "
         f"| cfg {s.cfg_scale:g}, temperature {s.temperature:g}, top-k {s.top_k}, top-p {s.top_p:g} -> {out}"
     )
     if images and engine.stack is not None:
@@ -315,10 +365,10 @@ def _label_list(text: str | None, num_classes: int) -> tuple[int, ...]:
 @click.option("--target-config", multiple=True, metavar="KEY=VALUE", help="override a GPTConfig field, e.g. block_size=576")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="data folder (resumed if it holds the same run)")
 @click.option("--tokens", "tokens_file", type=click.Path(dir_okay=False), help="teacher-force these sequences (safetensors: 'tokens' [M, N], optional 'labels' [M]) instead of sampling")
-@click.option("--num-samples", "-n", type=click.IntRange(min=1), help="images to sample (self-distillation) or to take from --tokens")
+@click.option("--num-samples", "-n", type=IMAGES, help="images to sample (self-distillation) or to take from --tokens")
 @click.option("--class-labels", help="comma-separated class ids, cycled over the samples [default: 0, 1, 2, ...]")
 @prompt_options
-@click.option("--seed", type=int, default=0, show_default=True, help="sample i uses seed + i")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="sample i uses seed + i")
 @sampling_options
 @click.option("--uncond/--no-uncond", default=None, help="also store every sequence under the null class [default: when the target has one]")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True, help="storage type of the features")
@@ -334,6 +384,7 @@ def make_drafter_data_command(**kw: Any) -> None:
 
     from specimg.train.data import DataSpec, make_drafter_data
 
+    writable_folder(kw["out"])
     state = PartialState(cpu=kw["cpu"])
     target = _train_target(kw["target"], kw["preset"], kw["target_config"]).to(state.device)
     sampling = sampling_from(kw, _base_sampling(kw["target"], None))
@@ -369,20 +420,20 @@ def make_drafter_data_command(**kw: Any) -> None:
 @click.option("--init", type=click.Path(dir_okay=False), help="start from these drafter weights (safetensors)")
 @click.option("--steps", type=click.IntRange(min=1), default=TrainConfig().steps, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=TrainConfig().batch_size, show_default=True, help="global batch (all processes), in images")
-@click.option("--lr", type=click.FloatRange(min=0.0, min_open=True), default=TrainConfig().lr, show_default=True)
+@click.option("--lr", type=FiniteFloat(min=0.0, min_open=True), default=TrainConfig().lr, show_default=True)
 @click.option("--warmup", type=click.IntRange(min=0), default=None, help="warmup steps [default: 5% of --steps]")
-@click.option("--min-lr-ratio", type=click.FloatRange(0.0, 1.0), default=0.0, show_default=True, help="cosine floor, as a fraction of --lr")
-@click.option("--weight-decay", type=click.FloatRange(min=0.0), default=0.0, show_default=True)
-@click.option("--w-cls", type=click.FloatRange(min=0.0), default=0.1, show_default=True, help="weight of the soft cross-entropy (EAGLE p_w)")
-@click.option("--w-reg", type=click.FloatRange(min=0.0), default=1.0, show_default=True, help="weight of the SmoothL1 feature regression (EAGLE v_w)")
-@click.option("--clip-value", type=click.FloatRange(min=0.0, min_open=True), default=0.5, show_default=True, help="clip gradient values (EAGLE)")
-@click.option("--clip-norm", type=click.FloatRange(min=0.0, min_open=True), default=None, help="clip the gradient norm")
-@click.option("--noise", type=click.FloatRange(min=0.0), default=0.0, show_default=True, help="width of uniform noise on the input features")
+@click.option("--min-lr-ratio", type=FiniteFloat(0.0, 1.0), default=0.0, show_default=True, help="cosine floor, as a fraction of --lr")
+@click.option("--weight-decay", type=FiniteFloat(min=0.0), default=0.0, show_default=True)
+@click.option("--w-cls", type=FiniteFloat(min=0.0), default=0.1, show_default=True, help="weight of the soft cross-entropy (EAGLE p_w)")
+@click.option("--w-reg", type=FiniteFloat(min=0.0), default=1.0, show_default=True, help="weight of the SmoothL1 feature regression (EAGLE v_w)")
+@click.option("--clip-value", type=FiniteFloat(min=0.0, min_open=True), default=0.5, show_default=True, help="clip gradient values (EAGLE)")
+@click.option("--clip-norm", type=FiniteFloat(min=0.0, min_open=True), default=None, help="clip the gradient norm")
+@click.option("--noise", type=FiniteFloat(min=0.0), default=0.0, show_default=True, help="width of uniform noise on the input features")
 @click.option("--checkpoint-every", type=click.IntRange(min=1), default=500, show_default=True)
 @click.option("--keep-checkpoints", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--log-every", type=click.IntRange(min=1), default=10, show_default=True)
 @click.option("--mixed-precision", type=click.Choice(["no", "fp16", "bf16"]), default="no", show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True, help="drafter init and data order")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="drafter init and data order")
 @click.option("--cpu", is_flag=True, help="stay on the CPU even if a GPU is present")
 def train_drafter_command(**kw: Any) -> None:
     """Train an EAGLE-1 drafter on drafter data (accelerate: `accelerate launch -m specimg.cli
@@ -400,6 +451,7 @@ def train_drafter_command(**kw: Any) -> None:
         keep_checkpoints=kw["keep_checkpoints"], log_every=kw["log_every"], seed=kw["seed"],
         mixed_precision=kw["mixed_precision"], drafter_type=kw["drafter_type"],
     )
+    writable_folder(kw["out"])
     target = _train_target(kw["target"], kw["preset"], kw["target_config"])
     accelerator = Accelerator(mixed_precision=config.mixed_precision, cpu=kw["cpu"])
     start = time.perf_counter()

@@ -3,6 +3,7 @@ so that a flag means the same thing, with the same default and help, everywhere.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -14,6 +15,41 @@ from specimg.config import DYNAMIC_DEFAULTS, Sampling, TreeConfig
 from specimg.errors import SpecimgError
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+class FiniteFloat(click.FloatRange):
+    """A float range that refuses inf and nan, which click's FloatRange lets through."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
+
+
+SEED = click.IntRange(0, 2**32 - 1)
+"""Seeds as numpy and torch both take them; sample i's seed ``seed + i`` stays in torch's range."""
+
+IMAGES = click.IntRange(1, 10**6)
+"""Images per command: more would only exhaust memory on the per-image lists."""
+
+THREADS = click.IntRange(1, 1024)
+
+
+class RankPaths(click.ParamType):
+    """A static tree's nodes as rank paths: ``"0 1 0.0 0.1"`` is the drafter's two best
+    tokens at the root, and the two best under the first of them."""
+
+    name = "RANK-PATHS"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[tuple[int, ...], ...]:
+        try:
+            paths = tuple(tuple(int(rank) for rank in path.split(".")) for path in value.replace(",", " ").split())
+        except ValueError:
+            self.fail(f"{value!r} is not a list of rank paths such as '0 1 0.0 0.1'.", param, ctx)
+        if not paths or any(rank < 0 for path in paths for rank in path):
+            self.fail(f"{value!r} names no node, or a negative rank.", param, ctx)
+        return paths
 
 
 def _apply(options: list[Callable[[F], F]]) -> Callable[[F], F]:
@@ -29,7 +65,7 @@ def method_options(fn: F) -> F:
     """``-o METHOD.KEY=VALUE`` (repeatable) and ``--delta``."""
     return _apply([
         click.option("--option", "-o", "options", multiple=True, metavar="METHOD.KEY=VALUE", help="a method option (repeatable)"),
-        click.option("--delta", type=float, default=None, help="the stack's total-variation budget [default: largest member delta]"),
+        click.option("--delta", type=FiniteFloat(0.0, 1.0), default=None, help="the stack's total-variation budget [default: largest member delta]"),
     ])(fn)
 
 
@@ -50,8 +86,8 @@ def condition_options(num_images: int) -> Callable[[F], F]:
     """``--class-labels``, ``--num-images`` (default ``num_images``) and ``--seed``."""
     return _apply([
         click.option("--class-labels", help="comma-separated class ids, cycled over the images [default: 0, 1, 2, ...]"),
-        click.option("--num-images", "-n", type=click.IntRange(min=1), default=num_images, show_default=True),
-        click.option("--seed", type=int, default=0, show_default=True, help="image i uses seed + i"),
+        click.option("--num-images", "-n", type=IMAGES, default=num_images, show_default=True),
+        click.option("--seed", type=SEED, default=0, show_default=True, help="image i uses seed + i"),
     ])
 
 
@@ -68,11 +104,11 @@ def prompt_options(fn: F) -> F:
 def sampling_options(fn: F) -> F:
     """LlamaGen's sampling: CFG, temperature, top-k, top-p."""
     return _apply([
-        click.option("--cfg-scale", type=click.FloatRange(min=1.0), default=None, help="classifier-free guidance [default: the demo's measured scale, else 4.0]"),
-        click.option("--cfg-interval", type=click.IntRange(min=-1), default=-1, show_default=True),
-        click.option("--temperature", type=click.FloatRange(min=0.0), default=None, help="[default: the demo's measured value, else 1.0]"),
+        click.option("--cfg-scale", type=FiniteFloat(min=1.0), default=None, help="classifier-free guidance [default: the demo's measured scale, else 4.0]"),
+        click.option("--cfg-interval", type=click.IntRange(-1, 2**31 - 1), default=-1, show_default=True),
+        click.option("--temperature", type=FiniteFloat(min=0.0), default=None, help="[default: the demo's measured value, else 1.0]"),
         click.option("--top-k", type=click.IntRange(min=0), default=None, help="0 = no top-k [default: the demo's measured value, else 0]"),
-        click.option("--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=None, help="[default: the demo's measured value, else 1.0]"),
+        click.option("--top-p", type=FiniteFloat(min=0.0, max=1.0, min_open=True), default=None, help="[default: the demo's measured value, else 1.0]"),
     ])(fn)
 
 
@@ -85,6 +121,7 @@ def tree_options(fn: F) -> F:
         click.option("--depth", type=click.IntRange(min=1), default=None, help=f"tree depth (dynamic, chain) [default for dynamic: {sizes}]"),
         click.option("--topk", type=click.IntRange(min=1), default=None, help="children per expanded node (dynamic)"),
         click.option("--total-tokens", type=click.IntRange(min=1), default=None, help="tree size budget (dynamic)"),
+        click.option("--rank-paths", type=RankPaths(), help="the nodes of --tree static, e.g. '0 1 0.0 0.1' (dot-separated draft ranks from the root)"),
         click.option("--sample-drafts", is_flag=True, help="draw draft children instead of taking the drafter's top-k"),
     ])(fn)
 
@@ -126,6 +163,26 @@ def sampling_from(kw: dict[str, Any], base: Sampling) -> Sampling:
 
 
 def tree_from(kw: dict[str, Any]) -> TreeConfig:
-    if kw["tree_kind"] == "static":
-        raise SpecimgError("--tree static takes rank paths, which the command line cannot give; use a method that brings its tree (lantern++) or the Python API")
-    return TreeConfig(kw["tree_kind"], kw["depth"], kw["topk"], kw["total_tokens"], sample=kw["sample_drafts"])
+    if (kw["tree_kind"] == "static") != bool(kw["rank_paths"]):
+        raise SpecimgError("--tree static needs --rank-paths, and --rank-paths needs --tree static")
+    return TreeConfig(kw["tree_kind"], kw["depth"], kw["topk"], kw["total_tokens"], kw["rank_paths"] or (), sample=kw["sample_drafts"])
+
+
+def check_tree_fits(tree: TreeConfig, target: Any, drafter: Any) -> None:
+    """Refuse, before the first image, a tree larger than the models' caches (their
+    ``max_tree_nodes``): the most nodes the target verifies and the drafter feeds per step,
+    by the builders of ``specimg.tree``.  Auto trees keep within both by construction."""
+    if tree.kind == "auto":
+        return
+    if tree.kind == "static":
+        parents = {path[:-1] for path in tree.rank_paths if len(path) > 1}
+        bounds = [(target, 1 + len(set(tree.rank_paths)), "--rank-paths"), (drafter, len(parents), "--rank-paths")]
+    elif tree.kind == "chain":
+        bounds = [(target, tree.depth + 1, "--depth"), (drafter, tree.depth - 1, "--depth")]
+    else:
+        nodes = min(tree.total_tokens, 1 + tree.topk + (tree.depth - 1) * tree.topk**2)
+        bounds = [(target, nodes, "--total-tokens, --topk or --depth"), (drafter, (tree.depth - 1) * tree.topk, "--topk or --depth")]
+    for (model, count, flags), role in zip(bounds, ("target", "drafter")):
+        limit = getattr(model, "max_tree_nodes", None)
+        if limit is not None and count > limit:
+            raise SpecimgError(f"this tree takes up to {count} nodes per step in the {role}'s cache, which holds {limit}: lower {flags}")

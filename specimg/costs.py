@@ -16,8 +16,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import time
+from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from specimg.cache import cache_dir
+from specimg.files import atomic_path
 from specimg.accept import sample_and_match
 from specimg.config import Sampling
 from specimg.models.base import Condition, Drafter, Target
@@ -135,13 +136,10 @@ def load_or_measure(target: Target, drafter: Drafter, sampling: Sampling, condit
     return model
 
 
-def _save(path: Any, text: str) -> None:
+def _save(path: Path, text: str) -> None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        with os.fdopen(fd, "w") as file:
+        with atomic_path(path, ".json") as tmp, open(tmp, "w") as file:
             file.write(text)
-        os.replace(tmp, path)
     except OSError:  # a read-only cache only costs a new measurement next time
         pass
 

@@ -36,7 +36,7 @@ def register_methods(register: Callable[[MethodSpec], None]) -> None:
     """Declare the methods this plugin provides by calling ``register(MethodSpec(...))``.
 
     Called once per plugin when the plugin manager loads; the registrations of all plugins
-    are collected.  Two plugins registering the same method name is an error naming both.
+    are collected.  A plugin registering a method name already taken is left out, named.
     """
 
 

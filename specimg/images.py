@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from collections.abc import Sequence
 
 import torch
 from PIL import Image, ImageDraw, ImageFont
 from torch import Tensor
+
+from specimg.files import atomic_path
 
 _PAD = 2
 
@@ -25,17 +26,8 @@ def to_pil(images: Tensor) -> list[Image.Image]:
 def save_png_atomic(img: Image.Image, path: str | os.PathLike[str]) -> None:
     """Write a PNG via a temporary file in the same directory and a rename, so a crash never
     leaves a truncated image where a finished one is expected."""
-    path = os.fspath(path)
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".png")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            img.save(f, format="PNG")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    with atomic_path(path, ".png") as tmp:
+        img.save(tmp, format="PNG")
 
 
 def make_grid(images: Tensor | Sequence[Image.Image], nrow: int, labels: Sequence[str] | None = None) -> Image.Image:

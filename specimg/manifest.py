@@ -24,8 +24,10 @@ class Manifest:
             self._drop_cut_tail()
             for entry in self._read():
                 if entry.get("settings") != self.settings:
+                    folder = os.path.dirname(self.path) or "."
                     raise SpecimgError(
-                        f"{self.path} holds a run with other settings; use another output folder or remove it"
+                        f"{folder} holds a run with other settings ({_difference(entry.get('settings'), self.settings)}); "
+                        f"give another --out or remove {folder}"
                     )
                 self.done[entry["index"]] = entry
 
@@ -54,3 +56,16 @@ class Manifest:
             fh.flush()
             os.fsync(fh.fileno())
         self.done[index] = entry
+
+
+def _difference(old: Any, new: dict[str, Any], prefix: str = "") -> str:
+    """The first setting that differs, as ``key: old there, new here``."""
+    if not isinstance(old, dict):
+        return "none recorded there"
+    for key in sorted(set(old) | set(new)):
+        there, here = old.get(key), new.get(key)
+        if there != here:
+            if isinstance(there, dict) and isinstance(here, dict):
+                return _difference(there, here, f"{prefix}{key}.")
+            return f"{prefix}{key}: {json.dumps(there)} there, {json.dumps(here)} here"
+    return ""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -60,6 +61,25 @@ class Stack:
         return {m.spec.name: attrs.asdict(m.options) for m in self.members}
 
 
+def split_stack(method: str) -> list[str]:
+    """``"cascade+lantern++"`` -> ``["cascade", "lantern++"]``: a name may end in "+"."""
+    return [name.strip() for name in re.split(r"\+(?=[^+])", method)]
+
+
+def check_method_spec(spec: MethodSpec) -> None:
+    """Refuse a method a stack could not name or whose options cannot be built from defaults."""
+    if not isinstance(spec, MethodSpec) or not isinstance(spec.name, str):
+        raise SpecimgError(f"it registers {spec!r}, not a MethodSpec with a name")
+    if not spec.name.strip() or split_stack(spec.name) != [spec.name]:
+        raise SpecimgError(f"it registers the method name {spec.name!r}, which a method string cannot name (a '+' inside, or spaces around it)")
+    if not attrs.has(spec.options):
+        raise SpecimgError(f"method {spec.name!r}: its options {spec.options!r} are not an attrs class")
+    try:
+        spec.options()
+    except Exception as err:
+        raise SpecimgError(f"method {spec.name!r}: its options class cannot be built from its defaults ({err})") from None
+
+
 def parse_options(pairs: list[str] | tuple[str, ...]) -> dict[str, dict[str, str]]:
     """``["cascade.delta=0.3", ...]`` (the CLI's ``-o``) -> ``{"cascade": {"delta": "0.3"}}``."""
     out: dict[str, dict[str, str]] = {}
@@ -86,7 +106,14 @@ def make_options(spec: MethodSpec, values: Mapping[str, Any]) -> Any:
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as err:
-        raise SpecimgError(f"bad option for method {spec.name!r}: {err}") from None
+        raise SpecimgError(f"bad option for method {spec.name!r}: {_message(err)}") from None
+
+
+def _message(err: Exception) -> str:
+    """An attrs validator's error carries the attribute, the allowed values and the value
+    after its message; a user needs the message alone."""
+    first = err.args[0] if err.args else ""
+    return first if isinstance(first, str) and first else str(err)
 
 
 def _convert(method: str, key: str, kind: Any, value: Any) -> Any:
@@ -97,10 +124,16 @@ def _convert(method: str, key: str, kind: Any, value: Any) -> Any:
             if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
                 raise ValueError(value)
             return value.lower() in ("true", "1", "yes")
-        if kind in (int, float):
-            return kind(value)
+        if kind is int:
+            return int(value)
+        if kind is float:
+            number = float(value)
+            if not math.isfinite(number):
+                raise ValueError(value)
+            return number
     except ValueError:
-        raise SpecimgError(f"option {method}.{key}={value!r} is not a valid {kind.__name__}") from None
+        kind_name = "finite float" if kind is float else kind.__name__
+        raise SpecimgError(f"option {method}.{key}={value!r} is not a valid {kind_name}") from None
     return value
 
 
@@ -114,7 +147,7 @@ def resolve_stack(
 
     The stack's budget is ``delta`` if given, else the largest member delta.
     """
-    names = [n.strip() for n in re.split(r"\+(?=[^+])", method)]  # a name may end in "+": lantern++
+    names = split_stack(method)
     options = dict(options or {})
     for name in names:
         if name not in registry:

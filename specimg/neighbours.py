@@ -10,8 +10,6 @@ disk under a hash of the codebook's bytes and k (in :func:`specimg.cache.cache_d
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 import weakref
 from typing import Any
 
@@ -20,6 +18,7 @@ from torch import Tensor
 
 from specimg.cache import CACHE_ENV, cache_dir
 from specimg.errors import SpecimgError
+from specimg.files import atomic_path
 
 __all__ = ["CACHE_ENV", "codebook_donors", "codebook_key", "nearest_codes", "neighbour_table"]
 
@@ -82,11 +81,8 @@ def _load_or_build(codebook: Tensor, key: str, k: int) -> Tensor:
             pass
     table = nearest_codes(codebook, k)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        with os.fdopen(fd, "wb") as file:
-            torch.save(table, file)
-        os.replace(tmp, path)
+        with atomic_path(path, ".pt") as tmp:
+            torch.save(table, tmp)
     except OSError:  # a read-only cache only costs the rebuild next time
         pass
     return table

@@ -2,7 +2,7 @@
 
 Built-in methods register through the same entry points as third-party packages.  Set
 SPECIMG_DISABLE_PLUGIN_AUTOLOAD=1 to load only the built-ins (those of the ``specimg``
-distribution itself).  A plugin that fails to import is reported, never fatal.
+distribution itself).  A faulty plugin is reported and left out, never fatal.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pluggy
 
 from specimg import defaults, hookspecs
 from specimg.errors import SpecimgError
-from specimg.methods import AR, Member, MethodSpec, Stack, resolve_stack
+from specimg.methods import AR, Member, MethodSpec, Stack, check_method_spec, resolve_stack
 
 ENTRY_POINT_GROUP = "specimg"
 DISABLE_AUTOLOAD_ENV = "SPECIMG_DISABLE_PLUGIN_AUTOLOAD"
@@ -27,65 +27,119 @@ _BUILTIN_DIST = "specimg"
 
 @attrs.frozen
 class PluginInfo:
-    """One entry point: its name, the distribution it comes from, and the import error if
-    loading it failed."""
+    """One plugin: its name (the entry point's), where it comes from, what it points at,
+    the methods it registers, and why it was left out if it was."""
 
     name: str
     source: str
     target: str
+    methods: tuple[str, ...] = ()
     error: str | None = None
 
 
 class PluginManager:
+    """Loads, checks and indexes method plugins.  A faulty plugin (it fails to import,
+    implements a hook specimg does not have, or registers a method name that is taken) is
+    left out and listed with its error in ``plugins``, with one warning."""
+
     def __init__(self, autoload: bool | None = None):
         self.pm = pluggy.PluginManager(ENTRY_POINT_GROUP)
         self.pm.add_hookspecs(hookspecs)
         self.pm.register(defaults, name="specimg.defaults")
         self.plugins: list[PluginInfo] = []
+        self._methods: dict[str, MethodSpec] = {}
         if autoload is None:
             autoload = os.environ.get(DISABLE_AUTOLOAD_ENV, "") in ("", "0")
         self.load_entry_points(third_party=autoload)
-        self._methods: dict[str, MethodSpec] | None = None
 
     def load_entry_points(self, third_party: bool = True) -> None:
-        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-            dist = ep.dist.name if ep.dist else "?"
+        """Load the entry points, the built-ins first: a third-party plugin that reuses a
+        built-in's method name is the one left out."""
+        found = [(ep, ep.dist.name if ep.dist else "?") for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)]
+        for ep, dist in sorted(found, key=lambda item: item[1] != _BUILTIN_DIST):
             if not third_party and dist != _BUILTIN_DIST:
                 continue
-            source = f"{dist} {ep.dist.version}" if ep.dist else "?"
+            info = PluginInfo(ep.name, f"{dist} {ep.dist.version}" if ep.dist else "?", ep.value)
             if self.pm.has_plugin(ep.name):
+                self._fail(info, f"the plugin name {ep.name!r} is taken by {self.info(ep.name).source}")
                 continue
             try:
-                self.pm.register(ep.load(), name=ep.name)
+                plugin = ep.load()
             except Exception as err:  # a broken plugin must not take the tool down
-                self.plugins.append(PluginInfo(ep.name, source, ep.value, f"{type(err).__name__}: {err}"))
-                warnings.warn(f"specimg plugin {ep.name!r} ({source}) failed to load: {err}", stacklevel=2)
+                self._fail(info, f"{type(err).__name__}: {err}")
                 continue
-            self.plugins.append(PluginInfo(ep.name, source, ep.value))
+            self._add(plugin, info)
 
     def register(self, plugin: object, name: str) -> None:
-        """Register a plugin object by hand (tests, notebooks)."""
-        self.pm.register(plugin, name=name)
-        self.plugins.append(PluginInfo(name, "registered at runtime", repr(plugin)))
-        self._methods = None
+        """Register a plugin object by hand (tests, notebooks); a faulty one is an error."""
+        info = self._add(plugin, PluginInfo(name, "registered at runtime", repr(plugin)), warn=False)
+        if info.error:
+            raise SpecimgError(f"plugin {name!r} is left out: {info.error}")
+
+    def _add(self, plugin: object, info: PluginInfo, warn: bool = True) -> PluginInfo:
+        """Register ``plugin``, check its hooks against specimg's and collect its methods;
+        on a fault, unregister it and record why."""
+        try:
+            self.pm.register(plugin, name=info.name)
+        except Exception as err:  # pluggy refuses a hook implementation with arguments its spec lacks
+            return self._fail(info, f"{type(err).__name__}: {err}", warn)
+        try:
+            self.pm.check_pending()
+            methods = self._collect(plugin)
+        except (pluggy.PluginValidationError, SpecimgError) as err:
+            fault = _fault(err, self.pm)
+            self.pm.unregister(plugin)
+            return self._fail(info, fault, warn)
+        except Exception as err:  # register_methods itself failed
+            self.pm.unregister(plugin)
+            return self._fail(info, f"register_methods raised {type(err).__name__}: {err}", warn)
+        self._methods.update(methods)
+        info = attrs.evolve(info, methods=tuple(methods))
+        self.plugins.append(info)
+        return info
+
+    def _collect(self, plugin: object) -> dict[str, MethodSpec]:
+        """The methods ``plugin`` registers, each checked against those already known."""
+        found: dict[str, MethodSpec] = {}
+
+        def register(spec: MethodSpec) -> None:
+            check_method_spec(spec)
+            if spec.name == AR:
+                raise SpecimgError(f"it registers the method name {AR!r}, which is reserved for plain AR decoding")
+            if spec.name in found:
+                raise SpecimgError(f"it registers method {spec.name!r} twice")
+            owner = self.provider(spec.name)
+            if owner is not None:
+                raise SpecimgError(f"it registers method {spec.name!r}, which plugin {owner.name!r} ({owner.source}) already provides")
+            found[spec.name] = attrs.evolve(spec, plugin=plugin)
+
+        for impl in self.pm.hook.register_methods.get_hookimpls():
+            if impl.plugin is plugin:
+                impl.function(register=register)
+        return found
+
+    def _fail(self, info: PluginInfo, error: str, warn: bool = True) -> PluginInfo:
+        info = attrs.evolve(info, error=error)
+        self.plugins.append(info)
+        if warn:
+            warnings.warn(f"specimg plugin {info.name!r} ({info.source}) is left out: {error}", stacklevel=3)
+        return info
 
     @property
     def failed(self) -> list[PluginInfo]:
         return [p for p in self.plugins if p.error]
 
+    def info(self, name: str) -> PluginInfo:
+        """The loaded plugin called ``name``."""
+        return next(p for p in self.plugins if p.name == name and not p.error)
+
+    def provider(self, method: str) -> PluginInfo | None:
+        """The plugin that provides ``method`` (None for an unknown method)."""
+        return next((p for p in self.plugins if method in p.methods), None)
+
     def methods(self) -> dict[str, MethodSpec]:
         """Every registered method by name, each bound to the plugin that provides it."""
-        if self._methods is None:
-            found: dict[str, MethodSpec] = {}
-            for impl in self.pm.hook.register_methods.get_hookimpls():
-                def register(spec: MethodSpec, _plugin: object = impl.plugin, _name: str = impl.plugin_name) -> None:
-                    if spec.name in found or spec.name == AR:
-                        raise SpecimgError(f"method {spec.name!r} is registered twice (again by plugin {_name!r})")
-                    found[spec.name] = attrs.evolve(spec, plugin=_plugin)
-
-                impl.function(register=register)
-            self._methods = found
-        return self._methods
+        return dict(self._methods)
 
     def stack(self, method: str, options: Mapping[str, Mapping[str, Any]] | None = None, delta: float | None = None) -> Stack:
         return resolve_stack(method, self.methods(), options, delta)
@@ -111,3 +165,12 @@ def get_plugin_manager() -> PluginManager:
     if _default is None:
         _default = PluginManager()
     return _default
+
+
+def _fault(err: Exception, pm: pluggy.PluginManager) -> str:
+    """A plugin's fault in words: pluggy names an unknown hook with the plugin's repr."""
+    if isinstance(err, pluggy.PluginValidationError):
+        unknown = sorted(caller.name for caller in pm.get_hookcallers(err.plugin) or () if caller.spec is None)
+        if unknown:
+            return f"it implements {', '.join(map(repr, unknown))}, which is not a specimg hook (misspelled?)"
+    return str(err)

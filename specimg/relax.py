@@ -1,5 +1,5 @@
 """Relaxation under a total-variation budget: the one shared mechanism, and the one place
-the budget is enforced (the contract in docs/architecture.md, "Relaxation").
+the budget contract (docs/architecture.md) is enforced.
 
 A method names, per node, its candidates (the node's children, in draft-rank order) and
 for each candidate an ordered list of donor tokens.  ``transfer`` moves probability mass
@@ -91,7 +91,12 @@ def transfer(
 
 
 class BudgetError(RuntimeError):
-    """A relaxation broke the contract: a bug in that method, named in the message."""
+    """A relaxation broke the contract: a bug in the method ``method``, which the message
+    names, so that the CLI can name the package it came from."""
+
+    def __init__(self, method: str, problem: str):
+        super().__init__(f"method {method!r} {problem}")
+        self.method = method
 
 
 def check_relaxed(name: str, new: Tensor, before: Tensor, target_dist: Tensor, budget: Tensor, stack_delta: float) -> Tensor:
@@ -101,16 +106,16 @@ def check_relaxed(name: str, new: Tensor, before: Tensor, target_dist: Tensor, b
     entries.
     """
     if new.shape != target_dist.shape:
-        raise BudgetError(f"method {name!r} returned shape {tuple(new.shape)}, expected {tuple(target_dist.shape)}")
+        raise BudgetError(name, f"returned shape {tuple(new.shape)}, expected {tuple(target_dist.shape)}")
     if not bool(new.min() >= 0) or bool(((new.sum(-1) - 1).abs() > _TOL).any()):
-        raise BudgetError(f"method {name!r} returned something that is not a distribution")
+        raise BudgetError(name, "returned something that is not a distribution")
     if bool(new.masked_fill(target_dist > 0, 0).any()):
-        raise BudgetError(f"method {name!r} put mass where the target's distribution is zero")
+        raise BudgetError(name, "put mass where the target's distribution is zero")
     if bool((0.5 * (new - before).abs().sum(-1) > budget + _TOL).any()):
-        raise BudgetError(f"method {name!r} spent more than its budget")
+        raise BudgetError(name, "spent more than its budget")
     distance = 0.5 * (new - target_dist).abs().sum(-1)
     if bool((distance > stack_delta + _TOL).any()):
-        raise BudgetError(f"method {name!r} took the stack past its total-variation budget {stack_delta}")
+        raise BudgetError(name, f"took the stack past its total-variation budget {stack_delta}")
     return distance
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from specimg.config import Sampling, TreeConfig
 from specimg.engine import Engine
 from specimg.errors import SpecimgError
 from specimg.eval import metrics, prompts
-from specimg.eval.bench import BenchSpec, plan_variants, run_bench, split_stack, summarise, write_outputs
+from specimg.eval.bench import BenchSpec, plan_variants, run_bench, stack_members, summarise, write_outputs
 from specimg.eval.quality import Quality
 from specimg.models import loading
 from specimg.models.base import Caption
@@ -48,9 +49,17 @@ def tokens_of(records):
 # ----------------------------------------------------------------------------- metrics
 
 
-def test_frechet_distance_matches_numpy_in_both_regimes_and_knows_its_counts():
-    from specimg.eval.classifier import frechet_distance as numpy_frechet
+def numpy_frechet(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The textbook form, as a reference: tr sqrt(S1 S2) through sqrt(S1) S2 sqrt(S1)."""
+    x, y = a.double().numpy(), b.double().numpy()
+    s1, s2 = np.atleast_2d(np.cov(x, rowvar=False)), np.atleast_2d(np.cov(y, rowvar=False))
+    w, v = np.linalg.eigh(s1)
+    root = (v * np.sqrt(np.clip(w, 0, None))) @ v.T
+    tr_covmean = np.sqrt(np.clip(np.linalg.eigvalsh(root @ s2 @ root), 0, None)).sum()
+    return float(((x.mean(0) - y.mean(0)) ** 2).sum() + np.trace(s1) + np.trace(s2) - 2 * tr_covmean)
 
+
+def test_frechet_distance_matches_numpy_in_both_regimes_and_knows_its_counts():
     g = torch.Generator().manual_seed(0)
     for n, m, d in ((5, 40, 16), (60, 80, 4)):  # fewer samples than dimensions (nuclear-norm form), and more
         a, b = torch.randn(n, d, generator=g), torch.randn(m, d, generator=g) * 1.5 + 0.3
@@ -147,8 +156,9 @@ def test_text_encoder_file_round_trip_and_left_padding(tmp_path):
 
 
 def test_variants_defaults_sweeps_and_errors():
-    assert split_stack("cascade+lantern++", INSTALLED) == ["cascade", "lantern++"]
-    assert split_stack("lantern++", INSTALLED) == ["lantern++"]
+    assert stack_members("cascade+lantern++", INSTALLED) == ["cascade", "lantern++"]
+    assert stack_members("lantern+++cascade", INSTALLED) == ["lantern++", "cascade"]
+    assert stack_members("lantern++", INSTALLED) == ["lantern++"]
     variants, notes = plan_variants(None, ["naive", "cascade", "lantern"])
     assert [v.label for v in variants] == ["ar", "naive", "lantern", "cascade", "cascade+lantern"]
     assert any("lantern++" in n for n in notes) and any("gsd" in n for n in notes)
@@ -270,7 +280,7 @@ def test_quality_with_a_classifier_and_outputs(models, tmp_path):
     from specimg.eval.classifier import DemoClassifier
 
     variants, _ = plan_variants(["naive"], INSTALLED)
-    spec = spec_for(variants, [0, 1, 2, 3])
+    spec = spec_for(variants, [7, 1, 7, 3])  # the untrained classifier below calls most images a 7
     run = run_bench(models, spec, tmp_path, state=OneProcess(), progress=False)
     torch.manual_seed(0)
     classifier = DemoClassifier(num_classes=10, width=8).eval()
@@ -283,7 +293,11 @@ def test_quality_with_a_classifier_and_outputs(models, tmp_path):
     ar_q, naive_q = (row["quality"] for row in summary["variants"])
     assert ar_q["frechet_ar"]["value"] == pytest.approx(0.0, abs=1e-6)
     assert naive_q["frechet_real"]["n_a"] == 4 and naive_q["frechet_real"]["n_b"] == 20
-    assert 0.0 <= naive_q["accuracy"] <= 1.0 and naive_q["loglik"] < 0
+    naive_tokens = torch.tensor([r["tokens"] for r in run.records if r["label"] == "naive"])
+    with torch.no_grad():
+        predicted = classifier.predict(models.tokenizer.decode(naive_tokens).clamp(-1, 1))
+    assert naive_q["accuracy"] == pytest.approx((predicted == torch.tensor(spec.conditions)).float().mean().item())
+    assert naive_q["loglik"] < 0
     assert summary["floors"]["frechet_real"]["n_a"] == 4
     paths = write_outputs(summary, spec, tmp_path, {"model": models.name})
     doc = json.loads(open(paths["json"]).read())
@@ -304,7 +318,7 @@ def test_t2i_bench_from_captions(tmp_path):
     (tmp_path / "p.txt").write_text("a red cube\na dog on grass\n")
     enc = prompts.HashTextEncoder(dim=12)
     enc.save(tmp_path / "enc.safetensors")
-    from specimg.conditions import conditions_for
+    from specimg.eval.conditions import conditions_for
 
     kw = {"num_images": 3, "prompts": str(tmp_path / "p.txt"), "text_encoder": str(tmp_path / "enc.safetensors"), "class_labels": None}
     conditions, keys, captions = conditions_for(models.target, kw)
@@ -394,7 +408,7 @@ def test_cli_bench_writes_table_json_csv_and_plot(tmp_path, capsys):
         (["--methods", "naive,nope"], "unknown method 'nope'"),
         (["--methods", "naive", "--sweep", "cascade.delta=0.1"], "in no benchmarked stack"),
         (["--methods", "naive", "--sweep", "naive"], "--sweep takes"),
-        (["--methods", "cascade", "--sweep", "cascade.delta=x"], "not a valid float"),
+        (["--methods", "cascade", "--sweep", "cascade.delta=x"], "not a valid finite float"),
         (["--methods", "naive", "--prompts", "p.txt"], "needs a t2i target"),
         (["--methods", "naive", "--fid-features", "missing.pt"], "no feature extractor file"),
     ],
@@ -403,3 +417,25 @@ def test_cli_bench_user_errors_are_one_line(tmp_path, capsys, extra, message):
     assert run_cli("bench", "--model", "tiny-random", "-n", "1", "--out", str(tmp_path / "o"), *extra) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_the_plot_draws_each_finite_point_and_lists_the_others(tmp_path):
+    from specimg.eval.plot import scatter_plot
+
+    path = tmp_path / "p.png"
+    assert scatter_plot([("ar", 1.0, 1.0), ("naive", 2.0, 1.5), ("broken", float("nan"), 2.0)], path, "x", "y", hline=1.0)
+    img = Image.open(path).convert("RGB")
+    assert img.size == (800, 560)
+    colours = {colour for _, colour in img.getcolors(800 * 560)}
+    assert {(31, 119, 180), (255, 127, 14)} <= colours  # C0 and C1: the two finite points
+    assert (44, 160, 44) not in colours  # C2 would be a third point
+    assert any(r > 150 and g < 30 and b < 30 for r, g, b in colours)  # the red "not plotted" line
+
+
+def test_bench_without_matplotlib_writes_all_but_the_plot(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import fails as if not installed
+    out = tmp_path / "b"
+    args = ["bench", "--model", "tiny-random", "-n", "1", "--methods", "naive", "--warmup", "0", "--no-quality", "--out", str(out)]
+    assert run_cli(*args) == 0
+    assert "note: no bench.png: the plot needs matplotlib (pip install 'specimg[plot]')" in capsys.readouterr().out
+    assert {"bench.json", "bench.csv", "bench.md"} <= set(os.listdir(out)) and "bench.png" not in os.listdir(out)

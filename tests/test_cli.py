@@ -91,7 +91,11 @@ def test_methods_and_plugins_listings(capsys):
     listing = capsys.readouterr().out
     assert listing.startswith("ar ") and "naive" in listing
     assert run("plugins") == 0
-    assert "specimg_plugins.naive" in capsys.readouterr().out
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["plugin", "package", "methods", "module", "status"]
+    rows = {line.split()[0]: line for line in lines[1:]}
+    assert rows["lantern_pp"].split() == ["lantern_pp", "specimg", "0.1.0", "lantern++", "specimg_plugins.lantern_pp", "ok"]
+    assert {line.index(" specimg_plugins.") for name, line in rows.items() if name in ("naive", "lantern_pp", "cascade")} == {lines[0].index(" module")}
 
 
 def test_generate_from_checkpoints_in_llamagen_format(tmp_path, capsys):

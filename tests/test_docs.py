@@ -1,4 +1,5 @@
-"""docs/hooks.md documents every hook of specimg/hookspecs.py with its exact arguments."""
+"""docs/hooks.md documents every hook of specimg/hookspecs.py with its exact arguments, and
+every document the code and the docs cite is in the repository."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from pathlib import Path
 
 from specimg import hookspecs
 
-HOOKS_MD = Path(__file__).resolve().parents[1] / "docs" / "hooks.md"
+ROOT = Path(__file__).resolve().parents[1]
+HOOKS_MD = ROOT / "docs" / "hooks.md"
 
 
 def _specs() -> dict[str, list[str]]:
@@ -40,3 +42,36 @@ def test_every_hook_has_its_own_section():
     text = HOOKS_MD.read_text()
     for name in _specs():
         assert f"## `{name}`" in text, f"docs/hooks.md has no section for {name}"
+
+
+def _sources() -> list[Path]:
+    folders = ("specimg", "plugins", "docs", "tests", "benchmarks", "contrib")
+    found = [p for folder in folders for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".md")]
+    return [p for p in found if ".egg-info" not in str(p)] + [ROOT / "README.md", ROOT / "CONTRIBUTING.md"]
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_cited_document_is_in_the_repository():
+    """Citations by a path under docs/ or by an upper-case name such as README.md, not outputs
+    such as bench.md."""
+    names = {p.name for p in _sources()}
+    for path in _sources():
+        for cited in re.findall(r"\b(docs/[\w-]+\.md|[A-Z][A-Z_-]+\.md)\b", path.read_text(encoding="utf-8")):
+            assert (ROOT / cited).exists() or cited in names, f"{path.relative_to(ROOT)} cites {cited}, which is not in the repository"
+
+
+def test_every_markdown_link_and_anchor_resolves():
+    for path in [p for p in _sources() if p.suffix == ".md"]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text(encoding="utf-8")):
+            if re.match(r"[a-z]+:", target):
+                continue
+            file, _, anchor = target.partition("#")
+            linked = (path.parent / file).resolve() if file else path
+            assert linked.exists(), f"{path.relative_to(ROOT)} links to {target}, which does not exist"
+            if anchor:
+                headings = re.findall(r"^#+ (.*)$", linked.read_text(encoding="utf-8"), flags=re.M)
+                assert anchor in {_slug(h) for h in headings}, f"{path.relative_to(ROOT)} links to {target}: no such heading"

@@ -51,3 +51,20 @@ def test_save_png_atomic_leaves_no_temp_file(tmp_path) -> None:
     with pytest.raises(OSError):
         save_png_atomic(Broken(), tmp_path / "sub" / "b.png")
     assert os.listdir(target.parent) == ["a.png"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_outputs_get_the_users_permissions(tmp_path, umask) -> None:
+    """As ``open`` gives a new file, not mkstemp's private 0600 (a rewrite included)."""
+    from specimg.models.loading import TINY_VQ
+    from specimg.models.vq import build_tokenizer, save_tokenizer
+
+    old = os.umask(umask)
+    try:
+        for _ in range(2):
+            save_png_atomic(Image.new("RGB", (4, 4)), tmp_path / "a.png")
+            save_tokenizer(build_tokenizer(**TINY_VQ), tmp_path / "vq.safetensors")
+    finally:
+        os.umask(old)
+    for name in ("a.png", "vq.safetensors"):
+        assert os.stat(tmp_path / name).st_mode & 0o777 == 0o666 & ~umask

@@ -66,10 +66,11 @@ def test_unknown_method_lists_installed_ones(manager):
         manager.stack("toy+toy")
 
 
-def test_a_method_registered_twice_is_an_error(manager):
-    manager.register(ToyPlugin(), "again")
-    with pytest.raises(SpecimgError, match="registered twice"):
-        manager.methods()
+def test_a_method_registered_twice_is_refused_naming_the_newcomer(manager):
+    with pytest.raises(SpecimgError, match="plugin 'again' is left out: it registers method 'toy', which plugin 'toy-plugin'"):
+        manager.register(ToyPlugin(), "again")
+    assert manager.stack("toy").members[0].spec.plugin is not None
+    assert manager.info("toy-plugin").methods == ("toy",)
 
 
 def _with_extra_entry_point(monkeypatch, value):
@@ -82,12 +83,14 @@ def _with_extra_entry_point(monkeypatch, value):
     monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
 
 
-def test_a_plugin_that_fails_to_import_is_reported_not_fatal(monkeypatch):
+def test_a_plugin_that_fails_to_import_is_reported_once_not_fatal(monkeypatch):
     _with_extra_entry_point(monkeypatch, "specimg_no_such_module_anywhere")
-    with pytest.warns(UserWarning, match="failed to load"):
+    with pytest.warns(UserWarning) as caught:
         pm = PluginManager()
+    assert [str(w.message) for w in caught] == [
+        "specimg plugin 'extra' (?) is left out: ModuleNotFoundError: No module named 'specimg_no_such_module_anywhere'"
+    ]
     assert [p.name for p in pm.failed] == ["extra"]
-    assert "ModuleNotFoundError" in pm.failed[0].error
     assert "naive" in pm.methods()
 
 
@@ -96,3 +99,35 @@ def test_autoload_can_be_turned_off_for_third_party_plugins(monkeypatch):
     monkeypatch.setenv("SPECIMG_DISABLE_PLUGIN_AUTOLOAD", "1")
     pm = PluginManager()
     assert not pm.failed and "naive" in pm.methods()
+
+
+@pytest.mark.parametrize(
+    "entry, error",
+    [
+        ("naive_again", "it registers method 'naive', which plugin 'naive' (specimg 0.1.0) already provides"),
+        ("misspelled", "it implements 'build_relaxed_distt', which is not a specimg hook (misspelled?)"),
+        ("no_defaults", "method 'nodefaults': its options class cannot be built from its defaults"),
+        ("stacked", "it registers the method name 'a+b', which a method string cannot name"),
+    ],
+)
+def test_a_faulty_plugin_is_left_out_with_its_error(fake_plugins, entry, error):
+    """The fake distribution comes first on sys.path: the built-ins must still win."""
+    fake_plugins(**{entry: f"specimg_fake_plugins:{entry}", "fine": "specimg_fake_plugins:fine"})
+    with pytest.warns(UserWarning, match="left out") as caught:
+        pm = PluginManager()
+    assert len(caught) == 1
+    assert [(p.name, p.source) for p in pm.failed] == [(entry, "fake-plugins 1.0")]
+    assert pm.failed[0].error.startswith(error)
+    assert pm.info("fine").methods == ("fine",) and pm.provider("naive").source.startswith("specimg ")
+    assert pm.stack("naive+fine").name == "naive+fine"
+    assert pm.pm.get_plugin(entry) is None
+
+
+def test_a_misspelled_hook_registered_by_hand_is_an_error(fake_plugins):
+    fake_plugins()
+    import specimg_fake_plugins
+
+    pm = PluginManager(autoload=False)
+    with pytest.raises(SpecimgError, match="'build_relaxed_distt', which is not a specimg hook"):
+        pm.register(specimg_fake_plugins.misspelled, "misspelled")
+    assert "misspelled" not in pm.methods()

@@ -97,7 +97,7 @@ def test_prompts_without_a_text_encoder(tmp_path, files, capsys):
 
 
 def test_shorten_cuts_at_a_word():
-    from specimg.conditions import shorten
+    from specimg.eval.conditions import shorten
 
     assert shorten("a dog running on wet grass next to a lake at dawn", 24) == "a dog running on wet..."
     assert shorten("  short   prompt ") == "short prompt"

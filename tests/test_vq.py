@@ -105,10 +105,14 @@ def test_llamagen_checkpoint_loads_and_decodes_identically(tok: VQTokenizer, tmp
     assert torch.equal(loaded.decode(codes), tok.decode(codes))
 
 
-def test_checkpoint_without_usage_buffer_loads(tok: VQTokenizer, tmp_path) -> None:
+def test_checkpoint_without_usage_buffer_loads_its_weights(tok: VQTokenizer, tmp_path) -> None:
     sd = {k: v for k, v in tok.state_dict().items() if k != "quantize.codebook_used"}
     torch.save({"ema": sd}, tmp_path / "vq.pt")
-    load_tokenizer(tmp_path / "vq.pt", **TINY)
+    loaded = load_tokenizer(tmp_path / "vq.pt", **TINY)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in sd.items())
+    assert not loaded.quantize.codebook_used.any()
+    codes = tok.encode(images())
+    assert torch.equal(loaded.encode(images()), codes) and torch.equal(loaded.decode(codes), tok.decode(codes))
 
 
 def test_missing_or_misshapen_key_is_named(tok: VQTokenizer, tmp_path) -> None:

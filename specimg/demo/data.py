@@ -95,6 +95,12 @@ def _sources() -> Tensor:
     return torch.stack(out)
 
 
+def real_images(num: int, seed: int) -> Tensor:
+    """Held-out real demo images (the test split): the bench's reference for Fréchet
+    distances on the demo, handed to ``specimg.eval.quality.Quality``."""
+    return make_dataset(num, seed=seed, split="test")[0]
+
+
 def make_dataset(
     n: int, seed: int = 0, split: Split = "train", chunk: int = 512, glyphs_per_class: int | None = GLYPHS_PER_CLASS
 ) -> tuple[Tensor, Tensor]:

@@ -28,11 +28,12 @@ from tqdm import tqdm
 from specimg.config import LLAMAGEN_SAMPLING
 from specimg.demo.data import NUM_CLASSES, RECIPE, make_dataset
 from specimg.errors import SpecimgError
+from specimg.files import atomic_path
+from specimg.models.demo import load_target_file, save_target
 
 MANIFEST = "manifest.json"
 TOKENIZER, TARGET, CLASSIFIER = "tokenizer.safetensors", "target.safetensors", "classifier.safetensors"
 DRAFTER, DRAFTER_CASCADE = "drafter.safetensors", "drafter-cascade.safetensors"
-TARGET_CONFIG_KEY = "specimg.gpt_config"
 CLASS_SLOT_SCORE = 5.0
 """How far below the class slot every image key starts in each layer's head 0 (``class_slot``)."""
 
@@ -120,19 +121,18 @@ class _Run:
         if os.path.exists(self.path):
             with open(self.path) as f:
                 self.manifest = json.load(f)
-            if self.manifest.get("scale", {}).get("name") != scale.name:
-                raise SpecimgError(f"{out} holds a bundle of another scale; use an empty folder")
+            held = self.manifest.get("scale", {}).get("name")
+            if held != scale.name:
+                raise SpecimgError(f"{out} holds a bundle of scale {held}, not {scale.name}; give another --out or --scale {held}")
             self.manifest["scale"] = attrs.asdict(scale)
         else:
             self.manifest = _fresh_manifest(scale)
             self.save()
 
     def save(self) -> None:
-        tmp = f"{self.path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
+        with atomic_path(self.path) as tmp, open(tmp, "w") as f:
             json.dump(self.manifest, f, indent=2, sort_keys=False)
             f.write("\n")
-        os.replace(tmp, self.path)
 
     def stage(self, name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         done = self.manifest["stages"].get(name)
@@ -257,27 +257,6 @@ def _tokenise(run: _Run) -> dict[str, Any]:
     p = hist / hist.sum()
     entropy = -(p[p > 0] * p[p > 0].log()).sum().item()
     return {"images": s.gpt_images, "unigram_entropy_nats": round(entropy, 3), "codes_used": int((hist > 0).sum())}
-
-
-def save_target(target: Any, path: str) -> None:
-    from safetensors.torch import save_file
-
-    tmp = f"{path}.tmp{os.getpid()}"
-    meta = {TARGET_CONFIG_KEY: json.dumps(attrs.asdict(target.config))}
-    save_file({k: v.detach().contiguous().cpu() for k, v in target.state_dict().items()}, tmp, metadata=meta)
-    os.replace(tmp, path)
-
-
-def load_target_file(path: str, max_tree_nodes: int = 128) -> Any:
-    from safetensors import safe_open
-
-    from specimg.models.llamagen import GPTConfig, load_target
-
-    with safe_open(path, framework="pt") as f:
-        text = (f.metadata() or {}).get(TARGET_CONFIG_KEY)
-    if text is None:
-        raise SpecimgError(f"{path} has no {TARGET_CONFIG_KEY} header")
-    return load_target(path, GPTConfig(**json.loads(text)), max_tree_nodes=max_tree_nodes)
 
 
 def _train_gpt(run: _Run) -> dict[str, Any]:
@@ -443,8 +422,8 @@ def _train_drafter(run: _Run, name: str, method: str) -> dict[str, Any]:
     stack = None if method == "plain" else method
     folder = run.work_file(f"run-{method}")
     result = train_drafter(target, run.work_file("drafter-data"), folder, config, method=stack, progress=True)
-    shutil.copyfile(result.path, run.file(name) + ".tmp")
-    os.replace(run.file(name) + ".tmp", run.file(name))
+    with atomic_path(run.file(name), ".safetensors") as tmp:
+        shutil.copyfile(result.path, tmp)
     with open(os.path.join(folder, "log.jsonl")) as f:
         log = [json.loads(line) for line in f if line.strip()]
     keep = ("step", "loss", "ce", "reg", "acc")
@@ -459,7 +438,8 @@ def _train_drafter(run: _Run, name: str, method: str) -> dict[str, Any]:
 def _evaluate(run: _Run) -> dict[str, Any]:
     from specimg.config import Sampling
     from specimg.engine import Engine
-    from specimg.eval.classifier import frechet_distance, load_classifier
+    from specimg.eval.classifier import load_classifier
+    from specimg.eval.metrics import frechet_distance
     from specimg.images import make_grid, save_png_atomic
     from specimg.models.vq import load_tokenizer
 
@@ -490,7 +470,7 @@ def _evaluate(run: _Run) -> dict[str, Any]:
         imgs = decode(codes)
         acc = (clf.predict(imgs) == torch.tensor(sweep_labels)).float().mean().item()
         sweep.append({"cfg_scale": cfg, "temperature": temp, "acc": round(acc, 4),
-                      "frechet_real_vs_ar": round(frechet_distance(f_real, clf.all_features(imgs)), 3)})
+                      "frechet_real_vs_ar": round(frechet_distance(f_real, clf.all_features(imgs)).value, 3)})
         run.log(f"  cfg {cfg}, temperature {temp}: accuracy {acc:.3f}, Frechet {sweep[-1]['frechet_real_vs_ar']:.2f}")
     best = max(v["acc"] for v in sweep)
     chosen = min((v for v in sweep if v["acc"] >= best - 0.02), key=lambda v: (-v["temperature"], v["cfg_scale"]))
@@ -528,9 +508,9 @@ def _evaluate(run: _Run) -> dict[str, Any]:
         "samples": len(wanted), "sampling_sweep": sweep,
         "classifier_acc_ar_samples": round(acc, 4), "per_class_acc_ar_samples": per_class,
         "classifier_acc_real_test": run.manifest["stages"]["classifier"]["acc_real_test"],
-        "frechet_real_vs_ar": round(frechet_distance(f_real, f_samp), 3),
-        "frechet_real_vs_real": round(frechet_distance(f_real[:half], f_real[half:]), 3),
-        "frechet_real_vs_vq_recon": round(frechet_distance(f_real, f_recon), 3),
+        "frechet_real_vs_ar": round(frechet_distance(f_real, f_samp).value, 3),
+        "frechet_real_vs_real": round(frechet_distance(f_real[:half], f_real[half:]).value, 3),
+        "frechet_real_vs_vq_recon": round(frechet_distance(f_real, f_recon).value, 3),
         "feature_dim": int(f_real.shape[1]),
     }
 

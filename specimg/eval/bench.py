@@ -1,5 +1,5 @@
 """``specimg bench``: methods side by side on one target/drafter pair, the same conditions
-and the same per-sample seeds (DESIGN.md section 8).
+and the same per-sample seeds (docs/benchmarks.md).
 
 - Variants: each method stack of ``--methods``, times the values of each ``--sweep`` that
   names one of its members (``cascade.delta=0.1,0.3``; ``delta=...`` sweeps the stack
@@ -39,8 +39,9 @@ from specimg import costs
 from specimg.config import Sampling, TreeConfig
 from specimg.engine import Engine
 from specimg.errors import SpecimgError
+from specimg.files import atomic_path
 from specimg.manifest import Manifest
-from specimg.methods import AR
+from specimg.methods import AR, split_stack
 from specimg.models.base import Caption, Condition
 from specimg.stats import PHASES
 
@@ -69,24 +70,19 @@ class Variant:
         return {"label": self.label, "method": self.method, "options": self.options, "delta": self.delta, "sweep": dict(self.sweep)}
 
 
-def split_stack(method: str, installed: Iterable[str]) -> list[str]:
-    """``"cascade+lantern++"`` -> ``["cascade", "lantern++"]``: members matched against the
-    installed names, longest first, so names that contain ``+`` split correctly.  An
-    unknown member is a SpecimgError naming it and what is installed."""
-    names = sorted(set(installed) | {AR}, key=len, reverse=True)
-    out, rest = [], method.strip()
-    while rest:
-        hit = next((n for n in names if rest == n or rest.startswith(n + "+")), None)
-        if hit is None:
-            unknown = rest.split("+")[0] or rest
-            raise SpecimgError(f"unknown method {unknown!r} in {method!r} (installed: {', '.join(sorted(set(installed) | {AR}))})")
-        out.append(hit)
-        rest = rest[len(hit) + 1 :]
-    if not out:
+def stack_members(method: str, installed: Iterable[str]) -> list[str]:
+    """The members of one ``--methods`` entry (split as every method string is), each
+    installed or ``ar``, which stands alone."""
+    if not method.strip():
         raise SpecimgError("an empty method in --methods")
-    if AR in out and len(out) > 1:
+    known = set(installed) | {AR}
+    members = split_stack(method)
+    unknown = next((m for m in members if m not in known), None)
+    if unknown is not None:
+        raise SpecimgError(f"unknown method {unknown!r} in {method!r} (installed: {', '.join(sorted(known))})")
+    if AR in members and len(members) > 1:
         raise SpecimgError(f"'ar' cannot be stacked ({method!r})")
-    return out
+    return members
 
 
 def parse_sweep(text: str) -> tuple[str, list[str]]:
@@ -118,11 +114,11 @@ def plan_variants(
         stacks = []
         for stack in DEFAULT_METHODS:
             try:
-                stacks.append((stack, split_stack(stack, installed)))
+                stacks.append((stack, stack_members(stack, installed)))
             except SpecimgError:
                 notes.append(f"skipped {stack} (not installed)")
     else:
-        stacks = [(m.strip(), split_stack(m, installed)) for m in methods]
+        stacks = [(m.strip(), stack_members(m, installed)) for m in methods]
     seen: set[str] = set()
     for stack, _ in stacks:
         if stack in seen:
@@ -461,13 +457,12 @@ def csv_text(summary: Mapping[str, Any]) -> str:
 
 
 def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as fh:
         fh.write(text)
-    os.replace(tmp, path)
 
 
-def _plot(summary: Mapping[str, Any], path: str) -> str | None:
+def _plot(summary: Mapping[str, Any], path: str) -> tuple[str | None, bool]:
+    """Plot speedup against the primary quality metric; (that metric, whether a plot was written)."""
     from specimg.eval.plot import scatter_plot
     from specimg.eval.quality import LOWER_IS_BETTER, primary_metric
 
@@ -482,16 +477,19 @@ def _plot(summary: Mapping[str, Any], path: str) -> str | None:
                  "frechet_ar": "Frechet distance to AR samples (classifier features)", "loglik": "target log-likelihood per token"}
         n = f", n={_n(rows, metric)}" if metric in ("fid", "frechet_real", "frechet_ar") else ""
         x_label = f"{names[metric]}{n} ({'lower' if LOWER_IS_BETTER[metric] else 'higher'} is better)"
-    scatter_plot(points, path, x_label, "speedup vs AR (x)", title=f"specimg bench: {summary['images']} images per method", hline=1.0)
-    return metric
+    plotted = scatter_plot(points, path, x_label, "speedup vs AR (x)", title=f"specimg bench: {summary['images']} images per method", hline=1.0)
+    return metric, plotted
 
 
 def write_outputs(summary: dict[str, Any], spec: BenchSpec, out: str | os.PathLike[str], extra: Mapping[str, Any] | None = None) -> dict[str, str]:
-    """bench.json (everything), bench.csv (one row per variant), bench.md (the table) and
-    bench.png (speedup against the primary quality metric); returns their paths."""
+    """bench.json (everything), bench.csv (one row per variant), bench.md (the table) and,
+    with matplotlib, bench.png (speedup against the primary quality metric); returns the
+    paths written."""
     out = os.fspath(out)
     paths = {k: os.path.join(out, f"bench.{k}") for k in ("json", "csv", "md", "png")}
-    metric = _plot(summary, paths["png"])
+    metric, plotted = _plot(summary, paths["png"])
+    if not plotted:
+        del paths["png"]
     doc = {
         "format": FORMAT, "plot_metric": metric, **summary,
         "settings": {**spec.settings(str((extra or {}).get("model", ""))), "num_images": len(spec.conditions), "warmup": spec.warmup},

@@ -1,16 +1,16 @@
 """A small CNN classifier for the demo data: accuracy on the requested class, and the
-feature space of the demo's Fréchet distance (DESIGN.md section 8)."""
+feature space of the demo's Fréchet distance (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
 import json
 import os
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
 from specimg.errors import SpecimgError
+from specimg.files import atomic_path
 
 _METADATA_KEY = "specimg.classifier"
 
@@ -50,26 +50,13 @@ class DemoClassifier(nn.Module):
         return torch.cat([self.features(images[i : i + batch]).float() for i in range(0, images.shape[0], batch)])
 
 
-def frechet_distance(a: Tensor, b: Tensor) -> float:
-    """Fréchet distance between Gaussians fitted to feature sets a [N, D] and b [M, D]
-    (tr sqrt(S1 S2) through the symmetric form sqrt(S1) S2 sqrt(S1); numpy only)."""
-    x, y = a.double().cpu().numpy(), b.double().cpu().numpy()
-    mu1, mu2 = x.mean(0), y.mean(0)
-    s1, s2 = np.atleast_2d(np.cov(x, rowvar=False)), np.atleast_2d(np.cov(y, rowvar=False))
-    w, v = np.linalg.eigh(s1)
-    root = (v * np.sqrt(np.clip(w, 0, None))) @ v.T
-    tr_covmean = np.sqrt(np.clip(np.linalg.eigvalsh(root @ s2 @ root), 0, None)).sum()
-    return float(((mu1 - mu2) ** 2).sum() + np.trace(s1) + np.trace(s2) - 2 * tr_covmean)
-
-
 def save_classifier(model: DemoClassifier, path: str | os.PathLike[str]) -> None:
     from safetensors.torch import save_file
 
     path = os.fspath(path)
-    tmp = f"{path}.tmp{os.getpid()}"
     meta = json.dumps({"num_classes": model.num_classes, "width": model.width})
-    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, tmp, metadata={_METADATA_KEY: meta})
-    os.replace(tmp, path)
+    with atomic_path(path, ".safetensors") as tmp:
+        save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, tmp, metadata={_METADATA_KEY: meta})
 
 
 def load_classifier(path: str | os.PathLike[str]) -> DemoClassifier:

@@ -9,21 +9,27 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from specimg import costs
-from specimg.conditions import conditions_for
+from specimg.eval.conditions import conditions_for
 from specimg.config import Sampling, TreeConfig
 from specimg.errors import SpecimgError
 from specimg.eval.bench import BenchSpec, build_engines, plan_variants, run_bench, save_sample_grid, summarise, write_outputs
+from specimg.eval.plot import MISSING as MISSING_PLOT
 from specimg.methods import parse_options
 from specimg.plugins import get_plugin_manager
 from specimg.relax import checks_enabled
 
-def build_quality(models: Any, model_name: str, sampling: Sampling, conditions: list[Any], captions: list[str] | None, kw: dict[str, Any]) -> Any:
-    """The :class:`~specimg.eval.quality.Quality` scorer the flags ask for."""
-    from specimg.eval.quality import Quality, demo_real_images
+def build_quality(
+    models: Any, model_name: str, sampling: Sampling, conditions: list[Any], captions: list[str] | None, kw: dict[str, Any],
+    real: Callable[[int, int], Tensor] | None = None,
+) -> Any:
+    """The :class:`~specimg.eval.quality.Quality` scorer the flags ask for; ``real(n, seed)``
+    gives real reference images (the demo's), if the models have any."""
+    from specimg.eval.quality import Quality
 
-    classifier, real = None, None
+    classifier = None
     if kw.get("classifier"):
         from specimg.eval.classifier import load_classifier
 
@@ -35,8 +41,6 @@ def build_quality(models: Any, model_name: str, sampling: Sampling, conditions: 
         path = os.path.join(bundle_dir(), "classifier.safetensors")
         if os.path.isfile(path):
             classifier = load_classifier(path)
-    if model_name.startswith("demo") and not kw.get("target"):
-        real = demo_real_images
     fid = None
     if kw.get("fid_features"):
         from specimg.eval.fid import FID, load_feature_extractor, read_image_folder, to_uint8
@@ -62,9 +66,13 @@ def build_quality(models: Any, model_name: str, sampling: Sampling, conditions: 
     )
 
 
-def bench_command(kw: dict[str, Any], models: Any, model_name: str, sampling: Sampling, tree: TreeConfig, echo: Callable[[str], None]) -> dict[str, Any] | None:
+def bench_command(
+    kw: dict[str, Any], models: Any, model_name: str, sampling: Sampling, tree: TreeConfig, echo: Callable[[str], None],
+    real: Callable[[int, int], Tensor] | None = None,
+) -> dict[str, Any] | None:
     """Run the benchmark the flags describe; on the main process write the outputs, print
-    the table and return the summary (None on the other processes)."""
+    the table and return the summary (None on the other processes).  ``real(n, seed)``
+    gives real reference images for the quality metrics, if the models have any."""
     from accelerate import PartialState
 
     start = time.perf_counter()
@@ -83,7 +91,7 @@ def bench_command(kw: dict[str, Any], models: Any, model_name: str, sampling: Sa
     quality, error = None, None
     if kw.get("quality", True) and state.is_main_process:
         try:
-            quality = build_quality(models, model_name, sampling, conditions, captions, kw)
+            quality = build_quality(models, model_name, sampling, conditions, captions, kw, real)
         except SpecimgError as err:
             error = str(err)
     if state.num_processes > 1:  # the other processes must stop too, not wait for the main one
@@ -115,6 +123,8 @@ def bench_command(kw: dict[str, Any], models: Any, model_name: str, sampling: Sa
     echo(markdown_table(summary))
     for note in summary.get("notes", []):
         echo(f"note: {note}")
+    if "png" not in paths:
+        echo(f"note: {MISSING_PLOT}")
     floor = summary["floors"].get("frechet_real")
     if floor is not None:
         echo(f"Frechet floor (real vs real at n={floor['n_a']} vs {floor['n_b']}): {floor['value']:.2f}")

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from specimg.errors import SpecimgError
+from specimg.files import atomic_path
 from specimg.models.base import Caption
 
 _TEXT_KEYS = ("caption", "prompt", "text")
@@ -212,9 +213,8 @@ class HashTextEncoder(nn.Module):
 
         path = os.fspath(path)
         meta = json.dumps({"kind": "hash", "dim": self.dim, "buckets": self.buckets, "max_length": self.max_length})
-        tmp = f"{path}.tmp{os.getpid()}"
-        save_file({"table": self.table.detach().contiguous(), "proj": self.proj.detach().contiguous()}, tmp, metadata={_HASH_KEY: meta})
-        os.replace(tmp, path)
+        with atomic_path(path, ".safetensors") as tmp:
+            save_file({"table": self.table.detach().contiguous(), "proj": self.proj.detach().contiguous()}, tmp, metadata={_HASH_KEY: meta})
 
 
 class T5TextEncoder:

@@ -1,4 +1,4 @@
-"""Quality of a benchmark's samples, per method, next to its speed (DESIGN.md section 8).
+"""Quality of a benchmark's samples, per method, next to its speed (docs/benchmarks.md).
 
 :class:`Quality` scores each method's samples (token grids, one per condition, the same
 conditions and seeds for every method) with what is available:
@@ -129,9 +129,3 @@ def primary_metric(quality: Mapping[str, Mapping[str, Any]]) -> str | None:
 def value(metric: Any) -> float:
     return metric.value if isinstance(metric, Frechet) else float(metric)
 
-
-def demo_real_images(num: int, seed: int) -> Tensor:
-    """Held-out real demo images (the data generator's test split)."""
-    from specimg.demo.data import make_dataset
-
-    return make_dataset(num, seed=seed, split="test")[0]

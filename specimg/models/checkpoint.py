@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
+import re
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -56,15 +59,31 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
             return Checkpoint(load_file(path, device="cpu"), {})
         except Exception as err:  # safetensors raises several types for a bad file
             raise SpecimgError(f"cannot read safetensors checkpoint {path}: {err}") from None
+    if os.path.getsize(path) == 0:
+        raise SpecimgError(f"checkpoint {path} is empty")
     try:
-        with torch.serialization.safe_globals(_ALLOWED_GLOBALS):
+        with torch.serialization.safe_globals(_ALLOWED_GLOBALS), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch warns about the pickle protocol of files it then refuses
             obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
-        raise SpecimgError(f"cannot read checkpoint {path} safely: {err}") from None
+        raise SpecimgError(f"cannot read checkpoint {path} safely: {_load_failure(err)}") from None
     args = obj.get("args") if isinstance(obj, Mapping) else None
     if isinstance(args, argparse.Namespace):
         args = vars(args)
     return Checkpoint(unwrap_state_dict(obj, path), dict(args) if isinstance(args, Mapping) else {})
+
+
+def _load_failure(err: Exception) -> str:
+    """Why torch refused a file, in one line and without its advice to retry with
+    ``weights_only=False``: that would run whatever code the file carries."""
+    text = str(err)
+    blocked = re.search(r"GLOBAL (\S+)", text)
+    if blocked:
+        return f"it holds a pickled {blocked[1]}, which no checkpoint of weights needs; it was not loaded"
+    if isinstance(err, pickle.UnpicklingError) or "weights_only" in text:
+        return "it is not a PyTorch checkpoint of weights, or it is damaged"
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    return first or f"{type(err).__name__}; is it cut short?"
 
 
 def unwrap_state_dict(obj: object, origin: str = "checkpoint") -> dict[str, Tensor]:

@@ -13,9 +13,32 @@ import attrs
 
 from specimg.config import LLAMAGEN_SAMPLING, Sampling
 from specimg.errors import SpecimgError
+from specimg.files import atomic_path
 from specimg.models.loading import Models
 
 DRAFTERS = {"plain": "drafter.safetensors", "cascade": "drafter-cascade.safetensors"}
+TARGET_CONFIG_KEY = "specimg.gpt_config"
+"""The bundle's target is one safetensors file with its GPTConfig as JSON under this header key."""
+
+
+def save_target(target: Any, path: str | os.PathLike[str]) -> None:
+    from safetensors.torch import save_file
+
+    meta = {TARGET_CONFIG_KEY: json.dumps(attrs.asdict(target.config))}
+    with atomic_path(path, ".safetensors") as tmp:
+        save_file({k: v.detach().contiguous().cpu() for k, v in target.state_dict().items()}, tmp, metadata=meta)
+
+
+def load_target_file(path: str | os.PathLike[str], max_tree_nodes: int = 128) -> Any:
+    from safetensors import safe_open
+
+    from specimg.models.llamagen import GPTConfig, load_target
+
+    with safe_open(os.fspath(path), framework="pt") as f:
+        text = (f.metadata() or {}).get(TARGET_CONFIG_KEY)
+    if text is None:
+        raise SpecimgError(f"{path} has no {TARGET_CONFIG_KEY} header")
+    return load_target(path, GPTConfig(**json.loads(text)), max_tree_nodes=max_tree_nodes)
 
 
 def bundle_dir() -> str:
@@ -40,7 +63,6 @@ def demo_manifest(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
 def load_demo(path: str | os.PathLike[str] | None = None, drafter: str = "plain", max_tree_nodes: int = 128) -> Models:
     """The demo models (name "demo") from ``path`` (default: the shipped bundle).
     ``drafter``: "plain" (EAGLE-1 loss) or "cascade" (trained with CASCADE's reweighting)."""
-    from specimg.demo.recipe import load_target_file
     from specimg.models.eagle import build_drafter, load_drafter
     from specimg.models.vq import load_tokenizer
 

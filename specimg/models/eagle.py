@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from specimg.errors import SpecimgError
+from specimg.files import atomic_path
 from specimg.models.base import Condition, cfg_rows
 from specimg.models.checkpoint import load_into, load_state_dict
 from specimg.models.llamagen import KVSlot, LlamaGenTarget, TransformerBlock, cache_is_stale, init_weights
@@ -151,9 +152,8 @@ def save_drafter(drafter: EagleDrafter, path: str | os.PathLike[str]) -> None:
     path = os.fspath(path)
     if not path.endswith(".safetensors"):
         raise SpecimgError(f"drafter files are safetensors: name it *.safetensors, not {path}")
-    tmp = f"{path}.tmp{os.getpid()}"
-    save_file({k: v.detach().contiguous() for k, v in drafter.state_dict().items()}, tmp, metadata={"format": "specimg-eagle1"})
-    os.replace(tmp, path)
+    with atomic_path(path, ".safetensors") as tmp:
+        save_file({k: v.detach().contiguous() for k, v in drafter.state_dict().items()}, tmp, metadata={"format": "specimg-eagle1"})
 
 
 def load_drafter(target: LlamaGenTarget, path: str | os.PathLike[str], *, max_tree_nodes: int = 128) -> EagleDrafter:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from typing import Any
 
 import attrs
@@ -20,6 +19,7 @@ from attrs import validators as v
 from torch import Tensor, nn
 
 from specimg.errors import SpecimgError
+from specimg.files import atomic_path
 from specimg.models.checkpoint import Checkpoint, Described, agree, load_into, read_checkpoint, settle
 
 _METADATA_KEY = "specimg.vq_config"
@@ -414,15 +414,6 @@ def save_tokenizer(tok: VQTokenizer, path: str | os.PathLike[str]) -> None:
     """Write weights as safetensors with the config in the header, atomically."""
     from safetensors.torch import save_file
 
-    path = os.fspath(path)
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, exist_ok=True)
     state = {k: t.detach().contiguous().cpu() for k, t in tok.state_dict().items()}
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".safetensors")
-    os.close(fd)
-    try:
+    with atomic_path(path, ".safetensors") as tmp:
         save_file(state, tmp, metadata={_METADATA_KEY: tok.config.to_json()})
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise

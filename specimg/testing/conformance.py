@@ -1,5 +1,6 @@
-"""The conformance kit: the contract every relaxation method and stack keeps (DESIGN.md
-sections 4-5), checked through the engine's own relaxation fold and accept hook.
+"""The conformance kit: the contracts every relaxation method and stack keeps (budget and
+exactness, docs/architecture.md), checked through the engine's own relaxation fold and
+accept hook.
 
 Each ``check_*`` function raises AssertionError naming the broken property.  For a test
 suite, ``make_conformance_tests("mymethod", "cascade+mymethod")`` returns a pytest class
@@ -176,7 +177,7 @@ def check_accept(engine: Engine, case: RelaxCase) -> None:
     """The token emitted after every node the walk can reach follows that node's q_R
     (argmax q_R when greedy), computed exactly by enumerating accept's draws.  For sampled
     trees a node's law is averaged over the draw of its children, as recursive rejection
-    is exact only on average over the drafts (DESIGN.md section 5)."""
+    is exact only on average over the drafts."""
     assert engine.stack is not None
     tree, vocab = case.tree, case.p.shape[-1]
     internal = [u for u in range(tree.size) if tree.children[u]] if tree.sampled else []
@@ -259,7 +260,7 @@ def make_conformance_tests(
     ``"cascade+mymethod"``) against the contract; assign it to a ``Test*`` name in a test
     module.  ``options`` are per-method option values (as the engine takes them), held
     fixed while budgets are drawn; ``examples`` is hypothesis's count per step-level test,
-    ``images`` the sample size of the end-to-end tests (DESIGN.md sections 4-5)."""
+    ``images`` the sample size of the end-to-end tests."""
     manager = plugins or get_plugin_manager()
     run = settings(max_examples=examples, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     over_methods = pytest.mark.parametrize("method", methods)

@@ -52,6 +52,7 @@ from torch import Tensor
 
 from specimg.config import Sampling
 from specimg.errors import SpecimgError
+from specimg.files import atomic_path
 from specimg.models.base import Caption, cfg_rows
 from specimg.models.llamagen import KVSlot, LlamaGenTarget
 from specimg.sampling import probabilities
@@ -75,13 +76,11 @@ def target_fingerprint(target: LlamaGenTarget) -> dict[str, Any]:
 
 
 def _atomic_write_json(path: str, obj: Any) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as fh:
         json.dump(obj, fh, indent=1)
         fh.write("\n")
         fh.flush()
         os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------- sources
@@ -342,9 +341,8 @@ def make_drafter_data(
 def _write_shard(path: str, tensors: dict[str, Tensor]) -> None:
     from safetensors.torch import save_file
 
-    tmp = f"{path}.tmp{os.getpid()}"
-    save_file(tensors, tmp, metadata={"format": FORMAT})
-    os.replace(tmp, path)
+    with atomic_path(path, ".safetensors") as tmp:
+        save_file(tensors, tmp, metadata={"format": FORMAT})
 
 
 # ----------------------------------------------------------------------------- reading

@@ -50,6 +50,7 @@ from attrs import validators as v
 from torch import Tensor, nn
 
 from specimg.errors import SpecimgError
+from specimg.files import atomic_path
 from specimg.models.eagle import EagleDrafter, build_drafter, load_drafter, save_drafter
 from specimg.models.llamagen import LlamaGenTarget
 from specimg.plugins import PluginManager, get_plugin_manager
@@ -224,10 +225,8 @@ def _truncate_log(path: str, step: int) -> None:
                     kept.append(line if line.endswith("\n") else line + "\n")
             except (json.JSONDecodeError, KeyError, TypeError):
                 break
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as fh:
         fh.writelines(kept)
-    os.replace(tmp, path)
 
 
 def _prune(out: str, keep: int) -> None:
