@@ -7,7 +7,6 @@ stderr is exactly one line, and what the line says.
 import json
 import os
 import tempfile
-
 from types import SimpleNamespace
 
 import pytest
