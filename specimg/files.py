@@ -20,6 +20,8 @@ def writable_folder(path: str | os.PathLike[str], flag: str = "--out") -> str:
     """Create ``path`` (and its parents) and prove it writable, so that a wrong output
     folder costs one line before the work starts, not a traceback after it."""
     path = os.fspath(path)
+    if not path.strip():
+        raise SpecimgError(f"{flag} is empty: name a folder")
     try:
         os.makedirs(path, exist_ok=True)
         tempfile.TemporaryFile(dir=path).close()

@@ -7,7 +7,6 @@ stderr is exactly one line, and what the line says.
 import json
 import os
 import tempfile
-
 from types import SimpleNamespace
 
 import pytest
@@ -149,6 +148,7 @@ def test_output_folders(tmp_path, capsys, monkeypatch):
     assert line == f"specimg: error: Invalid value for '--out': Directory '{afile}' is a file. (see 'specimg generate --help')"
     line = one_line_error(capsys, ["generate", *TINY, "--out", str(afile / "below")])
     assert line == f"specimg: error: --out {afile / 'below'}: {afile} is a file, not a folder; choose another --out"
+    assert one_line_error(capsys, ["generate", *TINY, "--out", ""]) == "specimg: error: --out is empty: name a folder"
     for command in (["train-demo", "--scale", "toy"], ["make-drafter-data", "--target", "tiny-random"], ["train-drafter", "--target", "tiny-random", "--data", str(tmp_path)]):
         assert f"{afile} is a file, not a folder" in one_line_error(capsys, [*command, "--out", str(afile / "x")])
 
