@@ -235,6 +235,38 @@ def bench(**kw: Any) -> None:
     bench_command(kw, models, model, sampling_from(kw, _base_sampling(model, kw["target"])), tree, click.echo, real)
 
 
+@cli.command()
+@click.option("--method", "-m", default="naive", show_default=True, help="the method stack whose acceptance profile the candidate trees are valued with")
+@method_options
+@model_options
+@condition_options(num_images=4)
+@prompt_options
+@sampling_options
+@device_options
+@click.option("--remeasure", is_flag=True, help="measure the cost model again instead of reading the cached one")
+@click.option("--threads", type=THREADS, default=None, help="torch CPU threads [default: 1 for the built-in models; torch's choice for --target]")
+@click.option("--out", type=click.Path(file_okay=False), default="tune", show_default=True, help="folder for tune.json and tune.png")
+def tune(**kw: Any) -> None:
+    """Show what auto trees see on this machine: the cost curve, the method's acceptance
+    profile (learnt from -n images drafted with a wide tree) and the best candidate trees
+    by predicted speedup.  Writes OUT/tune.json and OUT/tune.png."""
+    from specimg.eval.tune import WIDE, tune as run_tune
+
+    if kw["threads"] or not kw["target"]:
+        torch.set_num_threads(kw["threads"] or 1)
+    device, dtype = device_from(kw)
+    model = kw["model"] or _default_model()
+    models = _models(kw, model)
+    if kw["method"].strip() == AR:
+        raise SpecimgError("tune values draft trees: give a method that drafts (naive, cascade+lantern, ...)")
+    writable_folder(kw["out"])
+    engine = Engine(
+        models.target, models.drafter, kw["method"], parse_options(kw["options"]), sampling_from(kw, _base_sampling(model, kw["target"])),
+        WIDE, delta=kw["delta"], tokenizer=models.tokenizer, device=device, dtype=dtype,
+    )
+    run_tune(engine, conditions_for(models.target, kw).values, kw["seed"], kw["out"], click.echo, remeasure=kw["remeasure"])
+
+
 @cli.command("train-demo")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="folder for the bundle (resumed if it holds a partial run)")
 @click.option("--scale", type=click.Choice(["full", "toy"]), default="full", show_default=True, help="toy: the same recipe at toy size, in seconds")

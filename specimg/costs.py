@@ -136,6 +136,13 @@ def load_or_measure(target: Target, drafter: Drafter, sampling: Sampling, condit
     return model
 
 
+def forget(target: Target, drafter: Drafter, sampling: Sampling) -> None:
+    """Drop the cached cost model of these models on this machine: the next use measures."""
+    key, _ = cost_key(target, drafter, sampling)
+    _memory.pop(key, None)
+    (cache_dir() / "costs" / f"{key}.json").unlink(missing_ok=True)
+
+
 def _save(path: Path, text: str) -> None:
     try:
         with atomic_path(path, ".json") as tmp, open(tmp, "w") as file:

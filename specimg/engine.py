@@ -63,6 +63,8 @@ class Engine:
         self.tokenizer, self.cost_model = tokenizer, cost_model
         self.device = costs.device_of(target)
         self.check_relax = relax.checks_enabled()
+        self.on_step: Callable[[DraftTree, Tensor, list[int]], None] | None = None
+        """Called after each speculative step with its tree, q_R and accepted path (tools that learn from a run)."""
         self.plugins = plugins or get_plugin_manager()
         self._check_vocabularies()
         self.stack: Stack | None = None
@@ -252,6 +254,8 @@ class Engine:
                 tokens.extend(new_tokens)
             if planner:
                 self._plan_step(planner, stats, tree, dist, result.path)
+            if self.on_step:
+                self.on_step(tree, dist, result.path)
             stats.target_forwards += 1
             stats.tree_sizes.append(tree.size)
             stats.accepted.append(len(result.path) - 1)

@@ -19,6 +19,8 @@ statistics, never on timings taken during the run, so a seed gives the same imag
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import attrs
 import numpy as np
 import torch
@@ -70,20 +72,26 @@ def _grown(rates: np.ndarray, max_depth: int, topk: int):
         yield depth, 1.0 + np.concatenate([[0.0], np.cumsum(np.sort(values)[::-1])])
 
 
-def choose(cost: CostModel, rates: np.ndarray, max_nodes: int, max_depth: int = MAX_DEPTH, max_topk: int = MAX_TOPK, max_fed: int = 128) -> Plan:
-    """The tree with the most expected tokens per second; ties go to the smaller tree.
-    ``max_fed`` bounds the drafter nodes a tree feeds ((depth - 1) * top-k)."""
+def plans(cost: CostModel, rates: np.ndarray, max_nodes: int, max_depth: int = MAX_DEPTH, max_topk: int = MAX_TOPK, max_fed: int = 128) -> Iterator[Plan]:
+    """The best size of every (depth, top-k) tree that fits: at most ``max_nodes`` nodes,
+    and at most ``max_fed`` drafter nodes fed ((depth - 1) * top-k)."""
     verify = cost.verify(np.arange(2, max_nodes + 1))
-    best: Plan | None = None
     for topk in range(1, max_topk + 1):
-        level_ms = cost.draft(2, topk) - cost.draft_start_ms
+        level_ms = cost.draft(2, topk) - cost.draft(1, topk)
         for depth, tokens in _grown(rates, min(max_depth, 1 + max_fed // topk), topk):
             tokens = tokens[1:max_nodes]  # trees of 2..max_nodes nodes
-            ms = verify[: tokens.size] + cost.draft_start_ms + (depth - 1) * level_ms
+            ms = verify[: tokens.size] + cost.draft(1, topk) + cost.overhead_ms + (depth - 1) * level_ms
             i = int(np.argmax(tokens / ms))
-            speedup = float(tokens[i] / ms[i] * cost.ar_ms)
-            if best is None or speedup > best.speedup * (1 + 1e-9):
-                best = Plan(depth, topk, i + 2, float(tokens[i]), float(ms[i]), speedup)
+            yield Plan(depth, topk, i + 2, float(tokens[i]), float(ms[i]), float(tokens[i] / ms[i] * cost.ar_ms))
+
+
+def choose(cost: CostModel, rates: np.ndarray, max_nodes: int, max_depth: int = MAX_DEPTH, max_topk: int = MAX_TOPK, max_fed: int = 128) -> Plan:
+    """The tree with the most expected tokens per second; ties go to the narrower, then
+    the shallower tree."""
+    best: Plan | None = None
+    for plan in plans(cost, rates, max_nodes, max_depth, max_topk, max_fed):
+        if best is None or plan.speedup > best.speedup * (1 + 1e-9):
+            best = plan
     if best is None:
         raise ValueError(f"no tree fits {max_nodes} nodes")
     return best

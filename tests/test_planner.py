@@ -1,6 +1,8 @@
 """Auto trees: the planner's arithmetic by hand, its choice on made-up machines, the profile
 it learns, the cost model's cache, and the engine's use of them."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -109,3 +111,17 @@ def test_planner_replans_from_the_profile():
         p.observe(tree, dist, [0, 1, 2, 3, 4], greedy=False)
     assert p.plan.depth > first.depth and p.plan.topk == 1  # every first draft accepted: deep chains pay
     assert [start for start, _ in p.plans] == sorted({start for start, _ in p.plans})
+
+
+def test_tune_ranks_candidate_trees_and_names_the_auto_choice(tmp_path, capsys):
+    from specimg.cli import main
+
+    main(["tune", "--model", "tiny-random", "-n", "1", "--out", str(tmp_path)])
+
+    result = json.loads((tmp_path / "tune.json").read_text())
+    speedups = [c["speedup"] for c in result["candidates"]]
+    assert speedups == sorted(speedups, reverse=True)
+    assert result["choice"] == result["candidates"][0]
+    assert {(c["depth"], c["topk"]) for c in result["candidates"]} >= {(1, 1), (2, 2), (10, 1)}
+    assert "auto would choose" in capsys.readouterr().out
+    assert (tmp_path / "tune.png").stat().st_size > 0

@@ -1,0 +1,111 @@
+"""``specimg tune``: what auto trees see on this machine.
+
+It reads (or measures) the cost model, learns a method's acceptance profile from a few
+images drafted with a wide fixed tree, and ranks candidate trees by the planner's
+expected tokens per second: the cost curve, the best tree of every shape, and a plot.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from specimg import costs, planner
+from specimg.config import TreeConfig
+from specimg.engine import Engine
+from specimg.files import atomic_path
+from specimg.models.base import Condition
+
+WIDE = TreeConfig(kind="dynamic", depth=planner.MAX_DEPTH, topk=8, total_tokens=64)
+"""The tree tune drafts with: wide and deep, so that the profile sees many ranks and depths."""
+
+
+def learn_profile(engine: Engine, conditions: Sequence[Condition], seed: int) -> planner.AcceptanceProfile:
+    """The acceptance profile of ``engine``'s method, pooled over one image per condition."""
+    profile = planner.AcceptanceProfile(engine.device)
+    engine.on_step = lambda tree, dist, path: profile.observe(tree, dist, path, engine.sampling.greedy)
+    try:
+        engine.generate(list(conditions), seed=seed)
+    finally:
+        engine.on_step = None
+    return profile
+
+
+def tune(engine: Engine, conditions: Sequence[Condition], seed: int, out: str, echo: Callable[[str], None], remeasure: bool = False) -> dict[str, Any]:
+    """Print the cost curve and the ranked candidate trees; write OUT/tune.json and OUT/tune.png."""
+    if remeasure:
+        costs.forget(engine.target, engine.drafter, engine.sampling)
+    cost = costs.load_or_measure(engine.target, engine.drafter, engine.sampling, conditions[0], log=echo)
+    engine.cost_model = cost
+    rates = learn_profile(engine, conditions, seed).rates()
+    max_nodes = getattr(engine.target, "max_tree_nodes", 128)
+    max_fed = getattr(engine.drafter, "max_tree_nodes", 128)
+    ranked = sorted(planner.plans(cost, rates, max_nodes, max_fed=max_fed), key=lambda p: -p.speedup)
+    echo(f"cost model {cost.key}: {cost.machine}")
+    echo(f"AR step {cost.ar_ms:.2f} ms; drafter start {cost.draft_start_ms:.2f} ms; step overhead {cost.overhead_ms:.2f} ms")
+    echo("verify:  " + "  ".join(f"{n}: {ms:.2f} ms ({ms / cost.ar_ms:.2f}x)" for n, ms in cost.verify_ms))
+    echo("draft level by top-k:  " + "  ".join(f"{k}: {ms:.2f} ms" for k, ms in cost.draft_level_ms))
+    echo(f"acceptance by rank (depth 0, {len(conditions)} images of {engine.method}): " + " ".join(f"{r:.2f}" for r in rates[0, :6]))
+    echo("| depth | top-k | nodes | tokens/step | ms/step | predicted speedup |")
+    echo("|---:|---:|---:|---:|---:|---:|")
+    for plan in ranked[:12]:
+        echo(f"| {plan.depth} | {plan.topk} | {plan.nodes} | {plan.tokens_per_step:.2f} | {plan.step_ms:.2f} | {plan.speedup:.2f}x |")
+    best = planner.choose(cost, rates, max_nodes, max_fed=max_fed)
+    echo(f"auto would choose: {best} (predicted {best.speedup:.2f}x)")
+    result = {
+        "cost_model": json.loads(cost.to_json()), "method": engine.method, "rates": rates.tolist(),
+        "candidates": [vars_of(p) for p in ranked], "choice": vars_of(best),
+    }
+    os.makedirs(out, exist_ok=True)
+    with atomic_path(os.path.join(out, "tune.json"), ".json") as tmp, open(tmp, "w") as file:
+        json.dump(result, file, indent=1)
+    if _plot(cost, rates, max_nodes, max_fed, os.path.join(out, "tune.png")):
+        echo(f"-> {out}/tune.json, {out}/tune.png")
+    else:
+        echo(f"-> {out}/tune.json (no tune.png: the plot needs matplotlib, pip install 'specimg[plot]')")
+    return result
+
+
+def vars_of(plan: planner.Plan) -> dict[str, Any]:
+    return {"depth": plan.depth, "topk": plan.topk, "nodes": plan.nodes, "tokens_per_step": plan.tokens_per_step, "step_ms": plan.step_ms, "speedup": plan.speedup}
+
+
+def _plot(cost: costs.CostModel, rates: np.ndarray, max_nodes: int, max_fed: int, path: str) -> bool:
+    """Left: the verify cost curve against the AR step; right: the predicted speedup of the
+    best tree of each top-k against its size."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return False
+    fig = Figure(figsize=(11, 4.5), dpi=100, layout="constrained")
+    left, right = fig.subplots(1, 2)
+    nodes = np.arange(1, max_nodes + 1)
+    left.plot(nodes, cost.verify(nodes), color="C0", label="verify (forward + probabilities)")
+    left.scatter(*zip(*cost.verify_ms), color="C0", s=12, zorder=3)
+    left.axhline(cost.ar_ms, linestyle="--", color="0.5", linewidth=1, label="one AR step")
+    left.set_xlabel("tree nodes")
+    left.set_ylabel("ms")
+    left.set_title(f"cost curve: {cost.machine}", fontsize=9)
+    left.legend()
+    sizes = np.arange(2, max_nodes + 1)
+    for i, topk in enumerate((1, 2, 4, 8)):
+        best = np.full(sizes.shape, np.nan)
+        for depth in range(1, min(planner.MAX_DEPTH, 1 + max_fed // topk) + 1):
+            tokens = planner.expected_tokens(rates, depth, topk)[1:max_nodes]
+            speedup = tokens / cost.step(depth, topk, sizes[: tokens.size]) * cost.ar_ms
+            best[: tokens.size] = np.fmax(best[: tokens.size], speedup)
+        right.plot(sizes, best, color=f"C{i}", label=f"top-k {topk}, best depth")
+    right.axhline(1.0, linestyle="--", color="0.5", linewidth=1)
+    right.set_xlabel("tree nodes")
+    right.set_ylabel("predicted speedup vs AR (x)")
+    right.set_title("expected tokens per second, relative to AR", fontsize=9)
+    right.legend()
+    for ax in (left, right):
+        ax.grid(True, color="0.92")
+    with atomic_path(path, ".png") as tmp:
+        fig.savefig(tmp, format="png")
+    return True
