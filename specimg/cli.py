@@ -177,10 +177,17 @@ def _base_sampling(model: str, target: str | None) -> Sampling:
 @click.option("--threads", type=THREADS, default=None, help="torch CPU threads [default: 1 for the built-in models, which one thread runs fastest; torch's choice for --target]")
 def generate(**kw: Any) -> None:
     """Generate images and write PNGs, a labelled grid and a JSONL manifest.  A c2i target
-    takes --class-labels, a t2i one --prompt / --prompts with --text-encoder."""
-    if kw["threads"] or not kw["target"]:
-        torch.set_num_threads(kw["threads"] or 1)
+    takes --class-labels, a t2i one --prompt / --prompts with --text-encoder.  Under
+    `torchrun --nproc_per_node N -m specimg.cli generate ...` the images are dealt over
+    the processes (the same images as one process gives; one manifest, resumable)."""
+    from accelerate import PartialState
+
     device, dtype = device_from(kw)
+    state = PartialState(cpu=device.type == "cpu")  # one process, or one per image slice under torchrun / accelerate launch
+    if state.num_processes > 1 and device.type == "cuda" and device.index is None:
+        device = state.device  # a GPU per process
+    if kw["threads"] or not kw["target"]:  # after PartialState, which sets (cores / processes) threads
+        torch.set_num_threads(kw["threads"] or 1)
     model = kw["model"] or _default_model()
     tree = tree_from(kw)
     models = _models(kw, model)
@@ -190,7 +197,7 @@ def generate(**kw: Any) -> None:
         sampling_from(kw, _base_sampling(model, kw["target"])), tree,
         delta=kw["delta"], tokenizer=models.tokenizer, device=device, dtype=dtype,
     )
-    _write_run(engine, models, conditions_for(models.target, kw), kw["seed"], kw["out"])
+    _write_run(engine, models, conditions_for(models.target, kw), kw["seed"], kw["out"], state)
 
 
 @cli.command()
@@ -293,21 +300,17 @@ def train_demo(out: str, scale: str, threads: int | None, keep_work: bool) -> No
     )
 
 
-def _write_run(engine: Engine, models: Any, conditions: Conditions, seed: int, out: str) -> None:
-    from specimg.images import make_grid, save_png_atomic, to_pil
-    from specimg.manifest import Manifest
+def _write_run(engine: Engine, models: Any, conditions: Conditions, seed: int, out: str, state: Any) -> None:
+    """Generate the images ``out``'s manifest lacks, dealt over the processes of ``state``
+    (image i to process i mod N: per-image seeds make them those of one process); every
+    process appends to the one manifest; the main one writes the grid and the summary."""
+    from specimg.images import save_png_atomic, to_pil
 
-    writable_folder(out)
-    os.makedirs(os.path.join(out, "images"), exist_ok=True)
-    settings = {
-        "model": models.name, "method": engine.method,
-        "options": engine.stack.options_dict() if engine.stack else {}, "delta": engine.stack.delta if engine.stack else 0.0,
-        "sampling": attrs.asdict(engine.sampling), "tree": attrs.asdict(engine.tree_config), "seed": seed,
-        "device": engine.device.type, "dtype": str(engine.target.input_embeddings().dtype),
-    }
-    if engine.auto_tree:  # auto trees depend on the cost model: a resumed run must use the same one
-        settings["tree"]["cost_model"] = costs.cost_key(engine.target, engine.drafter, engine.sampling)[0]
-    manifest = Manifest(os.path.join(out, "manifest.jsonl"), settings)
+    main, world = state.is_main_process, state.num_processes
+    if main:
+        writable_folder(out)
+        os.makedirs(os.path.join(out, "images"), exist_ok=True)
+    manifest = _open_manifest(engine, models, seed, out, state)
     key = "prompt" if conditions.prompts is not None else "condition"
     keys = conditions.keys
     other = next((i for i in sorted(manifest.done) if i < len(keys) and manifest.done[i].get(key) != keys[i]), None)
@@ -317,33 +320,80 @@ def _write_run(engine: Engine, models: Any, conditions: Conditions, seed: int, o
         raise SpecimgError(f"{out} holds image {other} {held} differ; give another --out or remove {out}")
     todo = [i for i in range(len(keys)) if i not in manifest.done]
     if not todo:
-        click.echo(f"{engine.method}: {out} already holds these {len(keys)} images; nothing to do (more images: raise -n)")
+        if main:
+            click.echo(f"{engine.method}: {out} already holds these {len(keys)} images; nothing to do (more images: raise -n)")
         return
+    if engine.auto_tree:
+        engine.cost_model = costs.shared(engine.target, engine.drafter, engine.sampling, conditions.values[0], state)
+    mine = todo[state.process_index :: world]
     images: list[ImageStats] = []
     start = time.perf_counter()
-    with tqdm(total=len(todo) * models.target.num_tokens, unit="tok", desc=engine.method, disable=None) as bar:
-        for index in todo:
+    with tqdm(total=len(mine) * models.target.num_tokens, unit="tok", desc=engine.method, disable=None if main else True) as bar:
+        for index in mine:
             result = engine.generate([conditions.values[index]], seed=seed + index, progress=bar.update)
             image_stats = result.stats.images[0]
             images.append(image_stats)
             if models.tokenizer is not None:
                 save_png_atomic(to_pil(_decode(models.tokenizer, result.tokens))[0], os.path.join(out, "images", f"{index:05d}.png"))
-            condition = {"prompt": conditions.keys[index]} if conditions.prompts is not None else {"condition": conditions.keys[index]}
-            manifest.add(index, {**condition, "seed": seed + index, "tokens": result.tokens[0].tolist(), "stats": image_stats.as_dict()})
-    wall = time.perf_counter() - start
+            manifest.add(index, {key: keys[index], "seed": seed + index, "tokens": result.tokens[0].tolist(), "stats": image_stats.as_dict()})
+    if world > 1:
+        from accelerate.utils import gather_object
+
+        state.wait_for_everyone()
+        images = gather_object(images)
+    if main:
+        _report(engine, models, manifest.path, RunStats(tuple(images)), len(todo), time.perf_counter() - start, out)
+
+
+def _open_manifest(engine: Engine, models: Any, seed: int, out: str, state: Any) -> Any:
+    """The run's manifest, read by every process once the main one has repaired a cut last
+    line; a refusal (other settings) stops every process alike."""
+    from specimg.manifest import Manifest
+
+    settings = {
+        "model": models.name, "method": engine.method,
+        "options": engine.stack.options_dict() if engine.stack else {}, "delta": engine.stack.delta if engine.stack else 0.0,
+        "sampling": attrs.asdict(engine.sampling), "tree": attrs.asdict(engine.tree_config), "seed": seed,
+        "device": engine.device.type, "dtype": str(engine.target.input_embeddings().dtype),
+    }
+    if engine.auto_tree:  # auto trees depend on the cost model: a resumed run must use the same one
+        settings["tree"]["cost_model"] = costs.cost_key(engine.target, engine.drafter, engine.sampling)[0]
+    path = os.path.join(out, "manifest.jsonl")
+    error = None
+    if state.is_main_process:
+        try:
+            Manifest(path, settings)
+        except SpecimgError as err:
+            error = str(err)
+    if state.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        error = broadcast_object_list([error])[0]
+    if error is not None:
+        raise SpecimgError(error)
+    manifest = Manifest(path, settings)
+    state.wait_for_everyone()  # everyone has read the manifest before anyone appends
+    return manifest
+
+
+def _report(engine: Engine, models: Any, path: str, run: RunStats, images: int, wall: float, out: str) -> None:
+    """The grid of every image in the manifest, and the run's summary lines."""
+    from specimg.images import make_grid, save_png_atomic
+    from specimg.manifest import read_entries
+
     if models.tokenizer is not None:
-        entries = [manifest.done[i] for i in sorted(manifest.done)]
+        entries = sorted(read_entries(path), key=lambda e: e["index"])
         codes = torch.tensor([e["tokens"] for e in entries])
         labels = [shorten(e["prompt"]) if "prompt" in e else f"class {e['condition']}" for e in entries]
         grid = make_grid(_decode(models.tokenizer, codes), nrow=min(8, len(entries)), labels=labels)
         save_png_atomic(grid, os.path.join(out, "grid.png"))
-    run, s = RunStats(tuple(images)), engine.sampling
+    s = engine.sampling
     click.echo(
-        f"{engine.method}: tau {run.tau:.2f} | {run.target_forwards} target forwards for {run.tokens} tokens | {len(todo)} images in {wall:.2f}s "
+        f"{engine.method}: tau {run.tau:.2f} | {run.target_forwards} target forwards for {run.tokens} tokens | {images} images in {wall:.2f}s "
         f"| cfg {s.cfg_scale:g}, temperature {s.temperature:g}, top-k {s.top_k}, top-p {s.top_p:g} -> {out}"
     )
-    if images and engine.stack is not None:
-        click.echo(f"tree: {_tree_summary(engine, RunStats(tuple(images)))}")
+    if engine.stack is not None:
+        click.echo(f"tree: {_tree_summary(engine, run)}")
 
 
 def _tree_summary(engine: Engine, stats: RunStats) -> str:

@@ -136,6 +136,18 @@ def load_or_measure(target: Target, drafter: Drafter, sampling: Sampling, condit
     return model
 
 
+def shared(target: Target, drafter: Drafter, sampling: Sampling, condition: Condition, state: Any) -> CostModel:
+    """The cost model every process of an ``accelerate`` ``state`` uses: the main process
+    reads or measures it, the others receive it, so that all of them plan alike."""
+    model = load_or_measure(target, drafter, sampling, condition) if state.is_main_process else None
+    if state.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        model = broadcast_object_list([model])[0]
+    assert model is not None
+    return model
+
+
 def forget(target: Target, drafter: Drafter, sampling: Sampling) -> None:
     """Drop the cached cost model of these models on this machine: the next use measures."""
     key, _ = cost_key(target, drafter, sampling)

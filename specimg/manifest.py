@@ -40,22 +40,31 @@ class Manifest:
                 fh.truncate(data.rfind(b"\n") + 1)
 
     def _read(self) -> Iterator[dict[str, Any]]:
-        with open(self.path, encoding="utf-8") as fh:
-            for number, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    yield json.loads(line)
-                except json.JSONDecodeError:
-                    raise SpecimgError(f"{self.path}: line {number} is not JSON; not a specimg manifest?") from None
+        return read_entries(self.path)
 
     def add(self, index: int, record: dict[str, Any]) -> None:
+        """Append one line in one write to a file opened for appending: processes that
+        share the manifest never interleave their lines."""
         entry = {"index": index, **record, "settings": self.settings}
-        with open(self.path, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(entry) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        try:
+            os.write(fd, (json.dumps(entry) + "\n").encode("utf-8"))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         self.done[index] = entry
+
+
+def read_entries(path: str) -> Iterator[dict[str, Any]]:
+    """The entries of a manifest file, in file order."""
+    with open(path, encoding="utf-8") as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                raise SpecimgError(f"{path}: line {number} is not JSON; not a specimg manifest?") from None
 
 
 def _difference(old: Any, new: dict[str, Any], prefix: str = "") -> str:

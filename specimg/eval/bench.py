@@ -264,6 +264,9 @@ def run_bench(
                     f"{spec.condition_keys[i]!r}; use another --out or remove it"
                 )
     todo = [(i, (v + i) % nv) for i in mine for v in range(nv) if i * nv + (v + i) % nv not in done]
+    for engine in engines.values():  # every process plans auto trees on the main process's cost model
+        if engine.auto_tree:
+            engine.cost_model = costs.shared(engine.target, engine.drafter, engine.sampling, spec.conditions[0], state)
     computed = 0
     show = None if progress is None else not progress
     per_image = int(models.target.num_tokens)
