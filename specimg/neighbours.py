@@ -24,7 +24,7 @@ __all__ = ["CACHE_ENV", "codebook_donors", "codebook_key", "nearest_codes", "nei
 
 _CHUNK_ROWS = 512
 _memory: dict[tuple[str, int, str], Tensor] = {}
-_by_tokenizer: weakref.WeakKeyDictionary[Any, tuple[Any, Tensor]] = weakref.WeakKeyDictionary()
+_by_codebook: dict[int, tuple[weakref.ref[Tensor], dict[tuple[int, str], Tensor]]] = {}
 
 
 def codebook_key(codebook: Tensor) -> str:
@@ -98,16 +98,16 @@ def codebook_donors(tokenizer: Any, candidates: Tensor, k: int, vocab_size: int,
 
 
 def _tokenizer_table(tokenizer: Any, k: int, device: torch.device, vocab_size: int, method: str) -> Tensor:
-    """The neighbour table of a tokenizer's codebook.  A torch module's table is remembered
-    until its weights change, so a decode step neither reads nor hashes the codebook."""
-    weights = tuple((p.data_ptr(), p._version) for p in tokenizer.parameters()) if isinstance(tokenizer, torch.nn.Module) else None
-    remembered = _by_tokenizer.get(tokenizer) if weights is not None else None
-    if remembered is not None and remembered[0] == (weights, k, str(device)):
-        return remembered[1]
+    """The neighbour table of a tokenizer's codebook.  A tokenizer that hands out the same
+    codebook tensor until it changes (as VQTokenizer does) has its table remembered, so a
+    decode step neither reads nor hashes the codebook."""
     codebook = tokenizer.codebook_vectors()
     if codebook.shape[0] != vocab_size:
         raise SpecimgError(f"the tokenizer's codebook has {codebook.shape[0]} codes, the target's vocabulary {vocab_size} tokens")
-    table = neighbour_table(codebook, k, device)
-    if weights is not None:
-        _by_tokenizer[tokenizer] = ((weights, k, str(device)), table)
-    return table
+    held = _by_codebook.get(id(codebook))
+    if held is None or held[0]() is not codebook:  # keyed by identity: tensors do not compare as keys
+        held = _by_codebook[id(codebook)] = (weakref.ref(codebook, lambda _, key=id(codebook): _by_codebook.pop(key, None)), {})
+    tables = held[1]
+    if (k, str(device)) not in tables:
+        tables[(k, str(device))] = neighbour_table(codebook, k, device)
+    return tables[(k, str(device))]

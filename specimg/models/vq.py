@@ -274,6 +274,7 @@ class VQTokenizer(nn.Module):
         self.quantize = VectorQuantizer(config)
         self.quant_conv = nn.Conv2d(config.z_channels, config.codebook_embed_dim, 1)
         self.post_quant_conv = nn.Conv2d(config.codebook_embed_dim, config.z_channels, 1)
+        self._codebook: tuple[tuple[Any, ...], Tensor] | None = None
 
     @property
     def downsample_factor(self) -> int:
@@ -316,8 +317,14 @@ class VQTokenizer(nn.Module):
 
     @torch.no_grad()
     def codebook_vectors(self) -> Tensor:
-        """[K, d]: the code vectors the decoder sees (L2-normalised when the config says so)."""
-        return self.quantize.codebook()
+        """[K, d]: the code vectors the decoder sees (L2-normalised when the config says so).
+        The same tensor until the codebook changes, so callers can remember what they
+        derive from it (the neighbour tables of LANTERN's decode steps)."""
+        weight = self.quantize.embedding.weight
+        version = (weight.data_ptr(), weight._version, weight.device, weight.dtype)
+        if self._codebook is None or self._codebook[0] != version:
+            self._codebook = (version, self.quantize.codebook().detach())
+        return self._codebook[1]
 
     def forward(self, images: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         """Training pass: reconstruction with straight-through gradients, and the VQ losses
