@@ -139,6 +139,14 @@ def rope_table(config: GPTConfig) -> Tensor:
     return torch.cat([torch.zeros(config.cls_token_num, half, 2), cells])
 
 
+def rope_1d(positions: Tensor, head_dim: int, base: float) -> Tensor:
+    """Llama's 1-D RoPE at ``positions`` as (cos, sin) pairs [len, head_dim/2, 2], float32, in
+    the layout :func:`apply_rope` takes (the draft layer of a Janus or Lumina-mGPT target)."""
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
+    angles = torch.outer(positions.float(), freqs)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
 def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
     """Rotate interleaved pairs of x [B, S, H, hd] by rope [S, hd/2, 2], in float32."""
     xs = x.float().unflatten(-1, (-1, 2))
@@ -347,6 +355,21 @@ class LlamaGenTarget(nn.Module):
             k[:, :, start : start + m] = k[:, :, src]
             v[:, :, start : start + m] = v[:, :, src]
         self._len, self._pending = start + m, 0
+
+    # -- what an EAGLE drafter borrows (specimg.models.eagle.EagleTarget)
+
+    def draft_config(self) -> GPTConfig:
+        return self.config
+
+    def draft_rope(self) -> Tensor:
+        """The 2D RoPE rows of the grid cells (image token k sits at cls_token_num + k)."""
+        return self.rope[self.config.cls_token_num :]
+
+    def embed_codes(self, tokens: Tensor) -> Tensor:
+        return self.tok_embeddings(tokens)
+
+    def code_logits(self, hidden: Tensor) -> Tensor:
+        return self.output(hidden)
 
     # -- teacher forcing
 
