@@ -122,13 +122,15 @@ def _default_model() -> str:
     return "demo" if bundle_exists() else "tiny-random"
 
 
-def _base_sampling(model: str, target: str | None) -> Sampling:
-    """What unset sampling options default to: the demo bundle's measured sampling, else LlamaGen's."""
-    if model.startswith("demo") and not target:
+def _base_sampling(model: str, path: str | None, target: Any) -> Sampling:
+    """What unset sampling options default to: the demo bundle's measured sampling, else the
+    target's family's own (``default_sampling``: Janus CFG 5, Lumina-mGPT CFG 4 and top-k
+    2000), else LlamaGen's."""
+    if model.startswith("demo") and not path:
         from specimg.models.demo import demo_sampling
 
         return demo_sampling()
-    return LLAMAGEN_SAMPLING
+    return getattr(target, "default_sampling", LLAMAGEN_SAMPLING)
 
 
 @cli.command()
@@ -150,12 +152,15 @@ def generate(**kw: Any) -> None:
     device, dtype = device_from(kw)
     model = kw["model"] or _default_model()
     models = _models(kw, model)
+    conditions = conditions_for(models.target, kw)
+    if models.tokenizer is None:
+        click.echo("specimg: note: no --tokenizer, so no PNGs: the manifest keeps the tokens (`specimg models` says what decodes each family)", err=True)
     engine = Engine(
         models.target, models.drafter, kw["method"], parse_options(kw["options"]),
-        sampling_from(kw, _base_sampling(model, kw["target"])), tree_from(kw),
+        sampling_from(kw, _base_sampling(model, kw["target"], models.target)), tree_from(kw),
         delta=kw["delta"], tokenizer=models.tokenizer, device=device, dtype=dtype,
     )
-    _write_run(engine, models, conditions_for(models.target, kw), kw["seed"], kw["out"])
+    _write_run(engine, models, conditions, kw["seed"], kw["out"])
 
 
 @cli.command()
@@ -189,7 +194,7 @@ def bench(**kw: Any) -> None:
     device, dtype = device_from(kw)
     model = kw["model"] or _default_model()
     models = placed(_models(kw, model), device, dtype)
-    bench_command(kw, models, model, sampling_from(kw, _base_sampling(model, kw["target"])), tree_from(kw), click.echo)
+    bench_command(kw, models, model, sampling_from(kw, _base_sampling(model, kw["target"], models.target)), tree_from(kw), click.echo)
 
 
 @cli.command("train-demo")
@@ -303,14 +308,14 @@ def _train_target(spec: str, preset: str | None, config: tuple[str, ...] = ()) -
     return load_target(spec, **({"preset": preset} if preset else {}), **overrides)
 
 
-def _label_list(text: str | None, num_classes: int) -> tuple[int, ...]:
+def _label_list(text: str | None, target: Any) -> tuple[int, ...]:
     if not text:
         return ()
-    return tuple(class_labels(text, len([x for x in text.split(",") if x.strip()]), num_classes))
+    return tuple(class_labels(text, len([x for x in text.split(",") if x.strip()]), target.config.num_classes))
 
 
 @cli.command("make-drafter-data")
-@click.option("--target", required=True, help="LlamaGen GPT checkpoint, 'demo' or 'tiny-random'")
+@click.option("--target", required=True, help="a target checkpoint or folder (see `specimg models`), 'demo' or 'tiny-random'")
 @click.option("--preset", default=None, help="LlamaGen preset of the --target checkpoint (GPT-B ... GPT-7B) [default: what the checkpoint says, else GPT-B]")
 @click.option("--target-config", multiple=True, metavar="KEY=VALUE", help="override a GPTConfig field, e.g. block_size=576")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="data folder (resumed if it holds the same run)")
@@ -336,10 +341,10 @@ def make_drafter_data_command(**kw: Any) -> None:
 
     state = PartialState(cpu=kw["cpu"])
     target = _train_target(kw["target"], kw["preset"], kw["target_config"]).to(state.device)
-    sampling = sampling_from(kw, _base_sampling(kw["target"], None))
+    sampling = sampling_from(kw, _base_sampling(kw["target"], None, target))
     captions, prompts = sample_captions(target, kw)
     spec = DataSpec(
-        num_samples=kw["num_samples"], labels=_label_list(kw["class_labels"], target.config.num_classes),
+        num_samples=kw["num_samples"], labels=_label_list(kw["class_labels"], target),
         captions=captions, prompts=prompts,
         tokens_file=kw["tokens_file"], sampling=sampling, seed=kw["seed"], uncond=kw["uncond"], dtype=kw["dtype"],
         shard_size=kw["shard_size"], batch_size=kw["batch_size"],
@@ -358,7 +363,7 @@ def make_drafter_data_command(**kw: Any) -> None:
 
 
 @cli.command("train-drafter")
-@click.option("--target", required=True, help="LlamaGen GPT checkpoint, 'demo' or 'tiny-random' (the one that made --data)")
+@click.option("--target", required=True, help="a target checkpoint or folder (see `specimg models`), 'demo' or 'tiny-random' (the one that made --data)")
 @click.option("--preset", default=None, help="LlamaGen preset of the --target checkpoint (GPT-B ... GPT-7B) [default: what the checkpoint says, else GPT-B]")
 @click.option("--target-config", multiple=True, metavar="KEY=VALUE", help="override a GPTConfig field, e.g. block_size=576")
 @click.option("--data", required=True, type=click.Path(file_okay=False), help="a folder made by make-drafter-data")

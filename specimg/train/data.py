@@ -56,7 +56,7 @@ from torch import Tensor
 
 from specimg.config import Sampling
 from specimg.errors import SpecimgError
-from specimg.models.base import Caption, causal_tree_mask, cfg_rows
+from specimg.models.base import Caption, causal_tree_mask, cfg_rows, takes_text
 from specimg.models.eagle import EagleTarget
 from specimg.models.llamagen import KVSlot, LlamaGenTarget
 from specimg.sampling import probabilities
@@ -68,11 +68,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
-
-
-def takes_text(target: Any) -> bool:
-    """Whether the target tokenizes prompt texts itself (Janus, Lumina-mGPT)."""
-    return callable(getattr(target, "prompt_ids", None))
 
 
 def target_fingerprint(target: EagleTarget) -> dict[str, Any]:
