@@ -114,6 +114,10 @@ def catalogue() -> list[str]:
         lines.append(f"{family.name:<10} {family.title}{status}")
         lines.append(f"{'':<10} --target {family.source}")
         lines.append(f"{'':<10} --tokenizer {family.tokenizer_source}")
+        if family.model_type:
+            lines.append(f"{'':<10} --prompt / --prompts, tokenized by the folder's own tokenizer (no --text-encoder)")
+        if family.name == "lumina":
+            lines.append(f"{'':<10} --target-config image_size=768 (the default; a multiple of 32 with a size token)")
         if family.name == "llamagen":
             for name, p in PRESETS.items():
                 lines.append(f"{'':<10} {name:<9} {p['n_layer']} layers, {p['n_head']} heads, width {p['dim']}")
