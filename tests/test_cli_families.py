@@ -112,3 +112,12 @@ def test_drafter_from_prompts_made_trained_and_used(tmp_path, targets, capsys, f
     out = tmp_path / "out"
     assert run("generate", *targets[family], "--drafter", drafter, "-m", "cascade+lantern", *FAST, "--prompt", PROMPTS[0], "-n", "1", "--out", str(out)) == 0, capsys.readouterr().err
     assert (out / "images" / "00000.png").exists()
+
+
+@pytest.mark.parametrize("family", ["janus", "lumina"])
+def test_bench_runs_on_every_family(tmp_path, targets, capsys, family) -> None:
+    """bench places the models itself: Janus's tokenizer is its target's own VQ model."""
+    out = tmp_path / "bench"
+    args = ["bench", *targets[family], "--methods", "ar,naive", *FAST, "--prompt", PROMPTS[0], "-n", "1", "--warmup", "0", "--no-quality", "--out", str(out)]
+    assert run(*args) == 0, capsys.readouterr().err
+    assert [v["method"] for v in json.loads((out / "bench.json").read_text())["variants"]] == ["ar", "naive"]

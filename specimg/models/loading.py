@@ -34,8 +34,12 @@ class Models:
 
 
 def placed(models: Models, device: torch.device | str, dtype: torch.dtype | None = None) -> Models:
-    """The same models on ``device`` (and in ``dtype``, floating weights only)."""
-    moved = [m if m is None else (m.to(device=device, dtype=dtype) if dtype else m.to(device)) for m in (models.target, models.drafter, models.tokenizer)]
+    """The same models on ``device`` (and in ``dtype``, floating weights only).  A tokenizer
+    that is no module shares the target's weights (Janus's VQ model) and moves with it."""
+    moved = [
+        (m.to(device=device, dtype=dtype) if dtype else m.to(device)) if isinstance(m, torch.nn.Module) else m
+        for m in (models.target, models.drafter, models.tokenizer)
+    ]
     return attrs.evolve(models, target=moved[0], drafter=moved[1], tokenizer=moved[2])
 
 
