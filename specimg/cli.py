@@ -124,8 +124,8 @@ def _default_model() -> str:
 
 def _base_sampling(model: str, path: str | None, target: Any) -> Sampling:
     """What unset sampling options default to: the demo bundle's measured sampling, else the
-    target's family's own (``default_sampling``: Janus CFG 5, Lumina-mGPT CFG 4 and top-k
-    2000), else LlamaGen's."""
+    target's own (``default_sampling``: LlamaGen c2i CFG 4, t2i CFG 7.5 and top-k 1000; Janus
+    CFG 5; Lumina-mGPT CFG 4 and top-k 2000), else LlamaGen's c2i defaults."""
     if model.startswith("demo") and not path:
         from specimg.models.demo import demo_sampling
 

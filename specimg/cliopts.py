@@ -68,10 +68,10 @@ def prompt_options(fn: F) -> F:
 def sampling_options(fn: F) -> F:
     """LlamaGen's sampling: CFG, temperature, top-k, top-p."""
     return _apply([
-        click.option("--cfg-scale", type=click.FloatRange(min=1.0), default=None, help="classifier-free guidance [default: the demo's measured scale, else the target family's: 4.0 for LlamaGen and Lumina-mGPT, 5.0 for Janus]"),
+        click.option("--cfg-scale", type=click.FloatRange(min=1.0), default=None, help="classifier-free guidance [default: the demo's measured scale, else the target family's: LlamaGen 4.0 (c2i) or 7.5 (t2i), Janus 5.0, Lumina-mGPT 4.0]"),
         click.option("--cfg-interval", type=click.IntRange(min=-1), default=-1, show_default=True),
         click.option("--temperature", type=click.FloatRange(min=0.0), default=None, help="[default: the demo's measured value, else 1.0]"),
-        click.option("--top-k", type=click.IntRange(min=0), default=None, help="0 = no top-k [default: the demo's measured value, else the target family's: 2000 for Lumina-mGPT, else 0]"),
+        click.option("--top-k", type=click.IntRange(min=0), default=None, help="0 = no top-k [default: the demo's measured value, else the target family's: LlamaGen t2i 1000, Lumina-mGPT 2000, else 0]"),
         click.option("--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=None, help="[default: the demo's measured value, else 1.0]"),
     ])(fn)
 

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from specimg.config import LLAMAGEN_SAMPLING, LLAMAGEN_T2I_SAMPLING, Sampling
 from specimg.errors import SpecimgError
 from specimg.models.base import Caption, Condition, TargetOutput, cfg_rows
 from specimg.models.checkpoint import Checkpoint, Described, agree, load_into, read_checkpoint, settle
@@ -305,6 +306,11 @@ class LlamaGenTarget(nn.Module):
         self.rope = rope_table(self.config).to(self.tok_embeddings.weight.device)
         self._full_kv, self._kv = [], []
         return self
+
+    @property
+    def default_sampling(self) -> Sampling:
+        """LlamaGen's own: CFG 4 for c2i; CFG 7.5 and top-k 1000 for t2i."""
+        return LLAMAGEN_T2I_SAMPLING if self.config.model_type == "t2i" else LLAMAGEN_SAMPLING
 
     # -- Target protocol
 
