@@ -289,9 +289,9 @@ def _decode(tokenizer: Any, codes: torch.Tensor) -> torch.Tensor:
 
 
 def _train_target(spec: str, preset: str | None, config: tuple[str, ...] = ()) -> Any:
-    """``--target`` of the training commands: a checkpoint (a LlamaGen file shaped by what it
-    says, ``--preset`` and ``--target-config``), ``demo`` (the embedded demo bundle's target)
-    or ``tiny-random``."""
+    """``--target`` of the training commands: a checkpoint of any family (a LlamaGen file
+    shaped by what it says, ``--preset`` and ``--target-config``; a Janus or Lumina-mGPT
+    folder), ``demo`` (the embedded demo bundle's target) or ``tiny-random``."""
     overrides = _overrides(config, "--target-config")
     if overrides and spec in ("tiny-random", "demo"):
         raise SpecimgError(f"--target-config goes with a checkpoint path, not --target {spec}")
@@ -317,7 +317,7 @@ def _label_list(text: str | None, target: Any) -> tuple[int, ...]:
 @cli.command("make-drafter-data")
 @click.option("--target", required=True, help="a target checkpoint or folder (see `specimg models`), 'demo' or 'tiny-random'")
 @click.option("--preset", default=None, help="LlamaGen preset of the --target checkpoint (GPT-B ... GPT-7B) [default: what the checkpoint says, else GPT-B]")
-@click.option("--target-config", multiple=True, metavar="KEY=VALUE", help="override a GPTConfig field, e.g. block_size=576")
+@click.option("--target-config", multiple=True, metavar="KEY=VALUE", help="a loading option: a GPTConfig field for LlamaGen (block_size=576), or dtype, device, attn_implementation (and image_size for Lumina-mGPT) for a Hugging Face folder")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="data folder (resumed if it holds the same run)")
 @click.option("--tokens", "tokens_file", type=click.Path(dir_okay=False), help="teacher-force these sequences (safetensors: 'tokens' [M, N], optional 'labels' [M]) instead of sampling")
 @click.option("--num-samples", "-n", type=click.IntRange(min=1), help="images to sample (self-distillation) or to take from --tokens")
@@ -365,7 +365,7 @@ def make_drafter_data_command(**kw: Any) -> None:
 @cli.command("train-drafter")
 @click.option("--target", required=True, help="a target checkpoint or folder (see `specimg models`), 'demo' or 'tiny-random' (the one that made --data)")
 @click.option("--preset", default=None, help="LlamaGen preset of the --target checkpoint (GPT-B ... GPT-7B) [default: what the checkpoint says, else GPT-B]")
-@click.option("--target-config", multiple=True, metavar="KEY=VALUE", help="override a GPTConfig field, e.g. block_size=576")
+@click.option("--target-config", multiple=True, metavar="KEY=VALUE", help="a loading option: a GPTConfig field for LlamaGen (block_size=576), or dtype, device, attn_implementation (and image_size for Lumina-mGPT) for a Hugging Face folder")
 @click.option("--data", required=True, type=click.Path(file_okay=False), help="a folder made by make-drafter-data")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="run folder; a run started again on it resumes")
 @click.option("--method", "-m", default=None, help="method stack whose train_loss hooks reweight the loss, e.g. cascade")
