@@ -155,13 +155,15 @@ def _default_model() -> str:
     return "demo" if bundle_exists() else "tiny-random"
 
 
-def _base_sampling(model: str, target: str | None) -> Sampling:
-    """What unset sampling options default to: the demo bundle's measured sampling, else LlamaGen's."""
-    if model.startswith("demo") and not target:
+def _base_sampling(model: str, path: str | None, target: Any) -> Sampling:
+    """What unset sampling options default to: the demo bundle's measured sampling, else the
+    target's own (``default_sampling``: LlamaGen c2i CFG 4, t2i CFG 7.5 and top-k 1000; Janus
+    CFG 5; Lumina-mGPT CFG 4 and top-k 2000), else LlamaGen's c2i defaults."""
+    if model.startswith("demo") and not path:
         from specimg.models.demo import demo_sampling
 
         return demo_sampling()
-    return LLAMAGEN_SAMPLING
+    return getattr(target, "default_sampling", LLAMAGEN_SAMPLING)
 
 
 @cli.command()
@@ -192,12 +194,15 @@ def generate(**kw: Any) -> None:
     tree = tree_from(kw)
     models = _models(kw, model)
     check_tree_fits(tree, models.target, models.drafter)
+    conditions = conditions_for(models.target, kw)
+    if models.tokenizer is None and state.is_main_process:
+        click.echo("specimg: note: no --tokenizer, so no PNGs: the manifest keeps the tokens (`specimg models` says what decodes each family)", err=True)
     engine = Engine(
         models.target, models.drafter, kw["method"], parse_options(kw["options"]),
-        sampling_from(kw, _base_sampling(model, kw["target"])), tree,
+        sampling_from(kw, _base_sampling(model, kw["target"], models.target)), tree,
         delta=kw["delta"], tokenizer=models.tokenizer, device=device, dtype=dtype,
     )
-    _write_run(engine, models, conditions_for(models.target, kw), kw["seed"], kw["out"], state)
+    _write_run(engine, models, conditions, kw["seed"], kw["out"], state)
 
 
 @cli.command()
@@ -239,7 +244,7 @@ def bench(**kw: Any) -> None:
         from specimg.demo.data import real_images
 
         real = real_images
-    bench_command(kw, models, model, sampling_from(kw, _base_sampling(model, kw["target"])), tree, click.echo, real)
+    bench_command(kw, models, model, sampling_from(kw, _base_sampling(model, kw["target"], models.target)), tree, click.echo, real)
 
 
 @cli.command()
@@ -268,7 +273,7 @@ def tune(**kw: Any) -> None:
         raise SpecimgError("tune values draft trees: give a method that drafts (naive, cascade+lantern, ...)")
     writable_folder(kw["out"])
     engine = Engine(
-        models.target, models.drafter, kw["method"], parse_options(kw["options"]), sampling_from(kw, _base_sampling(model, kw["target"])),
+        models.target, models.drafter, kw["method"], parse_options(kw["options"]), sampling_from(kw, _base_sampling(model, kw["target"], models.target)),
         WIDE, delta=kw["delta"], tokenizer=models.tokenizer, device=device, dtype=dtype,
     )
     run_tune(engine, conditions_for(models.target, kw).values, kw["seed"], kw["out"], click.echo, remeasure=kw["remeasure"])
@@ -416,9 +421,9 @@ def _decode(tokenizer: Any, codes: torch.Tensor) -> torch.Tensor:
 
 
 def _train_target(spec: str, preset: str | None, config: tuple[str, ...] = ()) -> Any:
-    """``--target`` of the training commands: a checkpoint (a LlamaGen file shaped by what it
-    says, ``--preset`` and ``--target-config``), ``demo`` (the embedded demo bundle's target)
-    or ``tiny-random``."""
+    """``--target`` of the training commands: a checkpoint of any family (a LlamaGen file
+    shaped by what it says, ``--preset`` and ``--target-config``; a Janus or Lumina-mGPT
+    folder), ``demo`` (the embedded demo bundle's target) or ``tiny-random``."""
     overrides = _overrides(config, "--target-config")
     if overrides and spec in ("tiny-random", "demo"):
         raise SpecimgError(f"--target-config goes with a checkpoint path, not --target {spec}")
@@ -435,16 +440,16 @@ def _train_target(spec: str, preset: str | None, config: tuple[str, ...] = ()) -
     return load_target(spec, **({"preset": preset} if preset else {}), **overrides)
 
 
-def _label_list(text: str | None, num_classes: int) -> tuple[int, ...]:
+def _label_list(text: str | None, target: Any) -> tuple[int, ...]:
     if not text:
         return ()
-    return tuple(class_labels(text, len([x for x in text.split(",") if x.strip()]), num_classes))
+    return tuple(class_labels(text, len([x for x in text.split(",") if x.strip()]), target.config.num_classes))
 
 
 @cli.command("make-drafter-data")
-@click.option("--target", required=True, help="LlamaGen GPT checkpoint, 'demo' or 'tiny-random'")
+@click.option("--target", required=True, help="a target checkpoint or folder (see `specimg models`), 'demo' or 'tiny-random'")
 @click.option("--preset", default=None, help="LlamaGen preset of the --target checkpoint (GPT-B ... GPT-7B) [default: what the checkpoint says, else GPT-B]")
-@click.option("--target-config", multiple=True, metavar="KEY=VALUE", help="override a GPTConfig field, e.g. block_size=576")
+@click.option("--target-config", multiple=True, metavar="KEY=VALUE", help="a loading option: a GPTConfig field for LlamaGen (block_size=576), or dtype, device, attn_implementation (and image_size for Lumina-mGPT) for a Hugging Face folder")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="data folder (resumed if it holds the same run)")
 @click.option("--tokens", "tokens_file", type=click.Path(dir_okay=False), help="teacher-force these sequences (safetensors: 'tokens' [M, N], optional 'labels' [M]) instead of sampling")
 @click.option("--num-samples", "-n", type=IMAGES, help="images to sample (self-distillation) or to take from --tokens")
@@ -469,10 +474,10 @@ def make_drafter_data_command(**kw: Any) -> None:
     writable_folder(kw["out"])
     state = PartialState(cpu=kw["cpu"])
     target = _train_target(kw["target"], kw["preset"], kw["target_config"]).to(state.device)
-    sampling = sampling_from(kw, _base_sampling(kw["target"], None))
+    sampling = sampling_from(kw, _base_sampling(kw["target"], None, target))
     captions, prompts = sample_captions(target, kw)
     spec = DataSpec(
-        num_samples=kw["num_samples"], labels=_label_list(kw["class_labels"], target.config.num_classes),
+        num_samples=kw["num_samples"], labels=_label_list(kw["class_labels"], target),
         captions=captions, prompts=prompts,
         tokens_file=kw["tokens_file"], sampling=sampling, seed=kw["seed"], uncond=kw["uncond"], dtype=kw["dtype"],
         shard_size=kw["shard_size"], batch_size=kw["batch_size"],
@@ -491,9 +496,9 @@ def make_drafter_data_command(**kw: Any) -> None:
 
 
 @cli.command("train-drafter")
-@click.option("--target", required=True, help="LlamaGen GPT checkpoint, 'demo' or 'tiny-random' (the one that made --data)")
+@click.option("--target", required=True, help="a target checkpoint or folder (see `specimg models`), 'demo' or 'tiny-random' (the one that made --data)")
 @click.option("--preset", default=None, help="LlamaGen preset of the --target checkpoint (GPT-B ... GPT-7B) [default: what the checkpoint says, else GPT-B]")
-@click.option("--target-config", multiple=True, metavar="KEY=VALUE", help="override a GPTConfig field, e.g. block_size=576")
+@click.option("--target-config", multiple=True, metavar="KEY=VALUE", help="a loading option: a GPTConfig field for LlamaGen (block_size=576), or dtype, device, attn_implementation (and image_size for Lumina-mGPT) for a Hugging Face folder")
 @click.option("--data", required=True, type=click.Path(file_okay=False), help="a folder made by make-drafter-data")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="run folder; a run started again on it resumes")
 @click.option("--method", "-m", default=None, help="method stack whose train_loss hooks reweight the loss, e.g. cascade")

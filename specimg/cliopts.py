@@ -75,9 +75,9 @@ def model_options(fn: F) -> F:
         click.option("--model", default=None, help="built-in models when no --target is given: demo, demo-cascade (its drafter trained with CASCADE's loss) or tiny-random [default: demo when its bundle is installed]"),
         click.option("--target", type=click.Path(), help="target checkpoint: a LlamaGen file, or a Hugging Face folder of another family (see `specimg models`)"),
         click.option("--preset", default=None, help="LlamaGen preset of the --target checkpoint (GPT-B ... GPT-7B) [default: what the checkpoint says, else GPT-B]"),
-        click.option("--target-config", multiple=True, metavar="KEY=VALUE", help="override a GPTConfig field, e.g. block_size=576"),
+        click.option("--target-config", multiple=True, metavar="KEY=VALUE", help="a loading option: a GPTConfig field for LlamaGen (block_size=576), or dtype, device, attn_implementation (and image_size for Lumina-mGPT) for a Hugging Face folder"),
         click.option("--drafter", type=click.Path(dir_okay=False), help="EAGLE drafter weights (safetensors)"),
-        click.option("--tokenizer", type=click.Path(dir_okay=False), help="LlamaGen VQ tokenizer checkpoint"),
+        click.option("--tokenizer", type=click.Path(dir_okay=False), help="the file that decodes the target's codes: a LlamaGen VQ checkpoint, or Chameleon's vqgan.ckpt for Lumina-mGPT (a Janus folder brings its own; see `specimg models`)"),
         click.option("--tokenizer-config", multiple=True, metavar="KEY=VALUE", help="override a VQConfig field"),
     ])(fn)
 
@@ -104,10 +104,10 @@ def prompt_options(fn: F) -> F:
 def sampling_options(fn: F) -> F:
     """LlamaGen's sampling: CFG, temperature, top-k, top-p."""
     return _apply([
-        click.option("--cfg-scale", type=FiniteFloat(min=1.0), default=None, help="classifier-free guidance [default: the demo's measured scale, else 4.0]"),
+        click.option("--cfg-scale", type=FiniteFloat(min=1.0), default=None, help="classifier-free guidance [default: the demo's measured scale, else the target family's: LlamaGen 4.0 (c2i) or 7.5 (t2i), Janus 5.0, Lumina-mGPT 4.0]"),
         click.option("--cfg-interval", type=click.IntRange(-1, 2**31 - 1), default=-1, show_default=True),
         click.option("--temperature", type=FiniteFloat(min=0.0), default=None, help="[default: the demo's measured value, else 1.0]"),
-        click.option("--top-k", type=click.IntRange(min=0), default=None, help="0 = no top-k [default: the demo's measured value, else 0]"),
+        click.option("--top-k", type=click.IntRange(min=0), default=None, help="0 = no top-k [default: the demo's measured value, else the target family's: LlamaGen t2i 1000, Lumina-mGPT 2000, else 0]"),
         click.option("--top-p", type=FiniteFloat(min=0.0, max=1.0, min_open=True), default=None, help="[default: the demo's measured value, else 1.0]"),
     ])(fn)
 

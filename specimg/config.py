@@ -34,6 +34,9 @@ class Sampling:
 LLAMAGEN_SAMPLING = Sampling(cfg_scale=4.0)
 """LlamaGen's class-to-image defaults: CFG 4, temperature 1, no top-k or top-p."""
 
+LLAMAGEN_T2I_SAMPLING = Sampling(cfg_scale=7.5, top_k=1000)
+"""LlamaGen's text-to-image defaults (``sample_t2i.py``): CFG 7.5, temperature 1, top-k 1000."""
+
 TreeKind = Literal["auto", "dynamic", "chain", "static"]
 
 

@@ -10,64 +10,25 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tokenizers import Tokenizer, models, pre_tokenizers, processors  # noqa: E402
-from transformers import JanusConfig, JanusForConditionalGeneration, PreTrainedTokenizerFast  # noqa: E402
+from transformers import JanusForConditionalGeneration  # noqa: E402
 
 from specimg import Engine, Sampling, TreeConfig  # noqa: E402
 from specimg.errors import SpecimgError  # noqa: E402
 from specimg.models.base import Target, causal_tree_mask  # noqa: E402
 from specimg.models.janus import JanusTarget, load_janus_target  # noqa: E402
 from specimg.testing.markov import MarkovDrafter  # noqa: E402
+from specimg.testing.tiny_hf import JANUS_BOI as BOI, JANUS_BOS as BOS, JANUS_PAD as PAD, JANUS_WORDS as WORDS, save_tiny_janus  # noqa: E402
 from specimg.testing.trees import path_to, random_tree  # noqa: E402
 
-BOS, PAD, BOI = 1, 2, 4
-WORDS = ["<unk>", "<bos>", "<pad>", "<eos>", "<begin_of_image>", "<|User|>:", "<|Assistant|>:", "a", "red", "cat"]
 PROMPT = torch.tensor([BOS, 21, 30, 7, 44, 12, BOI])
 ATOL = 1e-4  # float32 rounding on logits of size ~10 (the weights are large on purpose)
-
-
-def tiny_config() -> JanusConfig:
-    """4x4 image tokens, 48 codes, a 2-layer Llama with grouped KV heads, 8x8 images."""
-    return JanusConfig(
-        text_config=dict(
-            model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, bos_token_id=BOS, pad_token_id=PAD, eos_token_id=3,
-        ),
-        vision_config=dict(
-            image_size=64, patch_size=16, num_image_tokens=16, hidden_size=32, projection_dim=32,
-            num_hidden_layers=1, num_attention_heads=4, mlp_ratio=2,
-        ),
-        vq_config=dict(
-            embed_dim=8, num_embeddings=48, latent_channels=32, base_channels=32, channel_multiplier=[1, 1],
-            num_res_blocks=1, projection_dim=32, image_token_embed_dim=32,
-        ),
-        image_token_id=5,
-    )
-
-
-def word_tokenizer() -> PreTrainedTokenizerFast:
-    """A whitespace word-level tokenizer that adds BOS, standing in for Janus's."""
-    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    core.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", BOS)])
-    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<bos>", pad_token="<pad>", unk_token="<unk>")
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     """A saved tiny Janus whose weights are large enough for varied greedy tokens."""
     path = tmp_path_factory.mktemp("janus")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = JanusForConditionalGeneration(tiny_config())
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                torch.nn.init.normal_(p, 0.0, 0.5)
-    gen = model.generation_config  # as the released conversions write it
-    gen._from_model_config, gen.bos_token_id, gen.pad_token_id = False, BOS, PAD
-    gen.generation_kwargs = {"boi_token_id": BOI}
-    model.save_pretrained(path)
-    word_tokenizer().save_pretrained(path)
+    save_tiny_janus(path)
     return path
 
 

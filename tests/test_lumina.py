@@ -12,8 +12,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
-from transformers import ChameleonConfig, ChameleonForConditionalGeneration, PreTrainedTokenizerFast  # noqa: E402
+from transformers import ChameleonForConditionalGeneration  # noqa: E402
 
 from specimg import Engine, Sampling, TreeConfig  # noqa: E402
 from specimg.errors import SpecimgError  # noqa: E402
@@ -21,58 +20,19 @@ from specimg.models.base import Target, causal_tree_mask  # noqa: E402
 from specimg.models.chameleon_vq import ChameleonVQDecoder, ChameleonVQConfig, load_chameleon_vq_decoder  # noqa: E402
 from specimg.models.lumina import LuminaTarget, load_lumina_target  # noqa: E402
 from specimg.testing.markov import MarkovDrafter  # noqa: E402
+from specimg.testing.tiny_hf import LUMINA_CODES as CODES, LUMINA_FIRST_WORD as FIRST_WORD, LUMINA_NEWLINE as NEWLINE  # noqa: E402
+from specimg.testing.tiny_hf import LUMINA_SIDE as SIDE, LUMINA_SIZE as SIZE, LUMINA_START as START, LUMINA_WORDS as WORDS  # noqa: E402
+from specimg.testing.tiny_hf import code_bpe, save_tiny_lumina  # noqa: E402
 from specimg.testing.trees import path_to, random_tree  # noqa: E402
 
-CODES = 20
-SIDE = 4  # 64-px images: 4x4 codes, size token <reserved08802>
-FIRST_CODE_BPE = 10  # image codes sit at BPE ids 10..29, in reverse code order
-START, NEWLINE, SIZE = 4, 5, 6
 PROMPT = torch.tensor([1, 40, 33, 47, 7])
-WORDS = ["Generate", "an", "image", "of", "64x64", "according", "to", "the", "following", "prompt:", "a", "red", "cat"]
-FIRST_WORD = 30
 ATOL = 1e-4  # float32 rounding on logits of size ~10 (the weights are large on purpose)
-
-
-def code_name(code: int) -> str:
-    """Chameleon's image token name: the code's digits as letters A-J, between IMGIMG and Z."""
-    return "IMGIMG" + "".join(chr(ord("A") + int(d)) for d in str(code)) + "Z"
-
-
-def code_bpe(code: int) -> int:
-    return FIRST_CODE_BPE + CODES - 1 - code
-
-
-def word_tokenizer() -> PreTrainedTokenizerFast:
-    """A whitespace word-level tokenizer with the turn separator as a special token."""
-    vocab = {"<unk>": 0, "<reserved08706>": 7, **{w: FIRST_WORD + i for i, w in enumerate(WORDS)}}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", additional_special_tokens=["<reserved08706>"])
-
-
-def tiny_config() -> ChameleonConfig:
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<pad>": 3, "<racm3:break>": START, "<reserved08799>": NEWLINE,
-             "<reserved08802>": SIZE, "<reserved08706>": 7, "<eoss>": 8}
-    vocab.update({code_name(c): code_bpe(c) for c in range(CODES)})
-    return ChameleonConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocabulary_map=vocab, bos_token_id=1, eos_token_id=2, pad_token_id=3,
-        vq_config=dict(embed_dim=8, num_embeddings=CODES, latent_channels=8, base_channels=32,
-                       channel_multiplier=[1, 1], num_res_blocks=1, resolution=16),
-    )
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     path = tmp_path_factory.mktemp("lumina")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = ChameleonForConditionalGeneration(tiny_config())
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                torch.nn.init.normal_(p, 0.0, 0.5)
-    model.save_pretrained(path)
-    word_tokenizer().save_pretrained(path)
+    save_tiny_lumina(path)
     return path
 
 

@@ -101,3 +101,8 @@ def test_shorten_cuts_at_a_word():
 
     assert shorten("a dog running on wet grass next to a lake at dawn", 24) == "a dog running on wet..."
     assert shorten("  short   prompt ") == "short prompt"
+
+
+def test_unset_sampling_is_llamagens_t2i_sampling(tmp_path, files, capsys):
+    assert run("generate", *flags(files), "-m", "ar", "--prompt", "a cat", "-n", "1", "--out", str(tmp_path / "o")) == 0
+    assert "cfg 7.5, temperature 1, top-k 1000" in capsys.readouterr().out

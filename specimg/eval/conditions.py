@@ -1,6 +1,7 @@
 """What each image is conditioned on, from the command line: class labels for a
 class-conditional (c2i) target; prompts (``--prompt TEXT``, ``--prompts FILE``) turned into
-caption features by a text encoder for a text-conditional (t2i) one.
+caption features by a text encoder for a text-conditional (t2i) LlamaGen, or passed as
+texts to a target that tokenizes them itself (Janus, Lumina-mGPT).
 
 ``generate``, ``bench`` and ``make-drafter-data`` share this, so a condition that does not
 fit the target is refused with the same message everywhere, and image i gets the same
@@ -12,7 +13,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from specimg.errors import SpecimgError
-from specimg.models.base import Condition
+from specimg.models.base import Condition, takes_text
 
 
 class Conditions(NamedTuple):
@@ -58,6 +59,15 @@ def conditions_for(target: Any, kw: dict[str, Any]) -> Conditions:
 
     n = kw["num_images"]
     wants_prompts = bool(kw.get("prompt") or kw.get("prompts"))
+    if takes_text(target):
+        if kw.get("class_labels"):
+            raise SpecimgError("this target is text-conditional: give --prompt or --prompts, not --class-labels")
+        if kw.get("text_encoder"):
+            raise SpecimgError("--text-encoder is for LlamaGen t2i targets; this one tokenizes prompts with its own folder's tokenizer: drop it")
+        if not wants_prompts:
+            raise SpecimgError("a text-conditional target needs --prompts FILE or --prompt TEXT")
+        texts = prompt_texts(kw, n)
+        return Conditions(list(texts), list(texts), texts)
     if not is_t2i(target):
         if wants_prompts:
             raise SpecimgError("--prompt / --prompts needs a t2i target; this one is class-conditional: give --class-labels")
@@ -77,10 +87,11 @@ def conditions_for(target: Any, kw: dict[str, Any]) -> Conditions:
 
 def sample_captions(target: Any, kw: dict[str, Any]) -> tuple[tuple[Condition, ...], tuple[str, ...]]:
     """``make-drafter-data``'s captions, one per sample (``num_samples``), and their prompts;
-    none for a c2i target, which samples under class labels."""
-    if not (is_t2i(target) or kw.get("prompt") or kw.get("prompts")):
+    none for a c2i target, which samples under class labels, and only the prompts for a
+    target that tokenizes them itself."""
+    if not (is_t2i(target) or takes_text(target) or kw.get("prompt") or kw.get("prompts")):
         return (), ()
     if kw.get("num_samples") is None:
         raise SpecimgError("drafter data from prompts needs --num-samples")
     conditions = conditions_for(target, {**kw, "num_images": kw["num_samples"]})
-    return tuple(conditions.values), tuple(conditions.keys)
+    return (() if takes_text(target) else tuple(conditions.values)), tuple(conditions.keys)

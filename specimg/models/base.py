@@ -22,8 +22,14 @@ class Caption:
     mask: Tensor
 
 
-Condition = Union[int, Caption]
-"""A class label (c2i) or a caption (t2i)."""
+Condition = Union[int, Caption, str]
+"""A class label (c2i), a caption (LlamaGen t2i) or a prompt text (a target that tokenizes it)."""
+
+
+def takes_text(target: object) -> bool:
+    """Whether a target tokenizes prompt texts itself (its ``prompt_ids``: Janus, Lumina-mGPT)
+    rather than taking class labels or a text encoder's captions."""
+    return callable(getattr(target, "prompt_ids", None))
 
 
 class TargetOutput(NamedTuple):

@@ -1,4 +1,4 @@
-"""EAGLE-1 drafter for a LlamaGen target.
+"""EAGLE-1 drafter for any target that lends it its pieces (:class:`EagleTarget`).
 
 As in EAGLE-1 (SafeAILab/EAGLE, ``eagle/model/cnets1.py``): ``fc`` (with bias) maps
 concat[token embedding, target feature] to the width of the target, ONE decoder layer
@@ -8,22 +8,48 @@ norm: the features it imitates are the target's last hidden states after the fin
 The token embedding and the head are the target's own, shared and frozen.
 
 Pair i is (the target's feature at the position before token i, token i) and sits at the
-position of token i, with the target's 2D RoPE.  The drafter never sees the condition
-directly; it reaches it through the features (row 1 holds the unconditional ones).
+position of token i, rotated as the target rotates it (LlamaGen: its 2D RoPE of the grid
+cell; Janus: 1-D RoPE of the sequence position; Lumina-mGPT: the same, counting the forced
+newlines).  The drafter never sees the condition directly; it reaches it through the
+features (row 1 holds the unconditional ones).
 """
 
 from __future__ import annotations
 
 import os
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 
 from specimg.errors import SpecimgError
 from specimg.files import atomic_path
-from specimg.models.base import Condition, cfg_rows
+from specimg.models.base import Condition, Target, cfg_rows
 from specimg.models.checkpoint import load_into, load_state_dict
-from specimg.models.llamagen import KVSlot, LlamaGenTarget, TransformerBlock, cache_is_stale, init_weights
+from specimg.models.llamagen import GPTConfig, KVSlot, TransformerBlock, cache_is_stale, init_weights
+
+
+@runtime_checkable
+class EagleTarget(Target, Protocol):
+    """What an EAGLE drafter borrows from its target, which every target family implements.
+
+    The drafter's cache holds image-token pairs only, and RoPE scores depend only on the
+    difference of positions: so a rotation table indexed by image token is all it needs,
+    whatever the prompt's length or the row it is in (the unconditional row of CFG)."""
+
+    def draft_config(self) -> GPTConfig:
+        """The shape of the draft decoder layer (a LlamaGen layer): the target's width, heads,
+        norm epsilon and init scale; ``block_size`` = num_tokens."""
+
+    def draft_rope(self) -> Tensor:
+        """[num_tokens, head_dim / 2, 2] float32 (cos, sin) on the target's device: the rotation
+        at which image token k is consumed (pairs interleaved, as :func:`apply_rope` takes them)."""
+
+    def embed_codes(self, tokens: Tensor) -> Tensor:
+        """The target's input embedding of image tokens [...] -> [..., D]."""
+
+    def code_logits(self, hidden: Tensor) -> Tensor:
+        """Image-token logits [..., V] from last hidden states [..., D] (after the final norm)."""
 
 
 class EagleDrafter(nn.Module):
@@ -33,12 +59,13 @@ class EagleDrafter(nn.Module):
     current step follow the committed slots and are forgotten by the next ``start``.
     """
 
-    target: LlamaGenTarget
+    target: EagleTarget
 
-    def __init__(self, target: LlamaGenTarget, max_tree_nodes: int = 128) -> None:
+    def __init__(self, target: EagleTarget, max_tree_nodes: int = 128) -> None:
         super().__init__()
-        config = target.config
+        config = target.draft_config()
         object.__setattr__(self, "target", target)  # shared, not a submodule: kept out of state_dict
+        self.layer_config = config
         self.fc = nn.Linear(2 * config.dim, config.dim, bias=True)
         self.layers = nn.ModuleList([TransformerBlock(config, input_norm=False)])
         self.max_tree_nodes = max_tree_nodes
@@ -66,7 +93,7 @@ class EagleDrafter(nn.Module):
         rows = cfg_rows(cfg)
         w = self.fc.weight
         if not self._full_kv or cache_is_stale(self._full_kv[0][0], w):
-            c, n = self.target.config, self.max_tree_nodes
+            c, n = self.layer_config, self.max_tree_nodes
             shape = (2, c.kv_heads, self.capacity, c.head_dim)
             self._full_kv = [(w.new_zeros(shape), w.new_zeros(shape)) for _ in self.layers]
             self._feat = w.new_zeros(2, 1 + n, c.dim)
@@ -82,14 +109,13 @@ class EagleDrafter(nn.Module):
             raise RuntimeError("call prefill before start (also after moving the drafter)")
         if s0 + m > self.capacity:
             raise ValueError(f"{m} new pairs overflow the drafter cache ({self.capacity - s0} slots left)")
-        pos = self.target.config.cls_token_num + s0
         mask = None
         if m > 1:
             mask = torch.ones(m, s0 + m, dtype=torch.bool, device=self.fc.weight.device).tril(s0)
-        h = self._forward(hidden, tokens, self.target.rope[pos : pos + m], mask, s0)
-        self._len, self._count, self._root_pos = s0 + m, 0, pos + m - 1
+        h = self._forward(hidden, tokens, self.target.draft_rope()[s0 : s0 + m], mask, s0)
+        self._len, self._count, self._root_pos = s0 + m, 0, s0 + m - 1
         self._feat[: self._rows, 0] = h[:, -1]
-        return self.target.output(h[:, -1]).float()
+        return self.target.code_logits(h[:, -1]).float()
 
     @torch.no_grad()
     def expand(self, parents: Tensor, tokens: Tensor) -> Tensor:
@@ -103,12 +129,13 @@ class EagleDrafter(nn.Module):
         self._depth[new] = depth
         self._anc[new] = self._anc[parents]
         self._anc[new, new] = True
-        positions = (depth + self._root_pos).clamp_(max=self.target.rope.shape[0] - 1)  # past the image end: never accepted
+        rope = self.target.draft_rope()
+        positions = (depth + self._root_pos).clamp_(max=rope.shape[0] - 1)  # past the image end: never accepted
         mask = torch.cat([torch.ones(f, s0, dtype=torch.bool, device=device), self._anc[new, 1 : c + f + 1]], dim=1)
-        h = self._forward(self._feat[: self._rows, parents], tokens, self.target.rope[positions], mask, s0 + c)
+        h = self._forward(self._feat[: self._rows, parents], tokens, rope[positions], mask, s0 + c)
         self._feat[: self._rows, new] = h
         self._count = c + f
-        return self.target.output(h).float()
+        return self.target.code_logits(h).float()
 
     # -- training
 
@@ -116,31 +143,33 @@ class EagleDrafter(nn.Module):
         """Teacher-forced causal pass: features [B, T, D] (the target's states before
         tokens [B, T], as ``forward_sequence`` returns them).  Entry t predicts the feature
         at token t's position and the logits of token t + 1."""
-        t, cls = tokens.shape[1], self.target.config.cls_token_num
+        t = tokens.shape[1]
         mask = torch.ones(t, t, dtype=torch.bool, device=features.device).tril()
-        e = self.target.tok_embeddings(tokens).to(features.dtype)
+        e = self.target.embed_codes(tokens).to(features.dtype)
         h = self.fc(torch.cat([e, features], dim=-1))
         for layer in self.layers:
-            h = layer(h, self.target.rope[cls : cls + t], mask)
-        return h, self.target.output(h).float()
+            h = layer(h, self.target.draft_rope()[:t], mask)
+        return h, self.target.code_logits(h).float()
 
     def _forward(self, features: Tensor, tokens: Tensor, rope: Tensor, mask: Tensor | None, start: int) -> Tensor:
-        e = self.target.tok_embeddings(tokens.to(features.device))[None].expand(features.shape[0], -1, -1)
+        e = self.target.embed_codes(tokens.to(features.device))[None].expand(features.shape[0], -1, -1)
         h = self.fc(torch.cat([e, features], dim=-1))
         for layer, cache in zip(self.layers, self._kv):
             h = layer(h, rope, mask, cache, start)
         return h
 
 
-def build_drafter(target: LlamaGenTarget, *, seed: int = 0, max_tree_nodes: int = 128) -> EagleDrafter:
+def build_drafter(target: EagleTarget, *, seed: int = 0, max_tree_nodes: int = 128) -> EagleDrafter:
     """A randomly initialised drafter on the target's device and dtype.  The target is
     frozen (requires_grad off): only the drafter's own weights train."""
+    if not isinstance(target, EagleTarget) or not isinstance(target, nn.Module):
+        raise SpecimgError(f"an EAGLE drafter needs a target that lends it its pieces (EagleTarget); {type(target).__name__} does not")
     target.requires_grad_(False)
-    w = target.tok_embeddings.weight
+    w = target.input_embeddings()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         drafter = EagleDrafter(target, max_tree_nodes)
-        init_weights(drafter, target.config.initializer_range)
+        init_weights(drafter, drafter.layer_config.initializer_range)
     return drafter.to(device=w.device, dtype=w.dtype).eval()
 
 
@@ -156,11 +185,11 @@ def save_drafter(drafter: EagleDrafter, path: str | os.PathLike[str]) -> None:
         save_file({k: v.detach().contiguous() for k, v in drafter.state_dict().items()}, tmp, metadata={"format": "specimg-eagle1"})
 
 
-def load_drafter(target: LlamaGenTarget, path: str | os.PathLike[str], *, max_tree_nodes: int = 128) -> EagleDrafter:
+def load_drafter(target: EagleTarget, path: str | os.PathLike[str], *, max_tree_nodes: int = 128) -> EagleDrafter:
     """A drafter for ``target`` with weights from ``path``; a missing, extra or misshapen key
     (a drafter trained for another target) is a SpecimgError naming it."""
     drafter = build_drafter(target, max_tree_nodes=max_tree_nodes)
-    w = target.tok_embeddings.weight
+    w = target.input_embeddings()
     state = {k: v.to(w.dtype) for k, v in load_state_dict(path).items()}
     load_into(drafter, state, origin=os.fspath(path))
     return drafter.to(w.device)

@@ -34,6 +34,11 @@ class Family:
     loader: str
     model_type: str | None = None
     """The Hugging Face ``config.json`` model_type of its folders (None: a checkpoint file)."""
+    tokenizer: str = ""
+    """What decodes its codes: ``module:function`` loading the ``--tokenizer`` file, or ""
+    when the target brings its own (``target.vq_tokenizer()``)."""
+    tokenizer_source: str = ""
+    """What ``--tokenizer`` takes for it."""
 
     @property
     def installed(self) -> bool:
@@ -41,9 +46,12 @@ class Family:
 
 
 FAMILIES = {f.name: f for f in (
-    Family("llamagen", "LlamaGen GPT, class- (c2i) or text-conditional (t2i)", "a checkpoint file (.pt or .safetensors)", "specimg.models.llamagen", "load_target"),
-    Family("janus", "Janus-Pro (transformers' JanusForConditionalGeneration)", 'a Hugging Face folder, config.json model_type "janus"', "specimg.models.janus", "load_janus_target", "janus"),
-    Family("lumina", "Lumina-mGPT (transformers' Chameleon)", 'a Hugging Face folder, config.json model_type "chameleon"', "specimg.models.lumina", "load_lumina_target", "chameleon"),
+    Family("llamagen", "LlamaGen GPT, class- (c2i) or text-conditional (t2i)", "a checkpoint file (.pt or .safetensors)", "specimg.models.llamagen", "load_target",
+           tokenizer="specimg.models.vq:load_tokenizer", tokenizer_source="LlamaGen's VQ file (vq_ds16_c2i.pt, vq_ds16_t2i.pt; shape read from the file)"),
+    Family("janus", "Janus-Pro (transformers' JanusForConditionalGeneration)", 'a Hugging Face folder, config.json model_type "janus"', "specimg.models.janus", "load_janus_target", "janus",
+           tokenizer_source="none: the folder's own VQ model decodes"),
+    Family("lumina", "Lumina-mGPT (transformers' Chameleon)", 'a Hugging Face folder, config.json model_type "chameleon"', "specimg.models.lumina", "load_lumina_target", "chameleon",
+           tokenizer="specimg.models.chameleon_vq:load_chameleon_vq_decoder", tokenizer_source="Chameleon's VQGAN checkpoint (tokenizer/vqgan.ckpt)"),
 )}
 
 
@@ -82,6 +90,19 @@ def load_target(path: str | os.PathLike[str], **overrides: Any) -> Any:
     return getattr(module, family.loader)(path, **overrides)
 
 
+def load_family_tokenizer(family: Family, target: Any, path: str | os.PathLike[str] | None, **overrides: Any) -> Any:
+    """The tokenizer that decodes ``target``'s codes: its own when it brings one (Janus),
+    else the family's loader on ``path``; None without a path (tokens, but no images)."""
+    if not family.tokenizer:
+        if path or overrides:
+            raise SpecimgError(f"{family.title} targets decode with their own VQ model: drop --tokenizer and --tokenizer-config")
+        return target.vq_tokenizer()
+    if path is None:
+        return None
+    module, _, loader = family.tokenizer.partition(":")
+    return getattr(importlib.import_module(module), loader)(path, **overrides)
+
+
 def catalogue() -> list[str]:
     """``specimg models``: every family, its presets and how to point at it."""
     from specimg.models.llamagen import PRESETS
@@ -92,6 +113,11 @@ def catalogue() -> list[str]:
         status = "" if family.installed else f"  [not supported yet: needs {family.module}]"
         lines.append(f"{family.name:<10} {family.title}{status}")
         lines.append(f"{'':<10} --target {family.source}")
+        lines.append(f"{'':<10} --tokenizer {family.tokenizer_source}")
+        if family.model_type:
+            lines.append(f"{'':<10} --prompt / --prompts, tokenized by the folder's own tokenizer (no --text-encoder)")
+        if family.name == "lumina":
+            lines.append(f"{'':<10} --target-config image_size=768 (the default; a multiple of 32 with a size token)")
         if family.name == "llamagen":
             for name, p in PRESETS.items():
                 lines.append(f"{'':<10} {name:<9} {p['n_layer']} layers, {p['n_head']} heads, width {p['dim']}")

@@ -1,6 +1,6 @@
 """What the targets over transformers models share: loading a local Hugging Face folder
-(never a download), the 4-D attention mask a draft tree needs, and keeping a tree path in a
-``DynamicCache``."""
+(never a download), the 4-D attention mask a draft tree needs, keeping a tree path in a
+``DynamicCache``, and the shape and positions of their EAGLE draft layer."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from specimg.errors import SpecimgError
+from specimg.models.llamagen import GPTConfig, rope_1d
 
 try:
     from transformers import AutoTokenizer, DynamicCache, PreTrainedModel
@@ -83,3 +84,21 @@ def keep_slots(cache: DynamicCache, start: int, src: Tensor) -> None:
         layer.keys[:, :, start : start + m] = layer.keys[:, :, src]
         layer.values[:, :, start : start + m] = layer.values[:, :, src]
     cache.crop(start + m)
+
+
+def draft_config(text_config: Any, vocab_size: int, num_tokens: int) -> GPTConfig:
+    """An EAGLE draft layer shaped like a layer of the Llama-style language model
+    ``text_config``: its width, heads, KV heads, norm epsilon, RoPE base and init scale (the
+    SwiGLU width as LlamaGen rounds it, 11008 for the 7B models' 4096, as theirs)."""
+    return GPTConfig(
+        dim=int(text_config.hidden_size), n_layer=1, n_head=int(text_config.num_attention_heads),
+        n_kv_head=int(text_config.num_key_value_heads), rope_base=float(text_config.rope_theta),
+        norm_eps=float(text_config.rms_norm_eps), initializer_range=float(text_config.initializer_range),
+        vocab_size=vocab_size, block_size=num_tokens,
+    )
+
+
+def draft_rope(config: GPTConfig, positions: Tensor) -> Tensor:
+    """The draft layer's 1-D RoPE at the image tokens' sequence positions (any offset: RoPE
+    scores see only differences)."""
+    return rope_1d(positions, config.head_dim, config.rope_base)

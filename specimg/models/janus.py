@@ -27,9 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from specimg.config import Sampling
 from specimg.errors import SpecimgError
 from specimg.models.base import TargetOutput, cfg_rows
-from specimg.models.hf import HFOptions, additive_mask, keep_slots, load_folder, parse_options
+from specimg.models.hf import HFOptions, additive_mask, draft_config, draft_rope, keep_slots, load_folder, parse_options
+from specimg.models.llamagen import GPTConfig
 
 from transformers import DynamicCache, JanusForConditionalGeneration  # isort: skip (hf explains a missing extra)
 
@@ -69,6 +71,9 @@ class JanusVQTokenizer:
 class JanusTarget(nn.Module):
     """``JanusForConditionalGeneration`` with the :class:`~specimg.models.base.Target` interface."""
 
+    default_sampling = Sampling(cfg_scale=5.0)
+    """The released inference code's: CFG 5, temperature 1, no top-k."""
+
     def __init__(self, model: JanusForConditionalGeneration, text_tokenizer: Any = None) -> None:
         super().__init__()
         self.model = model.eval()
@@ -89,14 +94,15 @@ class JanusTarget(nn.Module):
         self.bos_id, self.pad_id, self.boi_id = int(gen.bos_token_id), int(gen.pad_token_id), int(boi)
         self._cache: DynamicCache | None = None
         self._table: Tensor | None = None  # input_embeddings(), computed once per weights
+        self._rope: Tensor | None = None  # draft_rope(), computed once per device
         self._rows = 0
         self._len = 0  # committed cache entries (prompt + consumed image tokens)
         self._pending = 0  # nodes of the last forward_tree
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
-        """Moving the weights drops the cache and the embedding table made from them."""
+        """Moving the weights drops the cache and the tables made from them."""
         super()._apply(fn, recurse)
-        self._cache, self._table = None, None
+        self._cache, self._table, self._rope = None, None, None
         return self
 
     def vq_tokenizer(self) -> JanusVQTokenizer:
@@ -159,6 +165,23 @@ class JanusTarget(nn.Module):
         keep_slots(self._cache, start, nodes.to(self._device) + start)
         self._len, self._pending = start + m, 0
 
+    # -- what an EAGLE drafter borrows (specimg.models.eagle.EagleTarget)
+
+    def draft_config(self) -> GPTConfig:
+        return draft_config(self.model.config.text_config, self.vocab_size, self.num_tokens)
+
+    def draft_rope(self) -> Tensor:
+        """1-D RoPE: image token k sits k positions after image token 0."""
+        if self._rope is None:
+            self._rope = draft_rope(self.draft_config(), torch.arange(self.num_tokens, device=self._device))
+        return self._rope
+
+    def embed_codes(self, tokens: Tensor) -> Tensor:
+        return self.model.prepare_embeddings_for_image_generation(tokens)
+
+    def code_logits(self, hidden: Tensor) -> Tensor:
+        return self.model.model.generation_head(hidden)
+
     # -- prompts
 
     def prompt_ids(self, condition: JanusCondition) -> Tensor:
@@ -188,7 +211,7 @@ class JanusTarget(nn.Module):
         return self.model.model.generation_head.vision_head.weight.device
 
     def _head(self, hidden: Tensor) -> TargetOutput:
-        return TargetOutput(self.model.model.generation_head(hidden).float(), hidden)
+        return TargetOutput(self.code_logits(hidden).float(), hidden)
 
 
 def load_janus_target(path: str | os.PathLike[str], **overrides: Any) -> JanusTarget:

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from specimg.config import LLAMAGEN_SAMPLING, LLAMAGEN_T2I_SAMPLING, Sampling
 from specimg.errors import SpecimgError
 from specimg.models.base import Caption, Condition, TargetOutput, cfg_rows
 from specimg.models.checkpoint import Checkpoint, Described, agree, load_into, read_checkpoint, settle
@@ -137,6 +138,14 @@ def rope_table(config: GPTConfig) -> Tensor:
     grid = torch.cat([angles[:, None, :].expand(g, g, -1), angles[None, :, :].expand(g, g, -1)], dim=-1)
     cells = torch.stack([grid.cos(), grid.sin()], dim=-1).flatten(0, 1)
     return torch.cat([torch.zeros(config.cls_token_num, half, 2), cells])
+
+
+def rope_1d(positions: Tensor, head_dim: int, base: float) -> Tensor:
+    """Llama's 1-D RoPE at ``positions`` as (cos, sin) pairs [len, head_dim/2, 2], float32, in
+    the layout :func:`apply_rope` takes (the draft layer of a Janus or Lumina-mGPT target)."""
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
+    angles = torch.outer(positions.float(), freqs)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
 
 
 def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
@@ -298,6 +307,11 @@ class LlamaGenTarget(nn.Module):
         self._full_kv, self._kv = [], []
         return self
 
+    @property
+    def default_sampling(self) -> Sampling:
+        """LlamaGen's own: CFG 4 for c2i; CFG 7.5 and top-k 1000 for t2i."""
+        return LLAMAGEN_T2I_SAMPLING if self.config.model_type == "t2i" else LLAMAGEN_SAMPLING
+
     # -- Target protocol
 
     def input_embeddings(self) -> Tensor:
@@ -347,6 +361,21 @@ class LlamaGenTarget(nn.Module):
             k[:, :, start : start + m] = k[:, :, src]
             v[:, :, start : start + m] = v[:, :, src]
         self._len, self._pending = start + m, 0
+
+    # -- what an EAGLE drafter borrows (specimg.models.eagle.EagleTarget)
+
+    def draft_config(self) -> GPTConfig:
+        return self.config
+
+    def draft_rope(self) -> Tensor:
+        """The 2D RoPE rows of the grid cells (image token k sits at cls_token_num + k)."""
+        return self.rope[self.config.cls_token_num :]
+
+    def embed_codes(self, tokens: Tensor) -> Tensor:
+        return self.tok_embeddings(tokens)
+
+    def code_logits(self, hidden: Tensor) -> Tensor:
+        return self.output(hidden)
 
     # -- teacher forcing
 

@@ -8,10 +8,10 @@ from typing import Any
 import attrs
 import torch
 
-from specimg.models.eagle import EagleDrafter, build_drafter, load_drafter
-from specimg.models.families import load_target
-from specimg.models.llamagen import LlamaGenTarget, build_target
-from specimg.models.vq import VQTokenizer, build_tokenizer, load_tokenizer
+from specimg.models.eagle import EagleDrafter, EagleTarget, build_drafter, load_drafter
+from specimg.models.families import detect_family, load_family_tokenizer, load_target
+from specimg.models.llamagen import build_target
+from specimg.models.vq import build_tokenizer
 
 TINY_GPT = dict(dim=64, n_layer=2, n_head=4, multiple_of=32, vocab_size=256, num_classes=10, block_size=64)
 """A tiny random LlamaGen for trying the tool: 8x8 tokens, 10 classes."""
@@ -21,19 +21,25 @@ TINY_VQ = dict(codebook_size=256, codebook_embed_dim=8, ch=16, encoder_ch_mult=(
 
 @attrs.frozen(eq=False)
 class Models:
-    target: LlamaGenTarget
+    target: EagleTarget
     drafter: EagleDrafter | None
-    tokenizer: VQTokenizer | None
+    tokenizer: Any
+    """What decodes the target's codes into images (``decode(codes)``); None: tokens only."""
     name: str
 
     @property
     def num_classes(self) -> int:
+        """The classes of a class-conditional LlamaGen target."""
         return self.target.config.num_classes
 
 
 def placed(models: Models, device: torch.device | str, dtype: torch.dtype | None = None) -> Models:
-    """The same models on ``device`` (and in ``dtype``, floating weights only)."""
-    moved = [m if m is None else (m.to(device=device, dtype=dtype) if dtype else m.to(device)) for m in (models.target, models.drafter, models.tokenizer)]
+    """The same models on ``device`` (and in ``dtype``, floating weights only).  A tokenizer
+    that is no module shares the target's weights (Janus's VQ model) and moves with it."""
+    moved = [
+        (m.to(device=device, dtype=dtype) if dtype else m.to(device)) if isinstance(m, torch.nn.Module) else m
+        for m in (models.target, models.drafter, models.tokenizer)
+    ]
     return attrs.evolve(models, target=moved[0], drafter=moved[1], tokenizer=moved[2])
 
 
@@ -53,8 +59,10 @@ def from_paths(
 ) -> Models:
     """Official (or compatible) checkpoints from local paths, the target's family detected
     from its path.  Without a drafter file the drafter is randomly initialised (only ``ar``
-    and exactness checks make sense then)."""
+    and exactness checks make sense then).  The tokenizer is the family's
+    (:func:`~specimg.models.families.load_family_tokenizer`): a Janus target's own VQ
+    model, else the ``tokenizer`` file, else none."""
     model = load_target(target, **({"preset": preset} if preset else {}), **(target_overrides or {}))
     draft = load_drafter(model, drafter) if drafter else build_drafter(model)
-    tok = load_tokenizer(tokenizer, **(tokenizer_overrides or {})) if tokenizer else None
+    tok = load_family_tokenizer(detect_family(target), model, tokenizer, **(tokenizer_overrides or {}))
     return Models(model, draft, tok, os.fspath(target))

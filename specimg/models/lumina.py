@@ -31,9 +31,11 @@ import attrs
 import torch
 from torch import Tensor, nn
 
+from specimg.config import Sampling
 from specimg.errors import SpecimgError
 from specimg.models.base import TargetOutput, cfg_rows
-from specimg.models.hf import HFOptions, additive_mask, keep_slots, load_folder, parse_options
+from specimg.models.hf import HFOptions, additive_mask, draft_config, draft_rope, keep_slots, load_folder, parse_options
+from specimg.models.llamagen import GPTConfig
 
 from transformers import ChameleonForConditionalGeneration, DynamicCache  # isort: skip (hf explains a missing extra)
 
@@ -68,6 +70,9 @@ class LuminaOptions(HFOptions):
 class LuminaTarget(nn.Module):
     """Chameleon-architecture Lumina-mGPT with the :class:`~specimg.models.base.Target` interface."""
 
+    default_sampling = Sampling(cfg_scale=4.0, top_k=2000)
+    """Lumina-mGPT's demo: CFG 4, temperature 1, image top-k 2000."""
+
     def __init__(self, model: ChameleonForConditionalGeneration, image_size: int = 768, text_tokenizer: Any = None) -> None:
         super().__init__()
         self.model = model.eval()
@@ -87,6 +92,7 @@ class LuminaTarget(nn.Module):
         if sorted(img2bpe) != list(range(self.vocab_size)):
             raise SpecimgError("the Chameleon vocabulary's image tokens do not name codes 0..K-1")
         self._code_bpe = torch.tensor([img2bpe[c] for c in range(self.vocab_size)], device=self._device)
+        self._rope: Tensor | None = None  # draft_rope(), computed once per device
         self._cache: DynamicCache | None = None
         self._pad = torch.zeros(1, dtype=torch.long)  # [rows]: masked slots before each row's sequence
         self._base = torch.zeros(1, dtype=torch.long)  # [rows]: position of image code 0
@@ -96,10 +102,10 @@ class LuminaTarget(nn.Module):
         self._pending: tuple[Tensor, Tensor] | None = None  # last tree: node slots, newline slots (-1: none)
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
-        """Moving the weights drops the cache; the code-to-BPE table follows the device."""
+        """Moving the weights drops the cache and the draft RoPE; the code-to-BPE table follows the device."""
         super()._apply(fn, recurse)
         self._code_bpe = self._code_bpe.to(self._device)
-        self._cache = None
+        self._cache, self._rope = None, None
         return self
 
     # -- Target protocol
@@ -182,6 +188,25 @@ class LuminaTarget(nn.Module):
         keep_slots(self._cache, self._len, src)
         self._len, self._codes, self._pending = self._len + src.shape[0], self._codes + nodes.shape[0], None
 
+    # -- what an EAGLE drafter borrows (specimg.models.eagle.EagleTarget)
+
+    def draft_config(self) -> GPTConfig:
+        return draft_config(self.model.config, self.vocab_size, self.num_tokens)
+
+    def draft_rope(self) -> Tensor:
+        """1-D RoPE of the sequence position, counting the forced newline after every row:
+        image token k sits k + k // side positions after image token 0."""
+        if self._rope is None:
+            k = torch.arange(self.num_tokens, device=self._device)
+            self._rope = draft_rope(self.draft_config(), k + k // self.side)
+        return self._rope
+
+    def embed_codes(self, tokens: Tensor) -> Tensor:
+        return self.model.model.embed_tokens(self._code_bpe[tokens])
+
+    def code_logits(self, hidden: Tensor) -> Tensor:
+        return self.model.lm_head(hidden)[..., self._code_bpe]
+
     # -- prompts
 
     def prompt_ids(self, condition: LuminaCondition) -> Tensor:
@@ -214,7 +239,7 @@ class LuminaTarget(nn.Module):
         return self.model.lm_head.weight.dtype
 
     def _head(self, hidden: Tensor) -> TargetOutput:
-        return TargetOutput(self.model.lm_head(hidden)[..., self._code_bpe].float(), hidden)
+        return TargetOutput(self.code_logits(hidden).float(), hidden)
 
 
 def load_lumina_target(path: str | os.PathLike[str], **overrides: Any) -> LuminaTarget:

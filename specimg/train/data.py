@@ -20,12 +20,16 @@ Token sequences come from
 A c2i target's samples are conditioned on class labels (``label`` = the class); a t2i
 target's on captions, one per sample, made from prompts by the caller's text encoder
 (``label`` = the sample's index in ``settings.prompts``; the captions' digest is part of the
-settings, so a folder is never finished with another encoder's features).
+settings, so a folder is never finished with another encoder's features).  A target that
+tokenizes prompt texts itself (Janus, Lumina-mGPT: any :class:`~specimg.models.eagle.EagleTarget`
+with ``prompt_ids``) takes the prompts as they are; it is sampled by the engine's AR loop
+and teacher-forced through the Target contract (:func:`chain_features`).
 
 With ``uncond`` (the default when the target has a null condition) every sequence is also
 teacher-forced under the null condition and stored as a second example with ``label =
-num_classes`` (c2i) or ``-1`` (t2i, LlamaGen's ``uncond_embedding`` with the sample's
-caption mask): under CFG the drafter drafts the unconditional row too.
+num_classes`` (c2i) or ``-1`` (t2i: LlamaGen's ``uncond_embedding`` with the sample's
+caption mask, or the target's own unconditional row): under CFG the drafter drafts the
+unconditional row too.
 
 Layout of a data folder::
 
@@ -53,7 +57,8 @@ from torch import Tensor
 from specimg.config import Sampling
 from specimg.errors import SpecimgError
 from specimg.files import atomic_path
-from specimg.models.base import Caption, cfg_rows
+from specimg.models.base import Caption, causal_tree_mask, cfg_rows, takes_text
+from specimg.models.eagle import EagleTarget
 from specimg.models.llamagen import KVSlot, LlamaGenTarget
 from specimg.sampling import probabilities
 
@@ -66,13 +71,19 @@ def shard_name(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
 
 
-def target_fingerprint(target: LlamaGenTarget) -> dict[str, Any]:
-    """The target's shape and a hash of its output head rounded to bfloat16 (so an fp32
-    and a bf16 copy of one checkpoint agree): data made with one target is refused by a
-    drafter trained against another."""
-    head = target.output.weight.detach().to("cpu", torch.bfloat16).view(torch.int16)
+def target_fingerprint(target: EagleTarget) -> dict[str, Any]:
+    """The target's shape and a hash of its output head (a LlamaGen target) or of its image
+    tokens' input embeddings (others), rounded to bfloat16 (so an fp32 and a bf16 copy of
+    one checkpoint agree): data made with one target is refused by a drafter trained
+    against another."""
+    if isinstance(target, LlamaGenTarget):
+        config, weights = attrs.asdict(target.config), target.output.weight
+    else:
+        config = {"family": type(target).__name__, "hidden_size": target.hidden_size, "vocab_size": target.vocab_size, "num_tokens": target.num_tokens}
+        weights = target.input_embeddings()
+    head = weights.detach().to("cpu", torch.bfloat16).view(torch.int16)
     digest = hashlib.sha256(head.numpy().tobytes()).hexdigest()[:16]
-    return {"config": attrs.asdict(target.config), "head_sha256": digest}
+    return {"config": config, "head_sha256": digest}
 
 
 def _atomic_write_json(path: str, obj: Any) -> None:
@@ -150,6 +161,31 @@ def teacher_features(target: LlamaGenTarget, conditions: Tensor | Sequence[Capti
     return target.forward_sequence(conditions.to(device) if isinstance(conditions, Tensor) else conditions, tokens.to(device)).hidden
 
 
+@torch.inference_mode()
+def engine_tokens(target: EagleTarget, conditions: Sequence[Any], seeds: Sequence[int], sampling: Sampling) -> Tensor:
+    """One image per condition from the engine's AR loop, image i seeded ``seeds[i]``: the
+    sampler of targets without a batched one."""
+    from specimg.engine import Engine
+
+    engine = Engine(target, method="ar", sampling=sampling)
+    return torch.cat([engine.generate([c], seed=int(s)).tokens.cpu() for c, s in zip(conditions, seeds)])
+
+
+@torch.inference_mode()
+def chain_features(target: EagleTarget, conditions: Sequence[Any], tokens: Tensor, cfg: bool) -> Tensor:
+    """Any target's last hidden states [rows, B, N, D] teacher-forced on ``tokens`` [B, N],
+    one condition per image, through the Target contract: the prefill's state, then the
+    states of the first N - 1 tokens verified as one chain.  With ``cfg`` row 1 holds the
+    target's unconditional row."""
+    n = tokens.shape[1]
+    out = []
+    for condition, seq in zip(conditions, tokens):
+        first = target.prefill(condition, cfg).hidden
+        rest = target.forward_tree(seq[:-1], torch.arange(n - 1), causal_tree_mask(n - 1)).hidden
+        out.append(torch.cat([first, rest], dim=1))
+    return torch.stack(out, dim=1)
+
+
 def read_tokens_file(path: str | os.PathLike[str], target: LlamaGenTarget) -> tuple[Tensor, Tensor | None]:
     """A tokenised dataset: safetensors with ``tokens`` [M, N] and optionally ``labels`` [M]."""
     from safetensors.torch import load_file
@@ -204,8 +240,9 @@ def _file_digest(path: str) -> str:
 class DataSpec:
     """What to generate.  ``tokens_file`` None means self-distillation with ``sampling``;
     ``labels`` are cycled over the samples (default 0, 1, 2, ... mod num_classes; a tokens
-    file's own labels win).  A t2i target takes ``captions`` instead, one per sample, and
-    the ``prompts`` they were made from."""
+    file's own labels win).  A LlamaGen t2i target takes ``captions`` instead, one per
+    sample, and the ``prompts`` they were made from; a target that tokenizes texts itself
+    takes the ``prompts`` alone."""
 
     num_samples: int | None = None
     labels: tuple[int, ...] = ()
@@ -221,7 +258,7 @@ class DataSpec:
 
 
 def make_drafter_data(
-    target: LlamaGenTarget,
+    target: EagleTarget,
     out: str | os.PathLike[str],
     spec: DataSpec,
     *,
@@ -233,10 +270,11 @@ def make_drafter_data(
     """Generate (or finish generating) a data folder; returns its meta.  With several
     processes, call it in each with its index, the count and a barrier: the shards are
     shared round-robin.  ``progress`` is called with the samples each batch finished."""
-    if not isinstance(target, LlamaGenTarget):
-        raise SpecimgError(f"drafter data is made for LlamaGen targets so far, not {type(target).__name__}")
-    c = target.config
-    t2i = c.model_type == "t2i"
+    llamagen, text = isinstance(target, LlamaGenTarget), takes_text(target)
+    if not (llamagen or text):
+        raise SpecimgError(f"drafter data is made for LlamaGen targets and targets that take prompt texts, not {type(target).__name__}")
+    c = target.config if llamagen else None
+    t2i = text or c.model_type == "t2i"
     out = os.fspath(out)
     tokens_all: Tensor | None = None
     file_labels: Tensor | None = None
@@ -257,12 +295,15 @@ def make_drafter_data(
         source = {"kind": "self", "sampling": attrs.asdict(spec.sampling), "seed": spec.seed}
     if num < 1:
         raise SpecimgError("drafter data needs at least one sample")
-    if t2i != bool(spec.captions) or (t2i and len(spec.captions) != num):
+    if text:
+        if spec.captions or spec.labels or len(spec.prompts) != num:
+            raise SpecimgError(f"this target's drafter data needs one prompt text per sample ({len(spec.prompts)} for {num}), no captions or labels: give --prompts or --prompt")
+    elif t2i != bool(spec.captions) or (t2i and len(spec.captions) != num):
         raise SpecimgError(
             f"a t2i target's drafter data needs one caption per sample ({len(spec.captions)} for {num}): give --prompts and --text-encoder"
             if t2i else "captions go with a t2i target; this one is class-conditional: give --class-labels"
         )
-    bad = [x for x in spec.labels if not 0 <= x < c.num_classes]
+    bad = [] if t2i else [x for x in spec.labels if not 0 <= x < c.num_classes]
     if bad:
         raise SpecimgError(f"class label {bad[0]} is outside [0, {c.num_classes})")
     if t2i:
@@ -272,7 +313,7 @@ def make_drafter_data(
     else:
         cycle = list(spec.labels) or list(range(c.num_classes))
         labels = torch.tensor([cycle[i % len(cycle)] for i in range(num)], dtype=torch.long)
-    has_null = t2i or c.class_dropout_prob > 0  # t2i: uncond_embedding
+    has_null = t2i or c.class_dropout_prob > 0  # t2i: uncond_embedding or the target's unconditional row
     uncond = has_null if spec.uncond is None else spec.uncond
     if uncond and not has_null:
         raise SpecimgError("this target has no null class (class_dropout_prob = 0): use --no-uncond")
@@ -284,11 +325,13 @@ def make_drafter_data(
         "dtype": spec.dtype, "shard_size": spec.shard_size,
     }
     if t2i:
-        settings.update(prompts=list(spec.prompts), captions_sha256=_captions_digest(spec.captions))
+        settings.update(prompts=list(spec.prompts))
+    if t2i and not text:
+        settings.update(captions_sha256=_captions_digest(spec.captions))
     meta = {
         "format": FORMAT, "settings": settings, "target": fingerprint, "num_shards": num_shards,
-        "num_examples": num * (1 + uncond), "num_tokens": c.block_size, "hidden_size": c.dim,
-        "vocab_size": c.vocab_size, "num_classes": c.num_classes,
+        "num_examples": num * (1 + uncond), "num_tokens": target.num_tokens, "hidden_size": target.hidden_size,
+        "vocab_size": target.vocab_size, "num_classes": c.num_classes if llamagen else None,
     }
     meta_path = os.path.join(out, META)
     if process_index == 0:
@@ -316,18 +359,23 @@ def make_drafter_data(
         for start in range(lo, hi, spec.batch_size):
             idx = torch.arange(start, min(hi, start + spec.batch_size))
             lab = labels[idx]
-            captions = [spec.captions[int(i)] for i in idx] if t2i else []
-            conditions: Tensor | list[Caption] = captions if t2i else lab
-            if tokens_all is not None:
-                tok = tokens_all[idx]
+            null_labels = torch.full_like(lab, null)
+            seeds = [spec.seed + int(i) for i in idx]
+            if text:
+                prompts = [spec.prompts[int(i)] for i in idx]
+                tok = engine_tokens(target, prompts, seeds, spec.sampling)
+                rows = chain_features(target, prompts, tok, uncond)
+                variants = [(lab, rows[0]), (null_labels, rows[-1])][: 1 + uncond]
             else:
-                tok = sample_tokens(target, captions if t2i else lab.tolist(), [spec.seed + int(i) for i in idx], spec.sampling)
-            variants = [(lab, conditions)]
-            if uncond:
-                null_labels = torch.full_like(lab, null)
-                variants.append((null_labels, [Caption(target.cls_embedding.uncond_embedding, x.mask) for x in captions] if t2i else null_labels))
-            for part, (variant, given) in zip(parts, variants):
-                part["features"].append(teacher_features(target, given, tok).to("cpu", dtype))
+                captions = [spec.captions[int(i)] for i in idx] if t2i else []
+                conditions: Tensor | list[Caption] = captions if t2i else lab
+                tok = tokens_all[idx] if tokens_all is not None else sample_tokens(target, captions if t2i else lab.tolist(), seeds, spec.sampling)
+                given = [(lab, conditions)]
+                if uncond:
+                    given.append((null_labels, [Caption(target.cls_embedding.uncond_embedding, x.mask) for x in captions] if t2i else null_labels))
+                variants = [(variant, teacher_features(target, g, tok)) for variant, g in given]
+            for part, (variant, features) in zip(parts, variants):
+                part["features"].append(features.to("cpu", dtype))
                 part["tokens"].append(tok)
                 part["labels"].append(variant)
                 part["sample"].append(idx)
@@ -389,7 +437,7 @@ class DrafterData:
     def num_tokens(self) -> int:
         return int(self.meta["num_tokens"])
 
-    def check_target(self, target: LlamaGenTarget) -> None:
+    def check_target(self, target: EagleTarget) -> None:
         """Refuse a target other than the one that made the data."""
         mine = target_fingerprint(target)
         theirs = self.meta["target"]

@@ -51,8 +51,7 @@ from torch import Tensor, nn
 
 from specimg.errors import SpecimgError
 from specimg.files import atomic_path
-from specimg.models.eagle import EagleDrafter, build_drafter, load_drafter, save_drafter
-from specimg.models.llamagen import LlamaGenTarget
+from specimg.models.eagle import EagleDrafter, EagleTarget, build_drafter, load_drafter, save_drafter
 from specimg.plugins import PluginManager, get_plugin_manager
 from specimg.train.data import DrafterData, _atomic_write_json
 
@@ -128,7 +127,7 @@ class TrainResult:
 
 def eagle_loss(
     drafter: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]],
-    head: nn.Module,
+    head: Callable[[Tensor], Tensor],
     features: Tensor,
     tokens: Tensor,
     w_cls: float,
@@ -245,7 +244,7 @@ def _prune(out: str, keep: int) -> None:
 
 
 def train_drafter(
-    target: LlamaGenTarget,
+    target: EagleTarget,
     data: DrafterData | str | os.PathLike[str],
     out: str | os.PathLike[str],
     config: TrainConfig = TrainConfig(),
@@ -326,7 +325,7 @@ def train_drafter(
     if state is not None and state.get("done") and os.path.exists(os.path.join(out, FINAL)):
         return TrainResult(accelerator.unwrap_model(model).drafter.eval(), step, os.path.join(out, FINAL))
 
-    head = target.output
+    head = target.code_logits
     params = [p for p in drafter.parameters() if p.requires_grad]
     order: dict[int, Tensor] = {}
     from tqdm import tqdm
