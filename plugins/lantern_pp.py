@@ -15,6 +15,7 @@ A token the target finds unlikely stays unlikely: the cap scales with p_u(c).
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections.abc import Callable
 from typing import Any
@@ -56,15 +57,22 @@ TREES: dict[str, RankPaths] = {
 }
 
 
+@functools.lru_cache(maxsize=None)
+def sized_paths(nodes: int) -> RankPaths:
+    """The static tree of ``nodes`` nodes (the root included): the likeliest rank paths."""
+    return likely_paths(nodes - 1)
+
+
 @attrs.frozen
 class LanternPPOptions:
     """k: codebook neighbours per token; lam: cap on q_R(c) / p(c); delta: TVD budget per
-    node; tree: the static tree's name (see TREES)."""
+    node; tree: the static tree's name (see TREES), or auto: the likeliest paths, as many
+    nodes as the run's tree has (with auto trees, the size the machine's cost model picks)."""
 
     k: int = attrs.field(default=10, validator=v.ge(1))
     lam: float = attrs.field(default=5.0, validator=v.ge(1.0))
     delta: float = 0.1
-    tree: str = attrs.field(default="default", validator=v.in_(tuple(TREES)))
+    tree: str = attrs.field(default="auto", validator=v.in_(("auto", *TREES)))
 
 
 @hookimpl
@@ -76,7 +84,8 @@ def register_methods(register: Callable[[MethodSpec], None]) -> None:
 def propose_tree(
     session: DraftSession, root_token: int, tree_config: TreeConfig, max_depth: int, generator: torch.Generator, options: LanternPPOptions
 ) -> DraftTree:
-    return build_static(session, root_token, TREES[options.tree], tree_config.sample, generator, max_depth=max_depth)
+    paths = sized_paths(tree_config.total_tokens) if options.tree == "auto" else TREES[options.tree]
+    return build_static(session, root_token, paths, tree_config.sample, generator, max_depth=max_depth)
 
 
 @hookimpl

@@ -403,7 +403,7 @@ def _report(engine: Engine, models: Any, path: str, run: RunStats, images: int, 
 
 def _tree_summary(engine: Engine, stats: RunStats) -> str:
     """The tree a run used: auto trees by share of steps, with the cost model's prediction."""
-    if not engine.auto_tree:
+    if not engine.auto_tree or engine.own_tree:
         return engine.tree_label
     steps = stats.trees()
     total = sum(steps.values()) or 1

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 from collections.abc import Callable
@@ -164,9 +165,10 @@ def _save(path: Path, text: str) -> None:
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
-    """Fastest milliseconds of a call, after warm-up; waits for the device each time.  The
-    minimum, not the mean: other load on a shared machine only ever adds time.  ``setup``
-    runs untimed before each call and hands it its argument."""
+    """Median milliseconds of a call, after warm-up; waits for the device each time.  The
+    median, not the minimum: a decode step pays what a call typically costs, and the
+    fastest of a tight loop of identical calls underestimates that by a fifth on a CPU.
+    ``setup`` runs untimed before each call and hands it its argument."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def timed(call: Callable[[], Any], repeats: int = _REPEATS, setup: Callable[[], Any] | None = None) -> float:
@@ -179,7 +181,7 @@ def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
             sync()
             if i >= _WARMUP:
                 samples.append(1000 * (time.perf_counter() - start))
-        return min(samples)
+        return statistics.median(samples)
 
     return timed
 
@@ -205,15 +207,14 @@ def measure(target: Target, drafter: Drafter, sampling: Sampling, condition: Con
 
     sizes = [n for n in VERIFY_SIZES if n <= capacity]
     trees = {n: DraftTree.from_parents([0] * n, [-1] + [(i - 1) // 4 for i in range(1, n)]) for n in sizes}
-    best = dict.fromkeys(["ar", *sizes], float("inf"))
+    rounds: dict[Any, list[float]] = {key: [] for key in ["ar", *sizes]}
     for _ in range(_REPEATS):  # rounds over AR and every size: a burst of load spoils one round, not one size
-        best["ar"] = min(best["ar"], timed(ar_step, repeats=1))
+        rounds["ar"].append(timed(ar_step, repeats=1))
         for n, tree in trees.items():
             tokens, depths, mask = (t.to(device) for t in (tree.tokens, tree.depths, tree.mask))
-            ms = timed(lambda: probabilities(target.forward_tree(tokens, depths, mask).logits, sampling), repeats=1)
-            best[n] = min(best[n], ms)
-    ar = best.pop("ar")
-    verify = list(best.items())
+            rounds[n].append(timed(lambda: probabilities(target.forward_tree(tokens, depths, mask).logits, sampling), repeats=1))
+    ar = statistics.median(rounds.pop("ar"))
+    verify = [(n, statistics.median(ms)) for n, ms in rounds.items()]
     news = torch.zeros(_START_TOKENS, dtype=torch.long, device=device)
     start = timed(lambda _: drafter.start(last.expand(-1, _START_TOKENS, -1), news), setup=lambda: drafter.prefill(condition, sampling.cfg))
     setup, rest = _step_overhead(target, sampling, condition, device)

@@ -68,7 +68,7 @@ class Engine:
         self.plugins = plugins or get_plugin_manager()
         self._check_vocabularies()
         self.stack: Stack | None = None
-        self._own_tree = False
+        self.own_tree = False
         if method.strip() == AR:
             if options:
                 raise SpecimgError("method 'ar' takes no options")
@@ -77,7 +77,8 @@ class Engine:
         if drafter is None:
             raise SpecimgError(f"method {self.stack.name!r} drafts tokens and needs a drafter")
         self._propose = self._firstresult_caller("propose_tree")
-        self._own_tree = bool(self.plugins.implementers("propose_tree", self.stack.members))
+        self.own_tree = bool(self.plugins.implementers("propose_tree", self.stack.members))
+        """Whether a method of the stack brings its own tree (lantern++'s static trees)."""
         self._score = self._firstresult_caller("score")
         self._accept = self._firstresult_caller("accept")
         self._relaxers = [
@@ -129,9 +130,9 @@ class Engine:
 
     @property
     def auto_tree(self) -> bool:
-        """Whether the planner shapes the trees: an auto config, and no method in the stack
-        that brings its own tree (lantern++)."""
-        return self.stack is not None and self.tree_config.kind == "auto" and not self._own_tree
+        """Whether the planner shapes the trees (an auto config); a method that brings its
+        own tree (lantern++) gets the planner's tree config and may take its size."""
+        return self.stack is not None and self.tree_config.kind == "auto"
 
     @property
     def tree_label(self) -> str:
@@ -139,8 +140,8 @@ class Engine:
         config = self.tree_config
         if self.stack is None:
             return "-"
-        if self._own_tree:
-            return f"{self.plugins.implementers('propose_tree', self.stack.members)[0]}'s own"
+        if self.own_tree:
+            return f"{self.plugins.implementers('propose_tree', self.stack.members)[0]}'s own" + (", auto-sized" if config.kind == "auto" else "")
         if config.kind == "auto":
             return "auto"
         if config.kind == "dynamic":

@@ -35,7 +35,7 @@ MAX_TOPK = 10
 PRIOR_FIRST, PRIOR_DECAY, PRIOR_WEIGHT = 0.5, 0.5, 2.0
 """Before any step: the rank-r child is accepted with probability 0.5 * 0.5**r, worth two
 observed visits."""
-REPLAN_EVERY = 8
+REPLAN_EVERY = 16
 
 
 @attrs.frozen

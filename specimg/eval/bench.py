@@ -379,7 +379,8 @@ def _tree_used(records: Sequence[Mapping[str, Any]], engine: Engine | None) -> s
         for (start, depth, topk, nodes), end in zip(trees, [t[0] for t in trees[1:]] + [taken]):
             key = f"auto {depth}/{topk}/{nodes}"
             steps[key] = steps.get(key, 0) + end - start
-    if steps:
+    own = engine is not None and engine.own_tree
+    if steps and not own:
         return max(steps, key=lambda k: steps[k])
     return engine.tree_label if engine is not None else "-"
 
