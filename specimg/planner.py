@@ -75,12 +75,13 @@ def _grown(rates: np.ndarray, max_depth: int, topk: int):
 def plans(cost: CostModel, rates: np.ndarray, max_nodes: int, max_depth: int = MAX_DEPTH, max_topk: int = MAX_TOPK, max_fed: int = 128) -> Iterator[Plan]:
     """The best size of every (depth, top-k) tree that fits: at most ``max_nodes`` nodes,
     and at most ``max_fed`` drafter nodes fed ((depth - 1) * top-k)."""
-    verify = cost.verify(np.arange(2, max_nodes + 1))
+    verify = cost.verify(np.arange(2, max_nodes + 1)) + cost.overhead_ms
     for topk in range(1, max_topk + 1):
-        level_ms = cost.draft(2, topk) - cost.draft(1, topk)
+        first = cost.draft(1, topk)
+        level_ms = cost.draft(2, topk) - first
         for depth, tokens in _grown(rates, min(max_depth, 1 + max_fed // topk), topk):
             tokens = tokens[1:max_nodes]  # trees of 2..max_nodes nodes
-            ms = verify[: tokens.size] + cost.draft(1, topk) + cost.overhead_ms + (depth - 1) * level_ms
+            ms = verify[: tokens.size] + first + (depth - 1) * level_ms
             i = int(np.argmax(tokens / ms))
             yield Plan(depth, topk, i + 2, float(tokens[i]), float(ms[i]), float(tokens[i] / ms[i] * cost.ar_ms))
 
