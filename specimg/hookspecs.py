@@ -52,9 +52,11 @@ def propose_tree(
     """Grow this step's draft tree from the drafter's ``session``, rooted at ``root_token``
     and no deeper than ``max_depth``.
 
-    First result wins.  The core's default builds the tree ``tree_config`` describes
-    (EAGLE-2 dynamic by default).  At most one method of a stack may implement this hook:
-    two that both supply a tree is an error naming both.
+    ``tree_config`` is this step's shape: the user's, or with auto trees the EAGLE-2 tree
+    the planner chose for this step (a method with its own tree may take its size).
+    First result wins.  The core's default builds the tree ``tree_config`` describes.  At
+    most one method of a stack may implement this hook: two that both supply a tree is an
+    error naming both.
     """
 
 
