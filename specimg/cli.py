@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from specimg import costs
 from specimg.cliopts import (
-    IMAGES, SEED, THREADS, FiniteFloat, check_tree_fits, condition_options, device_from, device_options, method_options,
+    DTYPES, IMAGES, SEED, THREADS, FiniteFloat, check_tree_fits, condition_options, device_from, device_options, method_options,
     model_options, prompt_options, sampling_from, sampling_options, tree_from, tree_options,
 )
 from specimg.eval.conditions import Conditions, conditions_for, sample_captions, shorten
@@ -186,8 +186,7 @@ def generate(**kw: Any) -> None:
 
     device, dtype = device_from(kw)
     state = PartialState(cpu=device.type == "cpu")  # one process, or one per image slice under torchrun / accelerate launch
-    if state.num_processes > 1 and device.type == "cuda" and device.index is None:
-        device = state.device  # a GPU per process
+    device = _process_device(device, state)
     if kw["threads"] or not kw["target"]:  # after PartialState, which sets (cores / processes) threads
         torch.set_num_threads(kw["threads"] or 1)
     model = kw["model"] or _default_model()
@@ -412,6 +411,11 @@ def _tree_summary(engine: Engine, stats: RunStats) -> str:
     return f"auto: {shares}; predicted speedup {stats.predicted_speedup:.2f}x (cost model {engine.cost_model.key}: {engine.cost_model.machine})"
 
 
+def _process_device(device: torch.device, state: Any) -> torch.device:
+    """``device``, or this process's GPU when several processes share ``--device cuda``."""
+    return state.device if device.type == "cuda" and device.index is None else device
+
+
 def _decode(tokenizer: Any, codes: torch.Tensor) -> torch.Tensor:
     with torch.inference_mode():
         return tokenizer.decode(codes)
@@ -458,10 +462,10 @@ def _label_list(text: str | None, target: Any) -> tuple[int, ...]:
 @click.option("--seed", type=SEED, default=0, show_default=True, help="sample i uses seed + i")
 @sampling_options
 @click.option("--uncond/--no-uncond", default=None, help="also store every sequence under the null class [default: when the target has one]")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True, help="storage type of the features")
+@device_options
+@click.option("--feature-dtype", type=click.Choice(list(DTYPES)), default=None, help="storage type of the features [default: --dtype]")
 @click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True, help="images sampled / teacher-forced at once")
 @click.option("--shard-size", type=click.IntRange(min=1), default=256, show_default=True, help="images per shard file")
-@click.option("--cpu", is_flag=True, help="stay on the CPU even if a GPU is present")
 def make_drafter_data_command(**kw: Any) -> None:
     """Generate drafter training data once: the target's teacher-forced features on
     self-sampled (or given) token sequences, as safetensors shards.  A c2i target samples
@@ -472,14 +476,15 @@ def make_drafter_data_command(**kw: Any) -> None:
     from specimg.train.data import DataSpec, make_drafter_data
 
     writable_folder(kw["out"])
-    state = PartialState(cpu=kw["cpu"])
-    target = _train_target(kw["target"], kw["preset"], kw["target_config"]).to(state.device)
+    device, dtype = device_from(kw)
+    state = PartialState(cpu=device.type == "cpu")
+    target = _train_target(kw["target"], kw["preset"], kw["target_config"]).to(_process_device(device, state), dtype)
     sampling = sampling_from(kw, _base_sampling(kw["target"], None, target))
     captions, prompts = sample_captions(target, kw)
     spec = DataSpec(
         num_samples=kw["num_samples"], labels=_label_list(kw["class_labels"], target),
         captions=captions, prompts=prompts,
-        tokens_file=kw["tokens_file"], sampling=sampling, seed=kw["seed"], uncond=kw["uncond"], dtype=kw["dtype"],
+        tokens_file=kw["tokens_file"], sampling=sampling, seed=kw["seed"], uncond=kw["uncond"], dtype=kw["feature_dtype"] or kw["dtype"],
         shard_size=kw["shard_size"], batch_size=kw["batch_size"],
     )
     start = time.perf_counter()
@@ -521,7 +526,7 @@ def make_drafter_data_command(**kw: Any) -> None:
 @click.option("--log-every", type=click.IntRange(min=1), default=10, show_default=True)
 @click.option("--mixed-precision", type=click.Choice(["no", "fp16", "bf16"]), default="no", show_default=True)
 @click.option("--seed", type=SEED, default=0, show_default=True, help="drafter init and data order")
-@click.option("--cpu", is_flag=True, help="stay on the CPU even if a GPU is present")
+@click.option("--device", default="auto", show_default=True, help="cpu, cuda or auto (a GPU when there is one; under accelerate launch, one per process)")
 def train_drafter_command(**kw: Any) -> None:
     """Train an EAGLE-1 drafter on drafter data (accelerate: `accelerate launch -m specimg.cli
     train-drafter ...` for several GPUs).  Writes OUT/drafter.safetensors."""
@@ -540,7 +545,7 @@ def train_drafter_command(**kw: Any) -> None:
     )
     writable_folder(kw["out"])
     target = _train_target(kw["target"], kw["preset"], kw["target_config"])
-    accelerator = Accelerator(mixed_precision=config.mixed_precision, cpu=kw["cpu"])
+    accelerator = Accelerator(mixed_precision=config.mixed_precision, cpu=device_from(kw)[0].type == "cpu")
     start = time.perf_counter()
     result = train_drafter(
         target, kw["data"], kw["out"], config, method=kw["method"], options=parse_options(kw["options"]), accelerator=accelerator,

@@ -138,7 +138,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def device_from(kw: dict[str, Any]) -> tuple[torch.device, torch.dtype]:
-    """--device and --dtype, checked against this machine."""
+    """--device and --dtype (float32 for a command without it), checked against this machine."""
     name = kw["device"].strip().lower()
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -152,7 +152,7 @@ def device_from(kw: dict[str, Any]) -> tuple[torch.device, torch.dtype]:
         raise SpecimgError(f"--device {kw['device']!r}: this torch build or machine has no CUDA GPU; use --device cpu")
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         raise SpecimgError(f"--device {kw['device']!r}: this machine has {torch.cuda.device_count()} GPU(s)")
-    return device, DTYPES[kw["dtype"]]
+    return device, DTYPES[kw.get("dtype") or "float32"]
 
 
 def sampling_from(kw: dict[str, Any], base: Sampling) -> Sampling:

@@ -152,3 +152,12 @@ def test_two_processes_deal_the_images_into_one_manifest(tmp_path, capsys):
     capsys.readouterr()
     assert run("generate", "--model", "tiny-random", "-n", "5", "--class-labels", "1,2,3", "--out", str(two)) == 0
     assert "nothing to do" in capsys.readouterr().out
+
+
+def test_drafter_data_runs_the_target_in_dtype_and_stores_features_as_asked(tmp_path):
+    from safetensors.torch import load_file
+
+    for args, stored in ((["--dtype", "bfloat16"], torch.bfloat16), (["--dtype", "bfloat16", "--feature-dtype", "float32"], torch.float32)):
+        out = tmp_path / str(stored)
+        assert run("make-drafter-data", "--target", "tiny-random", "-n", "2", "--device", "cpu", *args, "--out", str(out)) == 0
+        assert load_file(str(out / "shard-00000.safetensors"))["features"].dtype == stored

@@ -106,8 +106,8 @@ def test_drafter_from_prompts_made_trained_and_used(tmp_path, targets, capsys, f
     target = targets[family][:2] + (["--target-config", "image_size=64"] if family == "lumina" else [])
     (tmp_path / "p.txt").write_text("\n".join(PROMPTS) + "\n")
     data, run_dir = str(tmp_path / "data"), str(tmp_path / "run")
-    assert run("make-drafter-data", *target, "--prompts", str(tmp_path / "p.txt"), "-n", "2", "--cfg-scale", "3", "--out", data, "--cpu") == 0, capsys.readouterr().err
-    assert run("train-drafter", *target, "--data", data, "--out", run_dir, "--steps", "2", "--batch-size", "2", "--cpu") == 0, capsys.readouterr().err
+    assert run("make-drafter-data", *target, "--prompts", str(tmp_path / "p.txt"), "-n", "2", "--cfg-scale", "3", "--out", data, "--device", "cpu") == 0, capsys.readouterr().err
+    assert run("train-drafter", *target, "--data", data, "--out", run_dir, "--steps", "2", "--batch-size", "2", "--device", "cpu") == 0, capsys.readouterr().err
     drafter = os.path.join(run_dir, "drafter.safetensors")
     out = tmp_path / "out"
     assert run("generate", *targets[family], "--drafter", drafter, "-m", "cascade+lantern", *FAST, "--prompt", PROMPTS[0], "-n", "1", "--out", str(out)) == 0, capsys.readouterr().err

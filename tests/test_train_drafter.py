@@ -261,9 +261,9 @@ def test_cli_makes_data_and_trains(tmp_path) -> None:
 
     runner = CliRunner()
     data, run = str(tmp_path / "data"), str(tmp_path / "run")
-    result = runner.invoke(cli, ["make-drafter-data", "--target", "tiny-random", "--out", data, "-n", "4", "--cfg-scale", "2", "--cpu"])
+    result = runner.invoke(cli, ["make-drafter-data", "--target", "tiny-random", "--out", data, "-n", "4", "--cfg-scale", "2", "--device", "cpu"])
     assert result.exit_code == 0, result.output
-    args = ["train-drafter", "--target", "tiny-random", "--data", data, "--out", run, "--steps", "3", "--batch-size", "4", "--cpu"]
+    args = ["train-drafter", "--target", "tiny-random", "--data", data, "--out", run, "--steps", "3", "--batch-size", "4", "--device", "cpu"]
     result = runner.invoke(cli, args + ["--method", "naive"])
     assert result.exit_code == 0, result.output
     assert os.path.exists(os.path.join(run, "drafter.safetensors")) and len(read_log(run)) == 2  # steps 0 and 2 (the last)
@@ -274,11 +274,11 @@ def test_cli_makes_data_and_trains(tmp_path) -> None:
     save_file(tiny().state_dict(), str(tmp_path / "gpt.safetensors"))
     shape = [x for key, value in TINY.items() for x in ("--target-config", f"{key}={value}")]
     target = ["--target", str(tmp_path / "gpt.safetensors"), *shape]
-    result = runner.invoke(cli, ["make-drafter-data", *target, "--out", str(tmp_path / "d2"), "-n", "8", "--cpu"])
+    result = runner.invoke(cli, ["make-drafter-data", *target, "--out", str(tmp_path / "d2"), "-n", "8", "--device", "cpu"])
     assert result.exit_code == 0, result.output
-    result = runner.invoke(cli, ["train-drafter", *target, "--data", str(tmp_path / "d2"), "--out", str(tmp_path / "r2"), "--steps", "2", "--batch-size", "8", "--cpu"])
+    result = runner.invoke(cli, ["train-drafter", *target, "--data", str(tmp_path / "d2"), "--out", str(tmp_path / "r2"), "--steps", "2", "--batch-size", "8", "--device", "cpu"])
     assert result.exit_code == 0, result.output
-    result = runner.invoke(cli, ["train-drafter", "--target", "tiny-random", "--data", str(tmp_path / "d2"), "--out", str(tmp_path / "r3"), "--cpu"])
+    result = runner.invoke(cli, ["train-drafter", "--target", "tiny-random", "--data", str(tmp_path / "d2"), "--out", str(tmp_path / "r3"), "--device", "cpu"])
     assert isinstance(result.exception, SpecimgError) and "another shape" in str(result.exception)
 
 
@@ -358,13 +358,13 @@ def test_cli_drafter_from_prompts_for_a_t2i_checkpoint(tmp_path, tiny_preset) ->
     runner = CliRunner()
     target = ["--target", str(tmp_path / "t2i.pt")]
     data = ["--prompts", str(tmp_path / "p.txt"), "--text-encoder", str(tmp_path / "enc.safetensors")]
-    result = runner.invoke(cli, ["make-drafter-data", *target, *data, "--out", str(tmp_path / "d"), "-n", "4", "--cfg-scale", "2", "--cpu"])
+    result = runner.invoke(cli, ["make-drafter-data", *target, *data, "--out", str(tmp_path / "d"), "-n", "4", "--cfg-scale", "2", "--device", "cpu"])
     assert result.exit_code == 0, result.output
     assert DrafterData(tmp_path / "d").meta["settings"]["prompts"] == ["a red cube", "a dog", "a tram at night", "a red cube"]
-    result = runner.invoke(cli, ["train-drafter", *target, "--data", str(tmp_path / "d"), "--out", str(tmp_path / "r"), "--steps", "2", "--batch-size", "4", "--cpu"])
+    result = runner.invoke(cli, ["train-drafter", *target, "--data", str(tmp_path / "d"), "--out", str(tmp_path / "r"), "--steps", "2", "--batch-size", "4", "--device", "cpu"])
     assert result.exit_code == 0, result.output
     assert os.path.exists(tmp_path / "r" / "drafter.safetensors")
-    result = runner.invoke(cli, ["make-drafter-data", *target, "--out", str(tmp_path / "x"), "-n", "2", "--cpu"])
+    result = runner.invoke(cli, ["make-drafter-data", *target, "--out", str(tmp_path / "x"), "-n", "2", "--device", "cpu"])
     assert isinstance(result.exception, SpecimgError) and "needs --prompts FILE or --prompt TEXT" in str(result.exception)
-    result = runner.invoke(cli, ["make-drafter-data", "--target", "tiny-random", *data, "--out", str(tmp_path / "y"), "-n", "2", "--cpu"])
+    result = runner.invoke(cli, ["make-drafter-data", "--target", "tiny-random", *data, "--out", str(tmp_path / "y"), "-n", "2", "--device", "cpu"])
     assert isinstance(result.exception, SpecimgError) and "needs a t2i target" in str(result.exception)
