@@ -9,14 +9,7 @@ import torch
 from PIL import Image
 
 from specimg.cli import main
-
-
-def run(*args: str) -> int:
-    try:
-        main(list(args))
-    except SystemExit as stop:
-        return int(stop.code)
-    return 0
+from specimg.testing.cli import run
 
 
 def test_generate_writes_images_grid_and_manifest(tmp_path, capsys):

@@ -15,21 +15,13 @@ pytest.importorskip("transformers")
 
 from PIL import Image  # noqa: E402
 
-from specimg.cli import main  # noqa: E402
+from specimg.testing.cli import run  # noqa: E402
 from specimg.models.chameleon_vq import ChameleonVQConfig, ChameleonVQDecoder  # noqa: E402
 from specimg.testing.tiny_hf import LUMINA_CODES, save_tiny_janus, save_tiny_lumina  # noqa: E402
 
 FAST = ["--total-tokens", "6", "--depth", "3", "--topk", "2"]
 PROMPTS = ["a red cat", "a cat"]
 VQGAN = dict(n_embed=LUMINA_CODES, embed_dim=8, z_channels=16, ch=32, ch_mult=(1, 1), num_res_blocks=1)
-
-
-def run(*args: str) -> int:
-    try:
-        main(list(args))
-    except SystemExit as stop:
-        return int(stop.code)
-    return 0
 
 
 @pytest.fixture(scope="module")

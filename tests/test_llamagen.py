@@ -9,7 +9,15 @@ import torch
 
 from specimg.errors import SpecimgError
 from specimg.models.base import Caption, Target, causal_tree_mask
-from specimg.models.llamagen import PRESETS, LlamaGenTarget, build_target, load_target, make_config, rope_table
+from specimg.models.llamagen import (
+    PRESETS,
+    LlamaGenTarget,
+    build_target,
+    load_target,
+    make_config,
+    rope_table,
+)
+from specimg.testing.trees import path_to, random_tree
 
 TINY = dict(dim=64, n_layer=2, n_head=4, vocab_size=64, block_size=16, multiple_of=32, num_classes=10, initializer_range=0.1)
 TINY_T2I = dict(TINY, model_type="t2i", cls_token_num=6, caption_dim=24)
@@ -28,25 +36,6 @@ def condition_for(target: LlamaGenTarget, seed: int = 0) -> int | Caption:
     mask = torch.ones(c.cls_token_num, dtype=torch.bool)
     mask[:2] = False  # left padding, as LlamaGen's sampler arranges T5 features
     return Caption(torch.randn(c.cls_token_num, c.caption_dim, generator=g), mask)
-
-
-def random_tree(n: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-    """tokens, depths, ancestor-or-self mask, parents of a random tree (node 0 = root)."""
-    g = torch.Generator().manual_seed(seed)
-    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
-    mask = torch.eye(n, dtype=torch.bool)
-    depths = [0] * n
-    for i in range(1, n):
-        mask[i] |= mask[parents[i]]
-        depths[i] = depths[parents[i]] + 1
-    return torch.randint(0, vocab, (n,), generator=g), torch.tensor(depths), mask, parents
-
-
-def path_to(node: int, parents: list[int]) -> list[int]:
-    path = [node]
-    while parents[path[-1]] >= 0:
-        path.append(parents[path[-1]])
-    return path[::-1]
 
 
 def decode_chain(target: LlamaGenTarget, condition: int | Caption, tokens: list[int]):

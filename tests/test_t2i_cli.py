@@ -9,22 +9,14 @@ import pytest
 import torch
 from PIL import Image
 
-from specimg.cli import main
 from specimg.eval.prompts import HashTextEncoder
 from specimg.models.llamagen import build_target
 from specimg.models.loading import TINY_GPT, TINY_VQ
 from specimg.models.vq import build_tokenizer, save_tokenizer
+from specimg.testing.cli import run
 
 T2I = dict(TINY_GPT, model_type="t2i", cls_token_num=4, caption_dim=12, block_size=16)
 FAST = ["--total-tokens", "8", "--depth", "2", "--topk", "2"]
-
-
-def run(*args: str) -> int:
-    try:
-        main(list(args))
-    except SystemExit as stop:
-        return int(stop.code)
-    return 0
 
 
 @pytest.fixture
