@@ -6,10 +6,10 @@ import os
 import attrs
 import pytest
 import torch
+from cli_runner import run
 from PIL import Image
 
 from specimg.cli import main
-from specimg.testing.cli import run
 
 
 def test_generate_writes_images_grid_and_manifest(tmp_path, capsys):

@@ -13,9 +13,9 @@ import torch
 
 pytest.importorskip("transformers")
 
+from cli_runner import run  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from specimg.testing.cli import run  # noqa: E402
 from specimg.models.chameleon_vq import ChameleonVQConfig, ChameleonVQDecoder  # noqa: E402
 from specimg.testing.tiny_hf import LUMINA_CODES, save_tiny_janus, save_tiny_lumina  # noqa: E402
 

@@ -7,13 +7,13 @@ import os
 
 import pytest
 import torch
+from cli_runner import run
 from PIL import Image
 
 from specimg.eval.prompts import HashTextEncoder
 from specimg.models.llamagen import build_target
 from specimg.models.loading import TINY_GPT, TINY_VQ
 from specimg.models.vq import build_tokenizer, save_tokenizer
-from specimg.testing.cli import run
 
 T2I = dict(TINY_GPT, model_type="t2i", cls_token_num=4, caption_dim=12, block_size=16)
 FAST = ["--total-tokens", "8", "--depth", "2", "--topk", "2"]
