@@ -16,6 +16,7 @@ from specimg.methods import Member, make_options
 from specimg.plugins import PluginManager
 from specimg.relax import tvd
 from specimg.testing.markov import MarkovDrafter, MarkovTarget
+from specimg.train.drafter import apply_loss_hooks, loss_hooks
 from specimg.tree import DraftSession, build_tree
 from specimg_plugins import cascade, gsd, lantern, lantern_pp
 
@@ -224,12 +225,49 @@ def test_cascade_donors_come_from_other_branches_and_adjacent_depths():
     assert [t for t in only_pos[1, c_col].tolist() if t >= 0] == [15]
 
 
-def test_cascade_train_loss_upweights_convergent_positions():
-    features = torch.tensor([[[1.0, 0.0], [2.0, 0.1], [0.0, 1.0], [0.0, 3.0]], [[1.0, 0.0], [1.0, 0.0], [1.0, 0.0], [0.0, 1.0]]])
+def test_cascade_train_loss_boosts_the_cross_entropy_at_convergent_positions():
+    # cos(F1, F0) = 0.6, cos(F2, F1) = 0.96, cos(F3, F2) = 0.6 (row 0); row 1: F1 = F0, F2 = F1 but F2 is masked
+    features = torch.tensor([
+        [[1.0, 0.0], [3.0, 4.0], [4.0, 3.0], [0.0, 5.0]],
+        [[1.0, 0.0], [2.0, 0.0], [1.0, 0.0], [0.0, 1.0]],
+    ])
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 1]], dtype=torch.bool)
-    loss = torch.full((2, 4), 2.0)
-    out = cascade.train_loss(loss=loss, features=features, mask=mask, options=cascade.CascadeOptions(beta=0.5))
-    assert out.tolist() == [[2.0, 3.0, 2.0, 3.0], [2.0, 3.0, 2.0, 2.0]]
+    soft_ce = torch.tensor([[1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 3.0, 4.0]])
+    regression = torch.full((2, 4), 0.5)
+    options = cascade.CascadeOptions(tau_seq=0.9, beta=0.5)
+    ce, reg = cascade.train_loss(soft_ce=soft_ce, regression=regression, features=features, mask=mask, options=options)
+    # convergent: row 0 at t = 2 only; row 1 at t = 1 only (t = 2 and 3 touch the masked position)
+    assert ce.tolist() == [[1.0, 2.0, 4.5, 4.0], [1.0, 3.0, 3.0, 4.0]]
+    assert reg is regression
+    # the per-position loss with EAGLE's weights 0.1 / 1.0, by hand: 0.1 * ce * (1 + 0.5 * convergent) + 0.5
+    hooks, _ = loss_hooks(PluginManager(), "cascade", {"cascade": {"tau_seq": 0.9, "beta": 0.5}})
+    total = apply_loss_hooks(hooks, soft_ce, regression, 0.1, 1.0, features, torch.zeros(2, 4, dtype=torch.long), mask)
+    want = torch.tensor([[0.6, 0.7, 0.95, 0.9], [0.6, 0.8, 0.8, 0.9]])
+    torch.testing.assert_close(total, want)
+
+
+def test_cascade_train_loss_leaves_the_regression_alone():
+    g = torch.Generator().manual_seed(0)
+    features, soft_ce, regression = torch.randn(3, 6, 4, generator=g), torch.rand(3, 6, generator=g), torch.rand(3, 6, generator=g)
+    mask = torch.ones(3, 6, dtype=torch.bool)
+    for options in (cascade.CascadeOptions(tau_seq=-1.0, beta=3.0), cascade.CascadeOptions(tau_seq=1.0, beta=3.0)):
+        ce, reg = cascade.train_loss(soft_ce=soft_ce, regression=regression, features=features, mask=mask, options=options)
+        assert torch.equal(reg, regression)
+    assert torch.equal(ce, soft_ce)  # tau_seq 1: nothing converges (random states)
+
+
+def test_cascade_training_and_inference_test_convergence_alike():
+    """A chain tree's node and its parent are consecutive positions: C(c) holds the parent's
+    token exactly where training calls the child's position convergent."""
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(5, 8, generator=g)
+    hidden[2] = hidden[1] + 0.1 * torch.randn(8, generator=g)  # node 2 converges with its parent
+    tree = DraftTree.from_parents([10, 11, 12, 13, 14], [-1, 0, 1, 2, 3])
+    for tau_seq in (0.0, 0.5, 0.9):
+        donors = cascade.context_donors(tree, hidden, tree.candidates()[1], tau_pos=1.0, tau_seq=tau_seq)
+        parent_donates = [int(tree.tokens[u]) in donors[u, 0].tolist() for u in range(4)]  # child u+1 takes from u
+        convergent = cascade.convergent_positions(hidden[None], torch.ones(1, 5, dtype=torch.bool), tau_seq)[0, 1:].tolist()
+        assert parent_donates == convergent
 
 
 @pytest.mark.parametrize("method", ["cascade+lantern", "lantern+gsd", "naive+cascade"])
