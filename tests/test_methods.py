@@ -15,7 +15,7 @@ from specimg import DraftTree, Engine, MethodSpec, Sampling, SpecimgError, TreeC
 from specimg.methods import Member, make_options
 from specimg.models.vq import build_tokenizer as build_vq
 from specimg.plugins import PluginManager
-from specimg.relax import tvd
+from specimg.relax import transfer, tvd
 from specimg.testing.conformance import relaxed, step_engine
 from specimg.testing.markov import MarkovDrafter, MarkovTarget
 from specimg.testing.strategies import CodebookTokenizer, RelaxCase
@@ -340,6 +340,39 @@ def test_stacks_run_end_to_end(method):
     out = engine.generate([0, 1], seed=1)
     assert out.tokens.shape == (2, TOKENS)
     assert engine.stack is not None and engine.stack.delta == max(m.delta for m in engine.stack.members)
+
+
+@attrs.frozen
+class SpendOptions:
+    delta: float = 0.05
+
+
+class SpendAll:
+    """Moves exactly its budget at every node with children, from every other token."""
+
+    @hookimpl
+    def register_methods(self, register):
+        register(MethodSpec("spend", SpendOptions))
+
+    @hookimpl
+    def build_relaxed_dist(self, dist, target_dist, budget, tree):
+        candidates = tree.candidates()[0]
+        donors = torch.arange(dist.shape[-1]).expand(*candidates.shape, -1)
+        return transfer(dist, target_dist, candidates, donors, budget)[0]
+
+
+def test_engine_records_the_budget_spent_at_the_nodes_it_emitted_from():
+    target, drafter, _ = world()
+    plugins = PluginManager(autoload=False)
+    plugins.register(SpendAll(), "spend")
+    engine = Engine(target, drafter, "spend", tree=TreeConfig(depth=3, topk=2, total_tokens=8), plugins=plugins)
+    walked = []
+    engine.on_step = lambda tree, dist, path: walked.append([bool(tree.children[u]) for u in path])
+    stats = engine.generate([0], seed=2).stats.images[0]
+    inner, emitted = sum(map(sum, walked)), sum(map(len, walked))
+    assert inner > 0 and emitted == sum(stats.accepted) + len(stats.accepted)
+    # 0.05 at each node with children, 0 at a leaf (no candidates: q_R = p)
+    assert stats.tvd == pytest.approx(0.05 * inner / emitted, rel=1e-4)
 
 
 class DummyTree:
