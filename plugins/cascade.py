@@ -12,8 +12,10 @@ draft-rank order:
               while the node's budget delta lasts
 
 c's siblings are excluded from I(c): their tokens are candidates of u and never donate.
-Drafter training: the loss at position t is scaled by (1 + beta) where cos(F_t, F_{t-1})
->= tau_seq, a convergent, redundant region whose tokens the relaxation can swap.
+Drafter training (CASCADE, arXiv 2605.07230): the soft cross-entropy at position t is
+scaled by (1 + beta) where the sequence converges as C(c) sees it along a branch, cos(F_t,
+F_{t-1}) >= tau_seq (a node and its parent are consecutive positions), with F_t the same
+state: the one produced by consuming token t.  The feature regression is left alone.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ from specimg.step import Scores
 @attrs.frozen
 class CascadeOptions:
     """tau_pos, tau_seq: cosine thresholds for I(c) and C(c) (provisional, to be calibrated
-    on the demo); delta: TVD budget per node; beta: extra drafter-loss weight in
-    convergent regions."""
+    on the demo); delta: TVD budget per node; beta: extra weight of the drafter's soft
+    cross-entropy at convergent positions."""
 
     tau_pos: float = attrs.field(default=0.9, validator=[v.ge(-1.0), v.le(1.0)])
     tau_seq: float = attrs.field(default=0.9, validator=[v.ge(-1.0), v.le(1.0)])
@@ -59,7 +61,7 @@ def context_donors(tree: DraftTree, hidden: Tensor, ids: Tensor, tau_pos: float,
     """Donor tokens [n, C, K] of each candidate node ``ids`` [n, C] (-1 = none), from one
     n x n cosine matrix of the node states ``hidden`` [n, D]."""
     device = hidden.device
-    feats = F.normalize(hidden.float(), dim=-1)
+    feats = unit_states(hidden)
     sim = feats @ feats.T
     depths, parents, tokens = (t.to(device) for t in (tree.depths, tree.parents, tree.tokens))
     node = ids.clamp(min=0)
@@ -72,11 +74,23 @@ def context_donors(tree: DraftTree, hidden: Tensor, ids: Tensor, tau_pos: float,
     return torch.where(keep.gather(-1, order), tokens[order], torch.full_like(order, -1))
 
 
-@hookimpl
-def train_loss(loss: Tensor, features: Tensor, mask: Tensor, options: CascadeOptions) -> Tensor:
-    feats = F.normalize(features.float(), dim=-1)
+def unit_states(hidden: Tensor) -> Tensor:
+    """The target's last hidden states (after the final norm), L2-normalised in float32:
+    what both the inference rule and the training rule compare by cosine."""
+    return F.normalize(hidden.float(), dim=-1)
+
+
+def convergent_positions(features: Tensor, mask: Tensor, tau_seq: float) -> Tensor:
+    """[B, T] true at t >= 1 where cos(F_t, F_{t-1}) >= tau_seq and both positions are valid:
+    C(c)'s test between a node and its parent, on a teacher-forced sequence."""
+    feats = unit_states(features)
     valid = mask.bool()
-    convergent = ((feats[:, 1:] * feats[:, :-1]).sum(dim=-1) >= options.tau_seq) & valid[:, 1:] & valid[:, :-1]
-    weight = torch.ones_like(loss)
-    weight[:, 1:] += options.beta * convergent.to(loss.dtype)
-    return loss * weight
+    out = torch.zeros_like(valid)
+    out[:, 1:] = ((feats[:, 1:] * feats[:, :-1]).sum(dim=-1) >= tau_seq) & valid[:, 1:] & valid[:, :-1]
+    return out
+
+
+@hookimpl
+def train_loss(soft_ce: Tensor, regression: Tensor, features: Tensor, mask: Tensor, options: CascadeOptions) -> tuple[Tensor, Tensor]:
+    convergent = convergent_positions(features, mask, options.tau_seq)
+    return soft_ce * (1 + options.beta * convergent.to(soft_ce.dtype)), regression

@@ -10,7 +10,9 @@ draft-rank order:
     q_R(c) += whole neighbours of B_k(c), while q_R(c) <= lam * p_u(c) and the node's
               budget delta lasts
 
-A token the target finds unlikely stays unlikely: the cap scales with p_u(c).
+A token the target finds unlikely stays unlikely: the cap scales with p_u(c).  The paper
+has the cap alone; delta = 1 is that rule (no node can move more than its mass off the
+candidates), and the default 0.1 adds the TVD budget every other method keeps.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from torch import Tensor
 
 from specimg import DraftTree, MethodSpec, hookimpl
 from specimg.config import TreeConfig
-from specimg.neighbours import codebook_donors
+from specimg.neighbours import CODEBOOKS, codebook_donors
 from specimg.relax import transfer
 from specimg.tree import DraftSession, build_static
 
@@ -66,13 +68,16 @@ def sized_paths(nodes: int) -> RankPaths:
 @attrs.frozen
 class LanternPPOptions:
     """k: codebook neighbours per token; lam: cap on q_R(c) / p(c); delta: TVD budget per
-    node; tree: the static tree's name (see TREES), or auto: the likeliest paths, as many
-    nodes as the run's tree has (with auto trees, the size the machine's cost model picks)."""
+    node (1: none, the paper's cap-only rule); tree: the static tree's name (see TREES), or
+    auto: the likeliest paths, as many nodes as the run's tree has (with auto trees, the
+    size the machine's cost model picks); codebook: neighbours in the vectors the decoder
+    sees or in the raw codebook (the released code's)."""
 
     k: int = attrs.field(default=10, validator=v.ge(1))
     lam: float = attrs.field(default=5.0, validator=v.ge(1.0))
     delta: float = 0.1
     tree: str = attrs.field(default="auto", validator=v.in_(("auto", *TREES)))
+    codebook: str = attrs.field(default="normalised", validator=v.in_(CODEBOOKS))
 
 
 @hookimpl
@@ -93,6 +98,6 @@ def build_relaxed_dist(
     dist: Tensor, target_dist: Tensor, budget: Tensor, tree: DraftTree, tokenizer: Any, options: LanternPPOptions
 ) -> Tensor:
     candidates = tree.candidates()[0].to(dist.device)
-    donors = codebook_donors(tokenizer, candidates, options.k, target_dist.shape[-1], "lantern++")
+    donors = codebook_donors(tokenizer, candidates, options.k, target_dist.shape[-1], "lantern++", raw=options.codebook == "raw")
     cap = options.lam * target_dist.gather(1, candidates.clamp(min=0))
     return transfer(dist, target_dist, candidates, donors, budget.to(dist.device), cap=cap, whole=True, distinct=True)[0]

@@ -232,6 +232,7 @@ class Engine:
         planner = self.planner() if self.auto_tree else None
         drafter.prefill(condition, sampling.cfg)
         new_tokens = tokens[-1:]
+        spent = torch.zeros((), dtype=torch.float64, device=device)  # TVD(q_R, p) over the walked paths' nodes
         while len(tokens) < target.num_tokens:
             tree_config = planner.tree if planner else self.tree_config
             with self._timed(stats, "draft"):
@@ -253,6 +254,8 @@ class Engine:
                 new_tokens = tree.tokens[path[1:]].tolist() + [result.next_token]
                 hidden = scores.hidden[:, path]
                 tokens.extend(new_tokens)
+            if dist is not scores.probs:
+                spent += relax.tvd(dist[path], scores.probs[path]).sum()
             if planner:
                 self._plan_step(planner, stats, tree, dist, result.path)
             if self.on_step:
@@ -262,6 +265,7 @@ class Engine:
             stats.accepted.append(len(result.path) - 1)
             if progress:
                 progress(len(new_tokens))
+        stats.tvd = float(spent) / max(1, sum(stats.accepted) + len(stats.accepted))
 
     def _plan_step(self, planner: TreePlanner, stats: ImageStats, tree: DraftTree, dist: Tensor, path: list[int]) -> None:
         """Book the step against its plan's prediction, then let the planner learn from it."""

@@ -108,11 +108,16 @@ def accept(
 
 
 @hookspec
-def train_loss(loss: Tensor, features: Tensor, tokens: Tensor, mask: Tensor, options: Any) -> Tensor | None:
-    """Reweight or extend the drafter's per-position training loss ``loss`` [B, T] (EAGLE's
-    w_cls * soft cross-entropy + w_reg * feature regression, before the masked mean).
+def train_loss(
+    soft_ce: Tensor, regression: Tensor, w_cls: float, w_reg: float, features: Tensor, tokens: Tensor, mask: Tensor, options: Any
+) -> tuple[Tensor, Tensor] | None:
+    """Reweight the parts of the drafter's per-position training loss, so that a method can
+    weigh the cross-entropy and the feature regression differently (CASCADE boosts only the
+    cross-entropy).
 
-    ``features`` [B, T, D] are the target's hidden states, ``tokens`` [B, T] the tokens,
-    ``mask`` [B, T] the valid positions.  Return the new per-position loss or None to pass;
-    folded in method-string order.
+    ``soft_ce`` and ``regression`` [B, T] are the parts so far; the loss is ``w_cls *
+    soft_ce + w_reg * regression`` (EAGLE's weights) before the masked mean.  ``features``
+    [B, T, D] are the target's hidden states (``features[:, t]`` after consuming ``tokens[:,
+    t]``), ``mask`` [B, T] the valid positions.  Return the new ``(soft_ce, regression)`` or
+    None to pass; folded in method-string order.
     """

@@ -23,8 +23,9 @@ class NoOptions:
 @attrs.frozen
 class MethodSpec:
     """A method a plugin provides: its name, its attrs options class (every field with a
-    default; a ``delta`` field is the method's total-variation budget), a one-line
-    description, and the plugin object that implements its hooks (set by the manager)."""
+    default; a ``delta`` field is the method's total-variation budget per node, unless the
+    class also has a ``node_delta`` property, which then is), a one-line description, and
+    the plugin object that implements its hooks (set by the manager)."""
 
     name: str
     options: type = NoOptions
@@ -43,7 +44,9 @@ class Member:
 
     @property
     def delta(self) -> float:
-        return float(getattr(self.options, "delta", 0.0))
+        """The TVD this member may spend per node: ``node_delta`` where its options bound a
+        node by more than their ``delta`` (a budget per candidate), else ``delta``."""
+        return float(getattr(self.options, "node_delta", getattr(self.options, "delta", 0.0)))
 
 
 @attrs.frozen

@@ -2,9 +2,11 @@
 alike, for relaxations that let close codes stand in for each other (LANTERN, LANTERN++).
 
 A table keeps only each code's k nearest other codes ([K, k] int32, nearest first, by L2
-between the vectors the decoder uses).  It is computed once per codebook in row chunks,
-so a 16384-code book never holds its full distance matrix, and cached in memory and on
-disk under a hash of the codebook's bytes and k (in :func:`specimg.cache.cache_dir`).
+between the vectors the decoder uses, or between the raw stored vectors as LANTERN's
+released code does).  It is computed once per codebook in row chunks, so a 16384-code
+book never holds its full distance matrix, and cached in memory and on disk under a hash
+of the vectors' bytes and k (in :func:`specimg.cache.cache_dir`): raw and normalised
+vectors are different bytes, so each has its own table.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from specimg.cache import CACHE_ENV, cache_dir
 from specimg.errors import SpecimgError
 from specimg.files import atomic_path
 
-__all__ = ["CACHE_ENV", "codebook_donors", "codebook_key", "nearest_codes", "neighbour_table"]
+__all__ = ["CACHE_ENV", "CODEBOOKS", "codebook_donors", "codebook_key", "nearest_codes", "neighbour_table"]
 
+CODEBOOKS = ("normalised", "raw")
+"""Which vectors neighbours are measured in: the ones the decoder sees, or the codebook as stored."""
 _CHUNK_ROWS = 512
 _memory: dict[tuple[str, int, str], Tensor] = {}
 _by_codebook: dict[int, tuple[weakref.ref[Tensor], dict[tuple[int, str], Tensor]]] = {}
@@ -88,20 +92,23 @@ def _load_or_build(codebook: Tensor, key: str, k: int) -> Tensor:
     return table
 
 
-def codebook_donors(tokenizer: Any, candidates: Tensor, k: int, vocab_size: int, method: str) -> Tensor:
-    """Each candidate's k nearest codes as donors [n, C, k] (-1 where no candidate)."""
+def codebook_donors(tokenizer: Any, candidates: Tensor, k: int, vocab_size: int, method: str, raw: bool = False) -> Tensor:
+    """Each candidate's k nearest codes as donors [n, C, k] (-1 where no candidate), in the
+    vectors the decoder uses or, with ``raw``, in the codebook as stored."""
     if tokenizer is None:
         raise SpecimgError(f"method {method!r} needs the image tokenizer's codebook; pass the VQ tokenizer to the engine")
-    table = _tokenizer_table(tokenizer, k, candidates.device, vocab_size, method)
+    if raw and not hasattr(tokenizer, "raw_codebook_vectors"):
+        raise SpecimgError(f"method {method!r} with codebook=raw needs the tokenizer's raw_codebook_vectors(), which {type(tokenizer).__name__} lacks")
+    table = _tokenizer_table(tokenizer, k, candidates.device, vocab_size, method, raw)
     near = table[candidates.clamp(min=0)].long()
     return torch.where(candidates[..., None] >= 0, near, torch.full_like(near, -1))
 
 
-def _tokenizer_table(tokenizer: Any, k: int, device: torch.device, vocab_size: int, method: str) -> Tensor:
+def _tokenizer_table(tokenizer: Any, k: int, device: torch.device, vocab_size: int, method: str, raw: bool) -> Tensor:
     """The neighbour table of a tokenizer's codebook.  A tokenizer that hands out the same
     codebook tensor until it changes (as VQTokenizer does) has its table remembered, so a
     decode step neither reads nor hashes the codebook."""
-    codebook = tokenizer.codebook_vectors()
+    codebook = tokenizer.raw_codebook_vectors() if raw else tokenizer.codebook_vectors()
     if codebook.shape[0] != vocab_size:
         raise SpecimgError(f"the tokenizer's codebook has {codebook.shape[0]} codes, the target's vocabulary {vocab_size} tokens")
     held = _by_codebook.get(id(codebook))

@@ -81,8 +81,8 @@ class PluginManager:
         on a fault, unregister it and record why."""
         try:
             self.pm.register(plugin, name=info.name)
-        except Exception as err:  # pluggy refuses a hook implementation with arguments its spec lacks
-            return self._fail(info, f"{type(err).__name__}: {err}", warn)
+        except Exception as err:  # pluggy refuses a hook implementation with arguments its spec lacks, over three lines
+            return self._fail(info, f"{type(err).__name__}: {' '.join(str(err).split())}", warn)
         try:
             self.pm.check_pending()
             methods = self._collect(plugin)

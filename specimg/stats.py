@@ -16,7 +16,9 @@ class ImageStats:
     number of drafted tokens accepted, seconds per phase, and wall time.  With auto trees
     also the trees chosen ([step, depth, top-k, nodes] from that step on) and the cost
     model's prediction for the steps taken: their milliseconds, and what AR would have
-    taken for the tokens they were expected to give."""
+    taken for the tokens they were expected to give.  ``tvd``: the budget actually spent,
+    the mean TVD(q_R, p) at the nodes whose draws the speculative steps emitted (their
+    walked paths)."""
 
     tokens: int = 0
     target_forwards: int = 0
@@ -27,6 +29,7 @@ class ImageStats:
     trees: list[list[int]] = attrs.field(factory=list)
     predicted_ms: float = 0.0
     predicted_ar_ms: float = 0.0
+    tvd: float = 0.0
 
     @property
     def predicted_speedup(self) -> float | None:
@@ -46,6 +49,7 @@ class ImageStats:
             "seconds": {k: round(v, 5) for k, v in self.seconds.items()},
             "tree_sizes": self.tree_sizes,
             "accepted": self.accepted,
+            "tvd": round(self.tvd, 6),
             **({"trees": self.trees, "predicted_ms": round(self.predicted_ms, 4), "predicted_ar_ms": round(self.predicted_ar_ms, 4)} if self.trees else {}),
         }
 

@@ -69,7 +69,14 @@ class Stacked(method("a+b")):
     pass
 
 
+class OldTrainLoss(method("oldloss")):
+    @hookimpl
+    def train_loss(self, loss, mask):
+        return loss
+
+
 naive_again, fine, misspelled, overspends = method("naive")(), method("fine")(), Misspelled(), Overspends()
+old_train_loss = OldTrainLoss()
 no_defaults, stacked = NoDefaults(), Stacked()
 '''
 

@@ -124,6 +124,8 @@ def test_out_of_range_seed_of_the_training_commands(tmp_path, capsys):
         (["--tree", "static", "--rank-paths", "0 -1"], "names no node, or a negative rank"),
         (["--tree", "static", "--rank-paths", "0 0.1"], "static tree path (0, 1) lacks its parent or its previous sibling"),
         (["-m", "lantern++", "-o", "lantern++.tree=nosuch"], "bad option for method 'lantern++': 'tree' must be in ('auto', 'default', 'small', 'chain') (got 'nosuch')"),
+        (["-m", "lantern", "-o", "lantern.budget=path"], "bad option for method 'lantern': 'budget' must be in ('node', 'candidate') (got 'path')"),
+        (["-m", "lantern", "-o", "lantern.codebook=rawest"], "bad option for method 'lantern': 'codebook' must be in ('normalised', 'raw') (got 'rawest')"),
         (["--method", "naive+"], "unknown method"),
         (["--top"], "'--top-k', '--top-p', '--topk'?) (see 'specimg generate --help')"),
     ],
@@ -263,3 +265,13 @@ def test_faulty_plugins_break_no_command_and_are_listed(tmp_path, capsys, fake_p
     listed = {line.split()[0]: line.split(None, 4)[4] for line in capsys.readouterr().out.splitlines()[1:]}
     assert listed["naive_again"].endswith("FAILED: it registers method 'naive', which plugin 'naive' (specimg 0.1.0) already provides")
     assert listed["misspelled"].endswith("FAILED: it implements 'build_relaxed_distt', which is not a specimg hook (misspelled?)")
+
+
+def test_a_train_loss_of_the_old_signature_is_left_out_on_one_line_naming_the_argument(capsys, fake_plugins):
+    """train_loss once took the combined ``loss``; it now takes the loss's parts (docs/hooks.md)."""
+    fake_plugins(oldloss="specimg_fake_plugins:old_train_loss")
+    assert run(["plugins"]) == 0
+    listed = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert "FAILED: PluginValidationError: Plugin 'oldloss' for hook 'train_loss' hookimpl definition: train_loss(loss, mask) " in listed["oldloss"]
+    assert "Argument(s) {'loss'} are declared in the hookimpl but can not be found in the hookspec" in listed["oldloss"]
+

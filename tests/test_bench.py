@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 import sys
@@ -16,7 +17,7 @@ from specimg.config import Sampling, TreeConfig
 from specimg.engine import Engine
 from specimg.errors import SpecimgError
 from specimg.eval import metrics, prompts
-from specimg.eval.bench import BenchSpec, plan_variants, run_bench, stack_members, summarise, write_outputs
+from specimg.eval.bench import BenchSpec, csv_text, markdown_table, plan_variants, run_bench, stack_members, summarise, write_outputs
 from specimg.eval.quality import Quality
 from specimg.models import loading
 from specimg.models.base import Caption
@@ -201,7 +202,26 @@ def test_interleaved_same_seeds_and_results_equal_separate_generation(models, tm
     walls = {lab: sum(r["stats"]["wall_s"] for r in run.records if r["label"] == lab) for lab in ("ar", "naive")}
     assert naive_row["speedup"] == pytest.approx(walls["ar"] / walls["naive"])
     assert naive_row["tau"] == pytest.approx(3 * 64 / sum(r["stats"]["target_forwards"] for r in run.records if r["label"] == "naive"))
-    assert naive_row["resolved"] == {"delta": 0.0, "options": {"naive": {}}}
+    assert naive_row["resolved"] == {"delta": 0.0, "options": {"naive": {}}} and naive_row["tvd"] == 0.0
+
+
+def test_tvd_column_pools_the_budget_spent_per_emitted_token():
+    variants, _ = plan_variants(["lantern"], INSTALLED)
+    spec = spec_for(variants, [0, 1])
+
+    def record(sample, label, accepted, tvd):
+        stats = {"tokens": 10, "target_forwards": 5, "wall_s": 1.0, "seconds": {}, "accepted": accepted, "tree_sizes": [4] * len(accepted), "tvd": tvd}
+        return {"sample": sample, "label": label, "stats": stats}
+
+    records = [record(0, "ar", [], 0.0), record(0, "lantern", [2, 0], 0.1), record(1, "ar", [], 0.0), record(1, "lantern", [1], 0.4)]
+    summary = summarise(records, spec)
+    # lantern's steps emitted 3 + 1 tokens at 0.1 in image 0 and 2 at 0.4 in image 1
+    assert [row["tvd"] for row in summary["variants"]] == [0.0, pytest.approx((4 * 0.1 + 2 * 0.4) / 6)]
+    assert markdown_table(summary).splitlines()[0].startswith("| method | tree | tau | tvd |")
+    assert "| 0.000 |" in markdown_table(summary) and "| 0.200 |" in markdown_table(summary)
+    assert [row["tvd"] for row in csv.DictReader(io.StringIO(csv_text(summary)))] == ["0.0", str((4 * 0.1 + 2 * 0.4) / 6)]
+    older = [{**r, "stats": {k: v for k, v in r["stats"].items() if k != "tvd"}} for r in records]  # written before tvd was kept
+    assert [row["tvd"] for row in summarise(older, spec)["variants"]] == [None, None]
 
 
 class Stop(Exception):

@@ -30,6 +30,10 @@ from specimg.tree import DraftTree
 
 PLUGINS = get_plugin_manager()
 TestConformance = make_conformance_tests(*sorted(PLUGINS.methods()), *pair_stacks(PLUGINS))
+# the papers' modes (docs/methods.md): LANTERN's raw codebook and budget per candidate,
+# LANTERN++'s cap-only rule (delta 1) on the raw codebook
+TestLanternPaperMode = make_conformance_tests("lantern", "cascade+lantern", options={"lantern": {"codebook": "raw", "budget": "candidate"}})
+TestLanternPPPaperMode = make_conformance_tests("lantern++", "cascade+lantern++", options={"lantern++": {"codebook": "raw", "delta": 1.0}})
 
 
 def _manager(*plugins: object) -> PluginManager:

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 
@@ -171,6 +172,8 @@ def test_embeddings_and_vq_tokenizer_are_janus_generation_path(folder, target) -
         torch.testing.assert_close(images, model.decode_image_tokens(grid).permute(0, 3, 1, 2))
         vectors = model.model.vqmodel.quantize.get_codebook_entry(codes[None, : target.num_tokens])
         torch.testing.assert_close(tok.codebook_vectors()[: target.num_tokens], vectors[0].flatten(1).T)
+        raw = tok.raw_codebook_vectors()  # LANTERN's codebook=raw: the stored weight, before Janus normalises it
+        assert torch.equal(raw, model.model.vqmodel.quantize.embedding.weight) and torch.allclose(F.normalize(raw, dim=-1), tok.codebook_vectors())
     with pytest.raises(SpecimgError, match="codes must lie"):
         tok.decode(torch.full((1, target.num_tokens), target.vocab_size))
 

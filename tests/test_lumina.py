@@ -182,6 +182,7 @@ def test_vqgan_decoder_loads_the_released_key_names(tmp_path) -> None:
     assert images.shape == (2, 3, 8, 8)
     torch.testing.assert_close(images, model.eval().decode(codes))
     torch.testing.assert_close(loaded.codebook_vectors(), state["quantize.embedding.weight"])
+    assert torch.equal(loaded.raw_codebook_vectors(), loaded.codebook_vectors())  # Chameleon's codes are not normalised
     with pytest.raises(SpecimgError, match="codes must lie"):
         loaded.decode(torch.full((1, 16), CODES))
 

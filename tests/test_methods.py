@@ -11,11 +11,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specimg import DraftTree, Engine, MethodSpec, Sampling, SpecimgError, TreeConfig, defaults, hookimpl
+from specimg import DraftTree, Engine, MethodSpec, Sampling, SpecimgError, TreeConfig, defaults, hookimpl, neighbours
 from specimg.methods import Member, make_options
+from specimg.models.vq import build_tokenizer as build_vq
 from specimg.plugins import PluginManager
-from specimg.relax import tvd
+from specimg.relax import transfer, tvd
+from specimg.testing.conformance import relaxed, step_engine
 from specimg.testing.markov import MarkovDrafter, MarkovTarget
+from specimg.testing.strategies import CodebookTokenizer, RelaxCase
+from specimg.train.drafter import apply_loss_hooks, loss_hooks
 from specimg.tree import DraftSession, build_tree
 from specimg_plugins import cascade, gsd, lantern, lantern_pp
 
@@ -189,6 +193,66 @@ def test_lantern_pp_static_trees_and_cap():
         make_options(PluginManager().methods()["lantern++"], {"tree": "nope"})
 
 
+# --- the papers' modes ------------------------------------------------------------------------
+
+LINE = torch.tensor([[-1.0], [10.0], [20.0], [10.5], [20.5], [30.0]])
+"""Codes on a line: 3 is 1's nearest code, 4 is 2's."""
+
+
+def paper_case(probs: list[float], children: list[int], tokenizer: Any = None) -> RelaxCase:
+    """One step: the root (token 5) with ``children`` as leaves, p = ``probs`` at the root."""
+    tree = DraftTree.from_parents([5, *children], [-1] + [0] * len(children))
+    p = torch.tensor([probs] + [[1 / 6] * 6] * len(children))
+    case = RelaxCase.of(tree, p)
+    return attrs.evolve(case, tokenizer=tokenizer or CodebookTokenizer(LINE))
+
+
+def test_lantern_budget_per_candidate_gives_each_candidate_its_own_delta():
+    case = paper_case([0.1, 0.2, 0.2, 0.15, 0.15, 0.2], [1, 2])
+    options = {"k": 1, "delta": 0.2}
+    per_node = relaxed(step_engine("lantern", case, {"lantern": options}), case.tree, case.scores)
+    # one 0.2 for the node: 1 takes 3's 0.15, and 4's 0.15 no longer fits for 2
+    torch.testing.assert_close(per_node[0], torch.tensor([0.1, 0.35, 0.2, 0.0, 0.15, 0.2]))
+    engine = step_engine("lantern", case, {"lantern": {**options, "budget": "candidate"}})
+    per_candidate = relaxed(engine, case.tree, case.scores)
+    # 0.2 each: both move their neighbour, 0.3 in all, more than delta: the method declares 1 for the node
+    torch.testing.assert_close(per_candidate[0], torch.tensor([0.1, 0.35, 0.35, 0.0, 0.0, 0.2]))
+    assert engine.stack.delta == 1.0
+    # a stack budget still bounds the node, and delta 0 is exact
+    capped = relaxed(step_engine("lantern", case, {"lantern": {**options, "budget": "candidate"}}, delta=0.25), case.tree, case.scores)
+    torch.testing.assert_close(capped, per_node)
+    zero = step_engine("lantern", case, {"lantern": {**options, "budget": "candidate", "delta": 0.0}})
+    assert zero.stack.delta == 0.0 and relaxed(zero, case.tree, case.scores) is case.p
+
+
+def test_lantern_raw_codebook_takes_neighbours_as_the_released_code_does():
+    raw = torch.tensor([[1.0, 0.0], [10.0, 1.0], [0.5, 0.5], [0.0, 2.0], [-2.0, 0.0], [0.3, -3.0]])
+    tok = build_vq(codebook_size=6, codebook_embed_dim=2, codebook_l2_norm=True, ch=16, encoder_ch_mult=(1, 2),
+                   decoder_ch_mult=(1, 2), num_res_blocks=1, z_channels=16, norm_groups=8)
+    with torch.no_grad():
+        tok.quantize.embedding.weight.copy_(raw)
+    # 0's nearest code: 1 on the unit circle (the same direction), 2 in the raw codebook (L2 0.71 against 9.1)
+    case = paper_case([0.2, 0.2, 0.2, 0.2, 0.1, 0.1], [0], tokenizer=tok)
+    for codebook, donor in (("normalised", 1), ("raw", 2)):
+        q = relaxed(step_engine("lantern", case, {"lantern": {"k": 1, "delta": 0.3, "codebook": codebook}}), case.tree, case.scores)
+        want = case.p[0].clone()
+        want[0], want[donor] = 0.4, 0.0
+        torch.testing.assert_close(q[0], want)
+    assert len(list(neighbours.cache_dir().glob("neighbours-*-k1.pt"))) == 2  # one table per codebook
+    with pytest.raises(SpecimgError, match="codebook=raw needs the tokenizer's raw_codebook_vectors"):
+        step_engine("lantern", attrs.evolve(case, tokenizer=ToyTokenizer(raw)), {"lantern": {"codebook": "raw"}}).relax(case.tree, case.scores)
+
+
+def test_lantern_pp_delta_1_is_the_papers_cap_only_rule():
+    # 1's neighbours on the line: 3, 2, 4, 0, 5; whole ones while q(1) <= lam * p(1) = 0.3
+    case = paper_case([0.3, 0.1, 0.1, 0.05, 0.1, 0.35], [1])
+    options = {"k": 10, "lam": 3.0}
+    q = relaxed(step_engine("lantern++", case, {"lantern++": {**options, "delta": 1.0}}), case.tree, case.scores)
+    torch.testing.assert_close(q[0], torch.tensor([0.3, 0.25, 0.0, 0.0, 0.1, 0.35]))  # 3 and 2 fit under the cap, 4 does not
+    q = relaxed(step_engine("lantern++", case, {"lantern++": options}), case.tree, case.scores)
+    torch.testing.assert_close(q[0], torch.tensor([0.3, 0.15, 0.1, 0.0, 0.1, 0.35]))  # the default budget 0.1 stops at 3
+
+
 def test_gsd_groups_by_rank_probability_and_embedding():
     probs = torch.tensor([[0.30, 0.25, 0.20, 0.10, 0.08, 0.04, 0.02, 0.01, 0.0, 0.0]])
     emb = torch.eye(10)
@@ -224,12 +288,49 @@ def test_cascade_donors_come_from_other_branches_and_adjacent_depths():
     assert [t for t in only_pos[1, c_col].tolist() if t >= 0] == [15]
 
 
-def test_cascade_train_loss_upweights_convergent_positions():
-    features = torch.tensor([[[1.0, 0.0], [2.0, 0.1], [0.0, 1.0], [0.0, 3.0]], [[1.0, 0.0], [1.0, 0.0], [1.0, 0.0], [0.0, 1.0]]])
+def test_cascade_train_loss_boosts_the_cross_entropy_at_convergent_positions():
+    # cos(F1, F0) = 0.6, cos(F2, F1) = 0.96, cos(F3, F2) = 0.6 (row 0); row 1: F1 = F0, F2 = F1 but F2 is masked
+    features = torch.tensor([
+        [[1.0, 0.0], [3.0, 4.0], [4.0, 3.0], [0.0, 5.0]],
+        [[1.0, 0.0], [2.0, 0.0], [1.0, 0.0], [0.0, 1.0]],
+    ])
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 1]], dtype=torch.bool)
-    loss = torch.full((2, 4), 2.0)
-    out = cascade.train_loss(loss=loss, features=features, mask=mask, options=cascade.CascadeOptions(beta=0.5))
-    assert out.tolist() == [[2.0, 3.0, 2.0, 3.0], [2.0, 3.0, 2.0, 2.0]]
+    soft_ce = torch.tensor([[1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 3.0, 4.0]])
+    regression = torch.full((2, 4), 0.5)
+    options = cascade.CascadeOptions(tau_seq=0.9, beta=0.5)
+    ce, reg = cascade.train_loss(soft_ce=soft_ce, regression=regression, features=features, mask=mask, options=options)
+    # convergent: row 0 at t = 2 only; row 1 at t = 1 only (t = 2 and 3 touch the masked position)
+    assert ce.tolist() == [[1.0, 2.0, 4.5, 4.0], [1.0, 3.0, 3.0, 4.0]]
+    assert reg is regression
+    # the per-position loss with EAGLE's weights 0.1 / 1.0, by hand: 0.1 * ce * (1 + 0.5 * convergent) + 0.5
+    hooks, _ = loss_hooks(PluginManager(), "cascade", {"cascade": {"tau_seq": 0.9, "beta": 0.5}})
+    total = apply_loss_hooks(hooks, soft_ce, regression, 0.1, 1.0, features, torch.zeros(2, 4, dtype=torch.long), mask)
+    want = torch.tensor([[0.6, 0.7, 0.95, 0.9], [0.6, 0.8, 0.8, 0.9]])
+    torch.testing.assert_close(total, want)
+
+
+def test_cascade_train_loss_leaves_the_regression_alone():
+    g = torch.Generator().manual_seed(0)
+    features, soft_ce, regression = torch.randn(3, 6, 4, generator=g), torch.rand(3, 6, generator=g), torch.rand(3, 6, generator=g)
+    mask = torch.ones(3, 6, dtype=torch.bool)
+    for options in (cascade.CascadeOptions(tau_seq=-1.0, beta=3.0), cascade.CascadeOptions(tau_seq=1.0, beta=3.0)):
+        ce, reg = cascade.train_loss(soft_ce=soft_ce, regression=regression, features=features, mask=mask, options=options)
+        assert torch.equal(reg, regression)
+    assert torch.equal(ce, soft_ce)  # tau_seq 1: nothing converges (random states)
+
+
+def test_cascade_training_and_inference_test_convergence_alike():
+    """A chain tree's node and its parent are consecutive positions: C(c) holds the parent's
+    token exactly where training calls the child's position convergent."""
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(5, 8, generator=g)
+    hidden[2] = hidden[1] + 0.1 * torch.randn(8, generator=g)  # node 2 converges with its parent
+    tree = DraftTree.from_parents([10, 11, 12, 13, 14], [-1, 0, 1, 2, 3])
+    for tau_seq in (0.0, 0.5, 0.9):
+        donors = cascade.context_donors(tree, hidden, tree.candidates()[1], tau_pos=1.0, tau_seq=tau_seq)
+        parent_donates = [int(tree.tokens[u]) in donors[u, 0].tolist() for u in range(4)]  # child u+1 takes from u
+        convergent = cascade.convergent_positions(hidden[None], torch.ones(1, 5, dtype=torch.bool), tau_seq)[0, 1:].tolist()
+        assert parent_donates == convergent
 
 
 @pytest.mark.parametrize("method", ["cascade+lantern", "lantern+gsd", "naive+cascade"])
@@ -239,6 +340,39 @@ def test_stacks_run_end_to_end(method):
     out = engine.generate([0, 1], seed=1)
     assert out.tokens.shape == (2, TOKENS)
     assert engine.stack is not None and engine.stack.delta == max(m.delta for m in engine.stack.members)
+
+
+@attrs.frozen
+class SpendOptions:
+    delta: float = 0.05
+
+
+class SpendAll:
+    """Moves exactly its budget at every node with children, from every other token."""
+
+    @hookimpl
+    def register_methods(self, register):
+        register(MethodSpec("spend", SpendOptions))
+
+    @hookimpl
+    def build_relaxed_dist(self, dist, target_dist, budget, tree):
+        candidates = tree.candidates()[0]
+        donors = torch.arange(dist.shape[-1]).expand(*candidates.shape, -1)
+        return transfer(dist, target_dist, candidates, donors, budget)[0]
+
+
+def test_engine_records_the_budget_spent_at_the_nodes_it_emitted_from():
+    target, drafter, _ = world()
+    plugins = PluginManager(autoload=False)
+    plugins.register(SpendAll(), "spend")
+    engine = Engine(target, drafter, "spend", tree=TreeConfig(depth=3, topk=2, total_tokens=8), plugins=plugins)
+    walked = []
+    engine.on_step = lambda tree, dist, path: walked.append([bool(tree.children[u]) for u in path])
+    stats = engine.generate([0], seed=2).stats.images[0]
+    inner, emitted = sum(map(sum, walked)), sum(map(len, walked))
+    assert inner > 0 and emitted == sum(stats.accepted) + len(stats.accepted)
+    # 0.05 at each node with children, 0 at a leaf (no candidates: q_R = p)
+    assert stats.tvd == pytest.approx(0.05 * inner / emitted, rel=1e-4)
 
 
 class DummyTree:

@@ -117,7 +117,8 @@ def test_loss_decreases_and_only_the_drafter_trains(data_dir: str, tmp_path) -> 
 
 
 class Scale:
-    """A runtime plugin: method ``name`` multiplies (or shifts) the per-position loss."""
+    """A runtime plugin: method ``name`` multiplies both parts of the loss, or shifts the
+    regression."""
 
     def __init__(self, name: str, factor: float = 1.0, shift: float = 0.0):
         self.name, self.factor, self.shift = name, factor, shift
@@ -127,15 +128,28 @@ class Scale:
         register(MethodSpec(self.name, description="test"))
 
     @hookimpl
-    def train_loss(self, loss, mask):
-        assert loss.shape == mask.shape
-        return loss * self.factor + self.shift
+    def train_loss(self, soft_ce, regression, mask):
+        assert soft_ce.shape == regression.shape == mask.shape
+        return soft_ce * self.factor, regression * self.factor + self.shift
+
+
+class Whole:
+    """The hook as it was before it took the loss's parts: it returns one tensor."""
+
+    @hookimpl
+    def register_methods(self, register):
+        register(MethodSpec("whole", description="test"))
+
+    @hookimpl
+    def train_loss(self, soft_ce, regression):
+        return soft_ce + regression
 
 
 def test_train_loss_hooks_fold_in_method_string_order(data_dir: str, tmp_path) -> None:
     pm = PluginManager()
     pm.register(Scale("double", factor=2.0), "double")
     pm.register(Scale("plusone", shift=1.0), "plusone")
+    pm.register(Whole(), "whole")
     config = TrainConfig(steps=1, batch_size=8, **FAST)
 
     def step0(method: str | None) -> dict:
@@ -147,23 +161,28 @@ def test_train_loss_hooks_fold_in_method_string_order(data_dir: str, tmp_path) -
     assert doubled["loss"] == 2 * plain["loss"]
     assert (doubled["ce"], doubled["reg"]) == (plain["ce"], plain["reg"])
     assert step0("naive")["loss"] == plain["loss"]  # a method without train_loss passes
-    assert step0("double+plusone")["loss"] == pytest.approx(2 * plain["loss"] + 1, rel=1e-6)
-    assert step0("plusone+double")["loss"] == pytest.approx(2 * (plain["loss"] + 1), rel=1e-6)
+    shift = config.w_reg  # plusone adds 1 to the regression, which weighs w_reg
+    assert step0("double+plusone")["loss"] == pytest.approx(2 * plain["loss"] + shift, rel=1e-6)
+    assert step0("plusone+double")["loss"] == pytest.approx(2 * (plain["loss"] + shift), rel=1e-6)
+    with pytest.raises(SpecimgError, match=r"'whole': train_loss returned a tensor of shape \(8, \d+\), expected the parts"):
+        step0("whole")
 
 
-def test_cascade_reweights_the_loss(data_dir: str, tmp_path) -> None:
+def test_cascade_boosts_only_the_cross_entropy(data_dir: str, tmp_path) -> None:
     pm = PluginManager()
     if "cascade" not in pm.methods():
         pytest.skip("cascade is not installed")
     config = TrainConfig(steps=1, batch_size=8, **FAST)
-    losses = {}
+    logs = {}
     for name, opts in (("plain", None), ("b0", {"beta": "0"}), ("b1", {"beta": "1", "tau_seq": "-1"})):
         train_drafter(tiny(), data_dir, tmp_path / name, config, method=None if opts is None else "cascade",
                       options=None if opts is None else {"cascade": opts}, plugins=pm, progress=False)
-        losses[name] = read_log(str(tmp_path / name))[0]["loss"]
-    assert losses["b0"] == losses["plain"]
-    # tau_seq -1: every position after the first is convergent and counts (1 + beta) = 2 times
-    assert losses["plain"] < losses["b1"] < 2 * losses["plain"]
+        logs[name] = read_log(str(tmp_path / name))[0]
+    assert logs["b0"]["loss"] == logs["plain"]["loss"]
+    # tau_seq -1: every position after the first is convergent, its cross-entropy counts
+    # (1 + beta) = 2 times; the regression counts once, so the loss grows by less than w_cls * ce
+    extra = logs["b1"]["loss"] - logs["plain"]["loss"]
+    assert 0 < extra <= config.w_cls * logs["plain"]["ce"] * (1 + 1e-6)
 
 
 class Killed(Exception):

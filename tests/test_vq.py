@@ -54,6 +54,19 @@ def test_codes_are_nearest_codebook_vectors_row_major(l2: bool) -> None:
     assert torch.equal(tok.encode(x), expected)
 
 
+def test_raw_codebook_is_the_stored_weight_held_until_it_changes() -> None:
+    tok = build_tokenizer(seed=4, **TINY)
+    with torch.no_grad():
+        tok.quantize.embedding.weight.mul_(torch.rand(64, 1) + 0.5)  # rows of unequal norm
+    raw, normalised = tok.raw_codebook_vectors(), tok.codebook_vectors()
+    assert torch.equal(raw, tok.quantize.embedding.weight) and not torch.allclose(raw, normalised)
+    assert torch.allclose(normalised, F.normalize(raw, dim=-1))
+    assert tok.raw_codebook_vectors() is raw and tok.codebook_vectors() is normalised
+    with torch.no_grad():
+        tok.quantize.embedding.weight.mul_(2.0)
+    assert tok.raw_codebook_vectors() is not raw and tok.codebook_vectors() is not normalised
+
+
 def test_decode_reads_the_codebook_vectors(tok: VQTokenizer) -> None:
     codes = torch.randint(0, 64, (1, 64), generator=torch.Generator().manual_seed(2))
     z_q = tok.codebook_vectors()[codes].view(1, 8, 8, 4).permute(0, 3, 1, 2)

@@ -323,8 +323,10 @@ def summarise(
 ) -> dict[str, Any]:
     """One row per variant: tau (tokens per target forward, all images pooled), target
     forwards per image, wall seconds per image, speedup (AR's total wall time over the
-    variant's, on the same samples), mean accepted draft tokens per step, seconds per phase
-    per image, and the quality metrics (``quality``: a :class:`specimg.eval.quality.Quality`).
+    variant's, on the same samples), mean accepted draft tokens per step, the TVD spent per
+    emitted token (``tvd``: TVD(q_R, p) at the nodes the walks emitted from, pooled over
+    images; None for records written before it was kept), seconds per phase per image, and
+    the quality metrics (``quality``: a :class:`specimg.eval.quality.Quality`).
     With ``engines``, each row also records the options and budget actually used."""
     by_label: dict[str, list[Mapping[str, Any]]] = {v.label: [] for v in spec.variants}
     for r in records:
@@ -344,6 +346,7 @@ def summarise(
         steps = [a for r in rs for a in r["stats"]["accepted"]]
         sizes = [s for r in rs for s in r["stats"]["tree_sizes"]]
         predicted_ms = sum(r["stats"].get("predicted_ms", 0.0) for r in rs)
+        emitted = [sum(r["stats"]["accepted"]) + len(r["stats"]["accepted"]) for r in rs]
         rows.append({
             **v.as_dict(),
             "images": n,
@@ -352,6 +355,7 @@ def summarise(
             "wall_per_image_s": wall / max(1, n),
             "speedup": ar_wall / wall if wall > 0 else float("nan"),
             "mean_accepted": sum(steps) / len(steps) if steps else 0.0,
+            "tvd": sum(r["stats"]["tvd"] * e for r, e in zip(rs, emitted)) / max(1, sum(emitted)) if all("tvd" in r["stats"] for r in rs) else None,
             "mean_tree_size": sum(sizes) / len(sizes) if sizes else 0.0,
             "tree": _tree_used(rs, engines[v.label] if engines and v.label in engines else None),
             "predicted_speedup": sum(r["stats"].get("predicted_ar_ms", 0.0) for r in rs) / predicted_ms if predicted_ms else None,
@@ -407,14 +411,14 @@ def _fmt(x: float | None, digits: int = 2) -> str:
 def markdown_table(summary: Mapping[str, Any]) -> str:
     rows = summary["variants"]
     cols = [c for c in _QUALITY_COLUMNS if any(_q(r, c[0]) is not None for r in rows)]
-    head = ["method", "tree", "tau", "fwd/img", "s/img", "speedup", "predicted"] + [
+    head = ["method", "tree", "tau", "tvd", "fwd/img", "s/img", "speedup", "predicted"] + [
         f"{name} (n={_n(rows, key)})" if key in ("frechet_real", "frechet_ar", "fid") else name for key, name in cols
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
     for r in rows:
         predicted = r.get("predicted_speedup")
         cells = [
-            r["label"], r.get("tree", "-"), _fmt(r["tau"]), _fmt(r["forwards_per_image"], 1), _fmt(r["wall_per_image_s"], 2),
+            r["label"], r.get("tree", "-"), _fmt(r["tau"]), _fmt(r.get("tvd"), 3), _fmt(r["forwards_per_image"], 1), _fmt(r["wall_per_image_s"], 2),
             _fmt(r["speedup"]) + "x", "-" if predicted is None else _fmt(predicted) + "x",
         ]
         cells += [_fmt(_q(r, key), 3) if key in ("accuracy", "loglik") else _sig(_q(r, key)) for key, _ in cols]
@@ -438,7 +442,7 @@ def _n(rows: Sequence[Mapping[str, Any]], key: str) -> str:
 
 
 CSV_FIELDS = (
-    "label", "method", "sweep", "images", "tree", "tau", "forwards_per_image", "wall_per_image_s", "speedup", "predicted_speedup", "mean_accepted",
+    "label", "method", "sweep", "images", "tree", "tau", "tvd", "forwards_per_image", "wall_per_image_s", "speedup", "predicted_speedup", "mean_accepted",
     "mean_tree_size", "frechet_real", "frechet_real_n", "frechet_ar", "fid", "fid_n", "accuracy", "clip", "loglik", "loglik_raw",
 )
 

@@ -142,6 +142,11 @@ class ChameleonVQDecoder(nn.Module):
         """[K, d]: the code vectors the decoder sees."""
         return self.quantize.embedding.weight.detach()
 
+    @torch.no_grad()
+    def raw_codebook_vectors(self) -> Tensor:
+        """[K, d]: the codebook as stored, which is what the decoder sees: it is not normalised."""
+        return self.codebook_vectors()
+
 
 _KEPT_PREFIXES = ("decoder.", "post_quant_conv.", "quantize.embedding.")
 

@@ -67,6 +67,11 @@ class JanusVQTokenizer:
         """[K, d]: the code vectors the decoder sees (Janus L2-normalises them when decoding)."""
         return F.normalize(self.vqmodel.quantize.embedding.weight.detach(), dim=-1)
 
+    @torch.no_grad()
+    def raw_codebook_vectors(self) -> Tensor:
+        """[K, d]: the codebook as stored, before the normalisation (LANTERN's neighbours)."""
+        return self.vqmodel.quantize.embedding.weight.detach()
+
 
 class JanusTarget(nn.Module):
     """``JanusForConditionalGeneration`` with the :class:`~specimg.models.base.Target` interface."""

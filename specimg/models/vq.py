@@ -274,7 +274,7 @@ class VQTokenizer(nn.Module):
         self.quantize = VectorQuantizer(config)
         self.quant_conv = nn.Conv2d(config.z_channels, config.codebook_embed_dim, 1)
         self.post_quant_conv = nn.Conv2d(config.codebook_embed_dim, config.z_channels, 1)
-        self._codebook: tuple[tuple[Any, ...], Tensor] | None = None
+        self._codebook: dict[bool, tuple[tuple[Any, ...], Tensor]] = {}
 
     @property
     def downsample_factor(self) -> int:
@@ -320,11 +320,22 @@ class VQTokenizer(nn.Module):
         """[K, d]: the code vectors the decoder sees (L2-normalised when the config says so).
         The same tensor until the codebook changes, so callers can remember what they
         derive from it (the neighbour tables of LANTERN's decode steps)."""
+        return self._held(raw=False)
+
+    @torch.no_grad()
+    def raw_codebook_vectors(self) -> Tensor:
+        """[K, d]: the codebook as stored (``quantize.embedding.weight``), before the L2
+        normalisation: what LANTERN's released code takes its neighbours from.  Held like
+        :meth:`codebook_vectors`."""
+        return self._held(raw=True)
+
+    def _held(self, raw: bool) -> Tensor:
         weight = self.quantize.embedding.weight
         version = (weight.data_ptr(), weight._version, weight.device, weight.dtype)
-        if self._codebook is None or self._codebook[0] != version:
-            self._codebook = (version, self.quantize.codebook().detach())
-        return self._codebook[1]
+        held = self._codebook.get(raw)
+        if held is None or held[0] != version:
+            held = self._codebook[raw] = (version, (weight if raw else self.quantize.codebook()).detach())
+        return held[1]
 
     def forward(self, images: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         """Training pass: reconstruction with straight-through gradients, and the VQ losses

@@ -57,6 +57,10 @@ class CodebookTokenizer:
     def codebook_vectors(self) -> Tensor:
         return self.codebook
 
+    def raw_codebook_vectors(self) -> Tensor:
+        """The same vectors: this stand-in's decoder does not normalise them."""
+        return self.codebook
+
 
 @attrs.frozen(eq=False)
 class RelaxCase:

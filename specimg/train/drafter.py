@@ -8,11 +8,13 @@ with EAGLE's weights ``w_cls = 0.1`` (``p_w``) and ``w_reg = 1.0`` (``v_w``).  P
 is the drafter's pair t = (the target's feature before token t, token t), t < N - 1: it
 regresses the target's state after consuming token t, ``F_t``, and matches the target's
 distribution for token t + 1, ``softmax(output(F_t))`` (the frozen shared head, so the
-distribution is recomputed exactly from the stored features).  Then the ``train_loss``
-hooks of the method stack reweight it, in method-string order, each with its own options
-(``--method cascade`` applies CASCADE's reweighting); they receive ``features`` = F [B, T, D]
-(``features[:, t]`` is the state produced by consuming ``tokens[:, t]``), ``tokens`` [B, T]
-and ``mask`` [B, T].  Finally the masked mean over the *global* batch.
+distribution is recomputed exactly from the stored features).  Before the two parts are
+summed, the ``train_loss`` hooks of the method stack reweight them, in method-string
+order, each with its own options (``--method cascade`` boosts the cross-entropy at
+convergent positions); they receive the parts ``soft_ce`` and ``regression`` [B, T], the
+weights, ``features`` = F [B, T, D] (``features[:, t]`` is the state produced by consuming
+``tokens[:, t]``), ``tokens`` [B, T] and ``mask`` [B, T].  Finally the masked mean over the
+*global* batch.
 
 ``batch_size`` is the global batch: each of P processes takes its own B / P examples of
 the same global batch, the local loss is scaled so that DDP's gradient average is the
@@ -130,15 +132,14 @@ def eagle_loss(
     head: Callable[[Tensor], Tensor],
     features: Tensor,
     tokens: Tensor,
-    w_cls: float,
-    w_reg: float,
     noise: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Per-position EAGLE-1 terms for whole images: ``features`` [B, N, D] as
-    ``forward_sequence`` returns them, ``tokens`` [B, N].  Returns ``loss``, ``ce``, ``kl``
-    (ce minus the target's entropy), ``reg`` and ``correct`` (drafter argmax == target
-    argmax), each [B, N - 1], and ``target``
-    (the features F the positions regress to) [B, N - 1, D]."""
+    ``forward_sequence`` returns them, ``tokens`` [B, N].  Returns ``ce`` (the soft
+    cross-entropy), ``kl`` (ce minus the target's entropy), ``reg`` and ``correct`` (drafter
+    argmax == target argmax), each [B, N - 1], and ``target`` (the features F the positions
+    regress to) [B, N - 1, D].  The loss, ``w_cls * ce + w_reg * reg``, is summed after the
+    ``train_loss`` hooks (:func:`apply_loss_hooks`)."""
     inputs, target = features[:, :-1], features[:, 1:]
     if noise is not None:
         inputs = inputs + noise
@@ -152,7 +153,7 @@ def eagle_loss(
     ce = -(p * logits.log_softmax(dim=-1)).sum(dim=-1)
     reg = F.smooth_l1_loss(pred.float(), target.float(), reduction="none").mean(dim=-1)
     correct = (logits.argmax(dim=-1) == target_logits.argmax(dim=-1)).float()
-    return {"loss": w_cls * ce + w_reg * reg, "ce": ce, "kl": ce.detach() - entropy, "reg": reg, "correct": correct, "target": target}
+    return {"ce": ce, "kl": ce.detach() - entropy, "reg": reg, "correct": correct, "target": target}
 
 
 LossHook = tuple[str, Callable[..., Any], Any]
@@ -174,18 +175,24 @@ def loss_hooks(plugins: PluginManager, method: str | None, options: Mapping[str,
     return hooks, {"method": stack.name, "options": stack.options_dict()}
 
 
-def apply_loss_hooks(hooks: list[LossHook], loss: Tensor, features: Tensor, tokens: Tensor, mask: Tensor) -> Tensor:
-    """Fold the per-position ``loss`` [B, T] through the hooks in order."""
+def apply_loss_hooks(
+    hooks: list[LossHook], soft_ce: Tensor, regression: Tensor, w_cls: float, w_reg: float, features: Tensor, tokens: Tensor, mask: Tensor
+) -> Tensor:
+    """Fold the loss's parts [B, T] through the hooks in order, then weigh and sum them into
+    the per-position loss."""
+    parts = (soft_ce, regression)
     for name, caller, options in hooks:
-        results = caller(loss=loss, features=features, tokens=tokens, mask=mask, options=options)
+        results = caller(
+            soft_ce=parts[0], regression=parts[1], w_cls=w_cls, w_reg=w_reg, features=features, tokens=tokens, mask=mask, options=options
+        )
         new = next((r for r in results if r is not None), None)
         if new is None:
             continue
-        if not isinstance(new, Tensor) or new.shape != loss.shape:
-            shape = tuple(new.shape) if isinstance(new, Tensor) else type(new).__name__
-            raise SpecimgError(f"method {name!r}: train_loss returned {shape}, expected a per-position loss {tuple(loss.shape)}")
-        loss = new
-    return loss
+        if not (isinstance(new, tuple) and len(new) == 2 and all(isinstance(t, Tensor) and t.shape == soft_ce.shape for t in new)):
+            got = f"a tensor of shape {tuple(new.shape)}" if isinstance(new, Tensor) else type(new).__name__
+            raise SpecimgError(f"method {name!r}: train_loss returned {got}, expected the parts (soft_ce, regression), each {tuple(soft_ce.shape)}")
+        parts = new
+    return w_cls * parts[0] + w_reg * parts[1]
 
 
 class _Trainable(nn.Module):
@@ -350,9 +357,9 @@ def train_drafter(
         for group in optimizer.param_groups:
             group["lr"] = lr
         with accelerator.autocast():
-            terms = eagle_loss(model, head, features, tokens, config.w_cls, config.w_reg, noise)
-        mask = torch.ones_like(terms["loss"], dtype=torch.bool)
-        loss = apply_loss_hooks(hooks, terms["loss"], terms["target"], tokens[:, :-1], mask)
+            terms = eagle_loss(model, head, features, tokens, noise)
+        mask = torch.ones_like(terms["ce"], dtype=torch.bool)
+        loss = apply_loss_hooks(hooks, terms["ce"], terms["reg"], config.w_cls, config.w_reg, terms["target"], tokens[:, :-1], mask)
         m = mask.float()
         count = accelerator.reduce(m.sum().detach().reshape(1), "sum").clamp(min=1)
         local_loss = (loss * m).sum() * world / count[0]
