@@ -10,7 +10,6 @@ bundle is complete.  Matrix products run under bfloat16 autocast on CPU (``autoc
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
 import shutil
@@ -30,6 +29,7 @@ from specimg.demo.data import NUM_CLASSES, RECIPE, make_dataset
 from specimg.errors import SpecimgError
 from specimg.files import atomic_path
 from specimg.models.demo import load_target_file, save_target
+from specimg.train.schedule import WarmupCosine
 
 MANIFEST = "manifest.json"
 TOKENIZER, TARGET, CLASSIFIER = "tokenizer.safetensors", "target.safetensors", "classifier.safetensors"
@@ -98,17 +98,6 @@ SCALES = {"full": FULL, "toy": TOY}
 
 def autocast() -> Any:
     return torch.autocast("cpu", dtype=torch.bfloat16)
-
-
-def _cosine(step: int, total: int, lr: float, warmup: int) -> float:
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    return lr * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
-
-
-def _set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
-    for group in opt.param_groups:
-        group["lr"] = lr
 
 
 class _Run:
@@ -196,9 +185,9 @@ def _train_vq(run: _Run) -> dict[str, Any]:
     k = s.vq["codebook_size"]
     used = torch.zeros(k, dtype=torch.bool)
     history: list[dict[str, float]] = []
+    schedule = WarmupCosine(opt, 2e-3, s.vq_steps, max(1, s.vq_steps // 20))
     bar = tqdm(range(s.vq_steps), desc="vq", disable=None)
     for step in bar:
-        _set_lr(opt, _cosine(step, s.vq_steps, 2e-3, max(1, s.vq_steps // 20)))
         idx = torch.randint(0, images.shape[0], (s.vq_batch,), generator=g)
         y, x = torch.randint(0, 64 - s.vq_crop + 1, (2,), generator=g).tolist()
         batch = images[idx, :, y : y + s.vq_crop, x : x + s.vq_crop]
@@ -210,6 +199,7 @@ def _train_vq(run: _Run) -> dict[str, Any]:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        schedule.step()
         used[codes.flatten()] = True
         if (step + 1) % 25 == 0 or step + 1 == s.vq_steps:
             usage = used.float().mean().item()
@@ -285,11 +275,11 @@ def _train_gpt(run: _Run) -> dict[str, Any]:
     test_codes = _encode(load_tokenizer(run.file(TOKENIZER)), test)
     history: list[dict[str, float]] = []
     ema = None
+    schedule = WarmupCosine(opt, lr, steps, max(1, steps // 20))
     bar = tqdm(range(steps), desc="gpt", disable=None)
     t0 = time.perf_counter()
     pos = 0
     for step in bar:
-        _set_lr(opt, _cosine(step, steps, lr, max(1, steps // 20)))
         if pos + s.gpt_batch > order.numel():
             order, pos = torch.randperm(codes.shape[0], generator=g), 0
         idx = order[pos : pos + s.gpt_batch]
@@ -304,6 +294,7 @@ def _train_gpt(run: _Run) -> dict[str, Any]:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        schedule.step()
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
         bar.set_postfix(loss=f"{ema:.3f}")
         if (step + 1) % 25 == 0 or step + 1 == steps:
@@ -366,9 +357,9 @@ def _train_classifier(run: _Run) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
     g = torch.Generator().manual_seed(s.seed + 32)
     ema = None
+    schedule = WarmupCosine(opt, 2e-3, s.cls_steps, max(1, s.cls_steps // 20))
     bar = tqdm(range(s.cls_steps), desc="classifier", disable=None)
     for step in bar:
-        _set_lr(opt, _cosine(step, s.cls_steps, 2e-3, max(1, s.cls_steps // 20)))
         idx = torch.randint(0, images.shape[0], (s.cls_batch,), generator=g)
         x = images[idx]
         shift = torch.randint(-3, 4, (2,), generator=g).tolist()
@@ -379,6 +370,7 @@ def _train_classifier(run: _Run) -> dict[str, Any]:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        schedule.step()
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
         bar.set_postfix(loss=f"{ema:.3f}")
     model.eval()

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import shutil
 import time
@@ -54,6 +53,7 @@ from specimg.files import atomic_path
 from specimg.models.eagle import EagleDrafter, EagleTarget, build_drafter, load_drafter, save_drafter
 from specimg.plugins import PluginManager, get_plugin_manager
 from specimg.train.data import DrafterData, _atomic_write_json
+from specimg.train.schedule import WarmupCosine
 
 DRAFTER_TYPES = ("eagle1", "eagle3")
 RUN, STATE, LOG, FINAL = "run.json", "state.json", "log.jsonl", "drafter.safetensors"
@@ -94,13 +94,6 @@ class TrainConfig:
     @property
     def warmup(self) -> int:
         return self.steps // 20 if self.warmup_steps is None else self.warmup_steps
-
-    def lr_at(self, step: int) -> float:
-        """The learning rate of optimizer step ``step`` (0-based)."""
-        if step < self.warmup:
-            return self.lr * (step + 1) / self.warmup
-        progress = (step - self.warmup) / max(1, self.steps - self.warmup)
-        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
 @attrs.frozen
@@ -325,6 +318,7 @@ def train_drafter(
     if state is not None and state.get("done") and os.path.exists(os.path.join(out, FINAL)):
         return TrainResult(accelerator.unwrap_model(model).drafter.eval(), step, os.path.join(out, FINAL))
 
+    schedule = WarmupCosine(optimizer, config.lr, config.steps, config.warmup, config.min_lr_ratio, start=step)
     head = target.code_logits
     params = [p for p in drafter.parameters() if p.requires_grad]
     order: dict[int, Tensor] = {}
@@ -346,9 +340,7 @@ def train_drafter(
             shape = features.shape[1:]
             noise = torch.stack([torch.rand(shape, generator=_generator(config.seed, step, i)) for i in indices])
             noise = ((noise[:, :-1] - 0.5) * config.noise).to(device)
-        lr = config.lr_at(step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        lr = schedule.get_last_lr()[0]
         with accelerator.autocast():
             terms = eagle_loss(model, head, features, tokens, config.w_cls, config.w_reg, noise)
         mask = torch.ones_like(terms["loss"], dtype=torch.bool)
@@ -362,6 +354,7 @@ def train_drafter(
         if config.clip_value is not None:
             torch.nn.utils.clip_grad_value_(params, config.clip_value)
         optimizer.step()
+        schedule.step()
         optimizer.zero_grad(set_to_none=True)
         sums = torch.stack([(terms[k] * m).sum() if k != "loss" else (loss * m).sum() for k in ("loss", "ce", "kl", "reg", "correct")]).detach()
         sums = accelerator.reduce(sums, "sum") / count
