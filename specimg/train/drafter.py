@@ -39,7 +39,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -52,6 +52,7 @@ from specimg.errors import SpecimgError
 from specimg.files import atomic_path
 from specimg.models.eagle import EagleDrafter, EagleTarget, build_drafter, load_drafter, save_drafter
 from specimg.plugins import PluginManager, get_plugin_manager
+from specimg.stackhooks import MemberHook, StackHooks
 from specimg.train.data import DrafterData, _atomic_write_json
 from specimg.train.schedule import WarmupCosine
 
@@ -148,35 +149,26 @@ def eagle_loss(
     return {"loss": w_cls * ce + w_reg * reg, "ce": ce, "kl": ce.detach() - entropy, "reg": reg, "correct": correct, "target": target}
 
 
-LossHook = tuple[str, Callable[..., Any], Any]
-
-
-def loss_hooks(plugins: PluginManager, method: str | None, options: Mapping[str, Mapping[str, Any]] | None) -> tuple[list[LossHook], dict[str, Any]]:
-    """The ``train_loss`` callers of the stack's members that implement it, in method-string
-    order, each with that member's options; and the stack's options (for the run record)."""
+def loss_hooks(plugins: PluginManager, method: str | None, options: Mapping[str, Mapping[str, Any]] | None) -> tuple[tuple[MemberHook, ...], dict[str, Any]]:
+    """The ``train_loss`` hooks of the stack's members that implement it, in method-string
+    order; and the stack's options (for the run record)."""
     if not method:
         if options:
             raise SpecimgError("method options (-o) given without --method")
-        return [], {}
+        return (), {}
     stack = plugins.stack(method, options)
-    hooks = [
-        (m.spec.name, plugins.caller("train_loss", [m.spec.plugin], with_defaults=False), m.options)
-        for m in stack.members
-        if plugins.implementers("train_loss", [m])
-    ]
-    return hooks, {"method": stack.name, "options": stack.options_dict()}
+    return StackHooks.bind(plugins, stack).train_losses, {"method": stack.name, "options": stack.options_dict()}
 
 
-def apply_loss_hooks(hooks: list[LossHook], loss: Tensor, features: Tensor, tokens: Tensor, mask: Tensor) -> Tensor:
+def apply_loss_hooks(hooks: Sequence[MemberHook], loss: Tensor, features: Tensor, tokens: Tensor, mask: Tensor) -> Tensor:
     """Fold the per-position ``loss`` [B, T] through the hooks in order."""
-    for name, caller, options in hooks:
-        results = caller(loss=loss, features=features, tokens=tokens, mask=mask, options=options)
-        new = next((r for r in results if r is not None), None)
+    for hook in hooks:
+        new = hook(loss=loss, features=features, tokens=tokens, mask=mask)
         if new is None:
             continue
         if not isinstance(new, Tensor) or new.shape != loss.shape:
             shape = tuple(new.shape) if isinstance(new, Tensor) else type(new).__name__
-            raise SpecimgError(f"method {name!r}: train_loss returned {shape}, expected a per-position loss {tuple(loss.shape)}")
+            raise SpecimgError(f"method {hook.method!r}: train_loss returned {shape}, expected a per-position loss {tuple(loss.shape)}")
         loss = new
     return loss
 
