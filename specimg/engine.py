@@ -18,7 +18,7 @@ from specimg.methods import AR, Stack
 from specimg.models.base import Condition, Drafter, Target
 from specimg.planner import TreePlanner
 from specimg.plugins import PluginManager, get_plugin_manager
-from specimg.sampling import probabilities
+from specimg.sampling import cfg_active_at, probabilities
 from specimg.stackhooks import StackHooks
 from specimg.stats import ImageStats, RunStats
 from specimg.step import Acceptance, Scores
@@ -162,11 +162,10 @@ class Engine:
         target, sampling, device = self.target, self.sampling, self.device
         root = torch.zeros(1, dtype=torch.long, device=device)
         mask = torch.ones(1, 1, dtype=torch.bool, device=device)
-        cfg_always = sampling.cfg_interval < 0
         while len(tokens) < target.num_tokens:
             out = target.forward_tree(torch.tensor(tokens[-1:], device=device), root, mask)
             target.commit(root)
-            cfg_on = cfg_always or len(tokens) - 1 <= sampling.cfg_interval
+            cfg_on = cfg_active_at(len(tokens), sampling)
             tokens.append(self._draw(probabilities(out.logits, sampling, cfg_on)[0], generator))
             stats.target_forwards += 1
             if progress:
