@@ -43,7 +43,7 @@ from specimg.files import atomic_path
 from specimg.manifest import Manifest
 from specimg.methods import AR, split_stack
 from specimg.models.base import Caption, Condition
-from specimg.stats import PHASES
+from specimg.stats import PHASES, ImageStats, RunStats
 
 DEFAULT_METHODS = ("ar", "naive", "lantern", "lantern++", "gsd", "cascade", "cascade+lantern")
 DEFAULT_IMAGES = 16
@@ -334,32 +334,27 @@ def summarise(
         raise SpecimgError(f"the records are incomplete: samples per method {sorted(counts)}")
     n = counts.pop()
     baseline = next(v.label for v in spec.variants if v.method == AR)
-    ar_wall = sum(r["stats"]["wall_s"] for r in by_label[baseline])
+    stats = {label: RunStats(tuple(ImageStats.from_dict(r["stats"]) for r in rs)) for label, rs in by_label.items()}
     rows = []
     for v in spec.variants:
-        rs = by_label[v.label]
-        tokens = sum(r["stats"]["tokens"] for r in rs)
-        forwards = sum(r["stats"]["target_forwards"] for r in rs)
-        wall = sum(r["stats"]["wall_s"] for r in rs)
-        steps = [a for r in rs for a in r["stats"]["accepted"]]
-        sizes = [s for r in rs for s in r["stats"]["tree_sizes"]]
-        predicted_ms = sum(r["stats"].get("predicted_ms", 0.0) for r in rs)
+        run = stats[v.label]
+        seconds = run.seconds()
+        engine = engines.get(v.label) if engines is not None else None
         rows.append({
             **v.as_dict(),
             "images": n,
-            "tau": tokens / max(1, forwards),
-            "forwards_per_image": forwards / max(1, n),
-            "wall_per_image_s": wall / max(1, n),
-            "speedup": ar_wall / wall if wall > 0 else float("nan"),
-            "mean_accepted": sum(steps) / len(steps) if steps else 0.0,
-            "mean_tree_size": sum(sizes) / len(sizes) if sizes else 0.0,
-            "tree": _tree_used(rs, engines[v.label] if engines and v.label in engines else None),
-            "predicted_speedup": sum(r["stats"].get("predicted_ar_ms", 0.0) for r in rs) / predicted_ms if predicted_ms else None,
-            "phase_s_per_image": {p: sum(r["stats"]["seconds"].get(p, 0.0) for r in rs) / max(1, n) for p in PHASES},
+            "tau": run.tau,
+            "forwards_per_image": run.target_forwards / max(1, n),
+            "wall_per_image_s": run.wall / max(1, n),
+            "speedup": stats[baseline].wall / run.wall if run.wall > 0 else float("nan"),
+            "mean_accepted": run.mean_accepted,
+            "mean_tree_size": run.mean_tree_size,
+            "tree": _tree_used(run, engine),
+            "predicted_speedup": run.predicted_speedup,
+            "phase_s_per_image": {p: seconds.get(p, 0.0) / max(1, n) for p in PHASES},
         })
-        stack = engines[v.label].stack if engines is not None and v.label in engines else None
-        if stack is not None:
-            rows[-1]["resolved"] = {"delta": stack.delta, "options": stack.options_dict()}
+        if engine is not None and engine.stack is not None:
+            rows[-1]["resolved"] = {"delta": engine.stack.delta, "options": engine.stack.options_dict()}
     summary: dict[str, Any] = {"images": n, "baseline": baseline, "variants": rows, "floors": {}, "notes": []}
     if quality is not None and n:
         samples = {label: torch.tensor([r["tokens"] for r in rs]) for label, rs in by_label.items()}
@@ -371,16 +366,12 @@ def summarise(
     return summary
 
 
-def _tree_used(records: Sequence[Mapping[str, Any]], engine: Engine | None) -> str:
+def _tree_used(run: RunStats, engine: Engine | None) -> str:
     """An auto tree's most used shape (by steps), else the engine's tree in words."""
-    steps: dict[str, int] = {}
-    for r in records:
-        trees, taken = r["stats"].get("trees", []), len(r["stats"]["accepted"])
-        for (start, depth, topk, nodes), end in zip(trees, [t[0] for t in trees[1:]] + [taken]):
-            key = f"auto {depth}/{topk}/{nodes}"
-            steps[key] = steps.get(key, 0) + end - start
+    steps = run.tree_steps()
     if steps:
-        return max(steps, key=lambda k: steps[k])
+        depth, topk, nodes = next(iter(steps))
+        return f"auto {depth}/{topk}/{nodes}"
     return engine.tree_label if engine is not None else "-"
 
 
