@@ -251,28 +251,58 @@ def train_drafter(
         raise SpecimgError("EAGLE-3 drafter training is not implemented yet; use --drafter-type eagle1")
     from accelerate import Accelerator
 
-    plugins = plugins or get_plugin_manager()
-    hooks, stack_record = loss_hooks(plugins, method, options)
+    hooks, stack_record = loss_hooks(plugins or get_plugin_manager(), method, options)
     data = data if isinstance(data, DrafterData) else DrafterData(data)
     data.check_target(target)
     if data.num_tokens < 2:
         raise SpecimgError("drafter training needs images of at least 2 tokens")
     accelerator = accelerator or Accelerator(mixed_precision=config.mixed_precision)
-    world, rank = accelerator.num_processes, accelerator.process_index
-    if config.batch_size % world:
-        raise SpecimgError(f"--batch-size {config.batch_size} (the global batch) is not a multiple of the {world} processes")
-    local = config.batch_size // world
-    per_epoch = len(data) // config.batch_size
-    if per_epoch == 0:
-        raise SpecimgError(f"the data holds {len(data)} examples, fewer than one batch of {config.batch_size}")
-
+    batches = _Batches(data, config, accelerator.num_processes, accelerator.process_index)
     out = os.fspath(out)
     settings = {
         "config": attrs.asdict(config), **stack_record, "data": data.meta["settings"], "target": data.meta["target"],
-        "init": os.path.abspath(init) if init else None, "processes": world,
+        "init": os.path.abspath(init) if init else None, "processes": accelerator.num_processes,
     }
+    state = _open_run(out, settings, config.keep_checkpoints, accelerator)
+    training = _Training.build(target, init, config, hooks, accelerator)
+    step = _resume(out, state, accelerator)
+    if state is not None and state.get("done") and os.path.exists(os.path.join(out, FINAL)):
+        return TrainResult(training.drafter().eval(), step, os.path.join(out, FINAL))
+    training.start_schedule(step)
+    from tqdm import tqdm
+
+    bar = tqdm(total=config.steps, initial=step, unit="step", desc="train-drafter", disable=(not accelerator.is_main_process) or (None if progress else True))
+    tick = time.perf_counter()
+    while step < config.steps:
+        epoch, indices = batches.at(step)
+        batch = data.get(indices)
+        metrics = training.step(batch, _noise(config, step, indices, batch["features"].shape[1:]))
+        step += 1
+        now = time.perf_counter()
+        metrics["seconds"], tick = now - tick, now
+        if accelerator.is_main_process:
+            if (step - 1) % config.log_every == 0 or step == config.steps:
+                _log(out, step - 1, epoch, metrics)
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['loss']:.4f}", acc=f"{metrics['acc']:.3f}")
+        if step % config.checkpoint_every == 0 or step == config.steps:
+            _checkpoint(accelerator, out, step, epoch, done=step == config.steps, keep=config.keep_checkpoints)
+        if on_step:
+            on_step(StepInfo(step, epoch, tuple(indices), metrics))
+    bar.close()
+    final = training.drafter().eval()
+    path = os.path.join(out, FINAL)
+    if accelerator.is_main_process:
+        save_drafter(final, path)
+    accelerator.wait_for_everyone()
+    return TrainResult(final, step, path)
+
+
+def _open_run(out: str, settings: dict[str, Any], keep: int, accelerator: Any) -> dict[str, Any] | None:
+    """Refuse a folder that holds another run; prepare it (settings recorded, log lines and
+    checkpoints past the last state dropped); return its state, None for a fresh run."""
     settings = json.loads(json.dumps(settings))  # tuples -> lists, as they come back from disk
-    run_path, state_path, log_path = (os.path.join(out, n) for n in (RUN, STATE, LOG))
+    run_path, state_path = os.path.join(out, RUN), os.path.join(out, STATE)
     old = _read_json(run_path)
     state = _read_json(state_path)
     if old is not None and old != settings:
@@ -285,95 +315,125 @@ def train_drafter(
         os.makedirs(out, exist_ok=True)
         if old is None:
             _atomic_write_json(run_path, settings)
-        _truncate_log(log_path, state["step"] if state else 0)
-        _prune(out, config.keep_checkpoints)
+        _truncate_log(os.path.join(out, LOG), state["step"] if state else 0)
+        _prune(out, keep)
+    return state
 
-    device = accelerator.device
-    # frozen (build_drafter turns its gradients off); the drafter shares its embeddings and head,
-    # and trains in float32 (mixed precision comes from the accelerator's autocast)
-    target.to(device=device, dtype=torch.float32).eval()
-    drafter = load_drafter(target, init) if init else build_drafter(target, seed=config.seed)
-    drafter.float().train()
-    if any(p.requires_grad for p in target.parameters()):
-        raise AssertionError("the target must be frozen")
-    model = _Trainable(drafter)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
-    model, optimizer = accelerator.prepare(model, optimizer)
 
-    step = 0
-    if state is not None:
-        ckpt = os.path.join(out, state["checkpoint"])
-        if not os.path.isdir(ckpt):
-            raise SpecimgError(f"{state_path} points to {ckpt}, which is missing")
-        accelerator.load_state(ckpt)
-        step = int(state["step"])
-    if state is not None and state.get("done") and os.path.exists(os.path.join(out, FINAL)):
-        return TrainResult(accelerator.unwrap_model(model).drafter.eval(), step, os.path.join(out, FINAL))
+def _resume(out: str, state: dict[str, Any] | None, accelerator: Any) -> int:
+    """Restore the checkpoint the state points to; the step it stood at (0: a fresh run)."""
+    if state is None:
+        return 0
+    ckpt = os.path.join(out, state["checkpoint"])
+    if not os.path.isdir(ckpt):
+        raise SpecimgError(f"{os.path.join(out, STATE)} points to {ckpt}, which is missing")
+    accelerator.load_state(ckpt)
+    return int(state["step"])
 
-    schedule = WarmupCosine(optimizer, config.lr, config.steps, config.warmup, config.min_lr_ratio, start=step)
-    head = target.code_logits
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    order: dict[int, Tensor] = {}
-    from tqdm import tqdm
 
-    bar = tqdm(total=config.steps, initial=step, unit="step", desc="train-drafter", disable=(not accelerator.is_main_process) or (None if progress else True))
-    tick = time.perf_counter()
-    while step < config.steps:
-        epoch, b = divmod(step, per_epoch)
-        if epoch not in order:
-            order.clear()
-            order[epoch] = torch.randperm(len(data), generator=torch.Generator().manual_seed(config.seed * 1_000_003 + epoch))
-        first = b * config.batch_size + rank * local
-        indices = order[epoch][first : first + local].tolist()
-        batch = data.get(indices)
+def _log(out: str, step: int, epoch: int, metrics: Mapping[str, float]) -> None:
+    with open(os.path.join(out, LOG), "a", encoding="utf-8") as fh:
+        fh.write(json.dumps({"step": step, "epoch": epoch, **metrics}) + "\n")
+
+
+class _Batches:
+    """Which examples each step trains on: the global batch depends only on (seed, step),
+    and each process takes its own slice of it."""
+
+    def __init__(self, data: DrafterData, config: TrainConfig, world: int, rank: int):
+        if config.batch_size % world:
+            raise SpecimgError(f"--batch-size {config.batch_size} (the global batch) is not a multiple of the {world} processes")
+        self.per_epoch = len(data) // config.batch_size
+        if self.per_epoch == 0:
+            raise SpecimgError(f"the data holds {len(data)} examples, fewer than one batch of {config.batch_size}")
+        self.size, self.examples, self.seed = config.batch_size, len(data), config.seed
+        self.local = config.batch_size // world
+        self.rank = rank
+        self._order: tuple[int, Tensor] | None = None  # (epoch, its permutation)
+
+    def at(self, step: int) -> tuple[int, list[int]]:
+        """The epoch of optimizer step ``step`` and this process's examples in its batch."""
+        epoch, b = divmod(step, self.per_epoch)
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, torch.randperm(self.examples, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)))
+        first = b * self.size + self.rank * self.local
+        return epoch, self._order[1][first : first + self.local].tolist()
+
+
+def _noise(config: TrainConfig, step: int, indices: list[int], shape: torch.Size) -> Tensor | None:
+    """EAGLE's uniform input noise [b, N - 1, D] for examples of ``shape`` [N, D], per
+    example and step: the same whatever the number of processes."""
+    if config.noise <= 0:
+        return None
+    noise = torch.stack([torch.rand(shape, generator=_generator(config.seed, step, i)) for i in indices])
+    return (noise[:, :-1] - 0.5) * config.noise
+
+
+@attrs.define(eq=False)
+class _Training:
+    """The drafter under training and what one optimizer step needs: the frozen target's
+    head, the optimizer and its schedule, the stack's loss hooks."""
+
+    accelerator: Any
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    params: list[Tensor]
+    head: Callable[[Tensor], Tensor]
+    hooks: Sequence[MemberHook]
+    config: TrainConfig
+    schedule: WarmupCosine | None = None
+
+    @classmethod
+    def build(cls, target: EagleTarget, init: str | os.PathLike[str] | None, config: TrainConfig, hooks: Sequence[MemberHook], accelerator: Any) -> _Training:
+        # frozen (build_drafter turns its gradients off); the drafter shares its embeddings and head,
+        # and trains in float32 (mixed precision comes from the accelerator's autocast)
+        target.to(device=accelerator.device, dtype=torch.float32).eval()
+        drafter = load_drafter(target, init) if init else build_drafter(target, seed=config.seed)
+        drafter.float().train()
+        if any(p.requires_grad for p in target.parameters()):
+            raise AssertionError("the target must be frozen")
+        optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+        model, optimizer = accelerator.prepare(_Trainable(drafter), optimizer)
+        params = [p for p in drafter.parameters() if p.requires_grad]
+        return cls(accelerator, model, optimizer, params, target.code_logits, hooks, config)
+
+    def drafter(self) -> EagleDrafter:
+        return self.accelerator.unwrap_model(self.model).drafter
+
+    def start_schedule(self, step: int) -> None:
+        """The learning-rate schedule from optimizer step ``step`` on (a resumed run's)."""
+        c = self.config
+        self.schedule = WarmupCosine(self.optimizer, c.lr, c.steps, c.warmup, c.min_lr_ratio, start=step)
+
+    def step(self, batch: dict[str, Tensor], noise: Tensor | None) -> dict[str, float]:
+        """One optimizer step on this process's share of the global batch; the metrics of
+        the whole batch (losses, top-1 agreement, learning rate, gradient norm)."""
+        assert self.schedule is not None
+        accelerator, config = self.accelerator, self.config
+        device = accelerator.device
         features, tokens = batch["features"].to(device), batch["tokens"].to(device)
-        noise = None
-        if config.noise > 0:  # per example and step: the same whatever the number of processes
-            shape = features.shape[1:]
-            noise = torch.stack([torch.rand(shape, generator=_generator(config.seed, step, i)) for i in indices])
-            noise = ((noise[:, :-1] - 0.5) * config.noise).to(device)
-        lr = schedule.get_last_lr()[0]
+        lr = self.schedule.get_last_lr()[0]
         with accelerator.autocast():
-            terms = eagle_loss(model, head, features, tokens, config.w_cls, config.w_reg, noise)
+            terms = eagle_loss(self.model, self.head, features, tokens, config.w_cls, config.w_reg, None if noise is None else noise.to(device))
         mask = torch.ones_like(terms["loss"], dtype=torch.bool)
-        loss = apply_loss_hooks(hooks, terms["loss"], terms["target"], tokens[:, :-1], mask)
+        loss = apply_loss_hooks(self.hooks, terms["loss"], terms["target"], tokens[:, :-1], mask)
         m = mask.float()
         count = accelerator.reduce(m.sum().detach().reshape(1), "sum").clamp(min=1)
-        local_loss = (loss * m).sum() * world / count[0]
-        accelerator.backward(local_loss)
+        # scaled so that DDP's gradient average is the gradient of the global masked mean
+        accelerator.backward((loss * m).sum() * accelerator.num_processes / count[0])
         accelerator.unscale_gradients()
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, config.clip_norm if config.clip_norm else float("inf"))
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, config.clip_norm if config.clip_norm else float("inf"))
         if config.clip_value is not None:
-            torch.nn.utils.clip_grad_value_(params, config.clip_value)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
+            torch.nn.utils.clip_grad_value_(self.params, config.clip_value)
+        self.optimizer.step()
+        self.schedule.step()
+        self.optimizer.zero_grad(set_to_none=True)
         sums = torch.stack([(terms[k] * m).sum() if k != "loss" else (loss * m).sum() for k in ("loss", "ce", "kl", "reg", "correct")]).detach()
         sums = accelerator.reduce(sums, "sum") / count
-        step += 1
-        now = time.perf_counter()
-        metrics = {
+        return {
             "loss": float(sums[0]), "ce": float(sums[1]), "kl": float(sums[2]), "reg": float(sums[3]), "acc": float(sums[4]),
-            "lr": lr, "grad_norm": float(grad_norm), "seconds": now - tick,
+            "lr": lr, "grad_norm": float(grad_norm),
         }
-        tick = now
-        if accelerator.is_main_process:
-            if (step - 1) % config.log_every == 0 or step == config.steps:
-                with open(log_path, "a", encoding="utf-8") as fh:
-                    fh.write(json.dumps({"step": step - 1, "epoch": epoch, **metrics}) + "\n")
-            bar.update(1)
-            bar.set_postfix(loss=f"{metrics['loss']:.4f}", acc=f"{metrics['acc']:.3f}")
-        if step % config.checkpoint_every == 0 or step == config.steps:
-            _checkpoint(accelerator, out, step, epoch, done=step == config.steps, keep=config.keep_checkpoints)
-        if on_step:
-            on_step(StepInfo(step, epoch, tuple(indices), metrics))
-    bar.close()
-    final = accelerator.unwrap_model(model).drafter.eval()
-    path = os.path.join(out, FINAL)
-    if accelerator.is_main_process:
-        save_drafter(final, path)
-    accelerator.wait_for_everyone()
-    return TrainResult(final, step, path)
 
 
 def _generator(*key: int) -> torch.Generator:
