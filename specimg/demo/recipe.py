@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
-from specimg.config import LLAMAGEN_SAMPLING
+from specimg.config import LLAMAGEN_SAMPLING, Sampling
 from specimg.demo.data import NUM_CLASSES, RECIPE, make_dataset
 from specimg.errors import SpecimgError
 from specimg.files import atomic_path
@@ -485,48 +485,78 @@ def _train_drafter(run: _Run, name: str, method: str) -> dict[str, Any]:
 
 
 def _evaluate(run: _Run) -> dict[str, Any]:
-    from specimg.config import Sampling
-    from specimg.engine import Engine
+    """The quality stage: a sampling sweep chooses the default (CFG, temperature), then the
+    engine's own samples at that default are judged against real test images."""
     from specimg.eval.classifier import load_classifier
     from specimg.eval.metrics import frechet_distance
-    from specimg.images import make_grid, save_png_atomic
     from specimg.models.vq import load_tokenizer
-
-    from specimg.train.data import sample_tokens
 
     s = run.scale
     target = load_target_file(run.file(TARGET))
     tok = load_tokenizer(run.file(TOKENIZER))
     clf = load_classifier(run.file(CLASSIFIER))
-    test, test_labels = make_dataset(s.quality.real, seed=s.seed + 2, split="test")
+    test, _ = make_dataset(s.quality.real, seed=s.seed + 2, split="test")
     with torch.no_grad():
         f_real = clf.all_features(test)
+    sweep, chosen = _sampling_sweep(run, target, tok, clf, f_real)
+    run.manifest["defaults"].update(cfg_scale=chosen.cfg_scale, temperature=chosen.temperature)
+    wanted = [c for c in range(NUM_CLASSES) for _ in range(s.quality.per_class)]
+    codes = _engine_samples(target, tok, chosen, wanted)
+    imgs = _decode(tok, codes)
+    labels = torch.tensor(wanted)
+    pred = clf.predict(imgs)
+    with torch.no_grad():
+        f_samp = clf.all_features(imgs)
+        half = test.shape[0] // 2
+        recon = torch.cat([tok.decode(tok.encode(test[i : i + 128])) for i in range(0, test.shape[0], 128)]).clamp(-1, 1)
+        f_recon = clf.all_features(recon)
+    _save_grid(run, imgs, wanted, pred)
+    torch.save({"codes": codes, "labels": labels}, run.work_file("ar-samples.pt"))
+    return {
+        "cfg_scale": chosen.cfg_scale, "temperature": chosen.temperature, "sampler": "Engine(method='ar')",
+        "samples": len(wanted), "sampling_sweep": sweep,
+        "classifier_acc_ar_samples": round((pred == labels).float().mean().item(), 4),
+        "per_class_acc_ar_samples": {str(c): round((pred[labels == c] == c).float().mean().item(), 3) for c in range(NUM_CLASSES)},
+        "classifier_acc_real_test": run.manifest["stages"]["classifier"]["acc_real_test"],
+        "frechet_real_vs_ar": round(frechet_distance(f_real, f_samp).value, 3),
+        "frechet_real_vs_real": round(frechet_distance(f_real[:half], f_real[half:]).value, 3),
+        "frechet_real_vs_vq_recon": round(frechet_distance(f_real, f_recon).value, 3),
+        "feature_dim": int(f_real.shape[1]),
+    }
 
-    def decode(codes: Tensor) -> Tensor:
-        with torch.no_grad():
-            return torch.cat([tok.decode(codes[i : i + 64]) for i in range(0, codes.shape[0], 64)]).clamp(-1, 1)
 
-    # (CFG, temperature) sweep with the batched AR sampler (same draws as the engine's AR
-    # loop); the default is the mildest setting within 0.02 of the best accuracy: highest
-    # temperature first, then smallest CFG.  The engine's samples below, on other seeds,
-    # measure the default without the sweep's selection bias.
+def _decode(tok: Any, codes: Tensor) -> Tensor:
+    with torch.no_grad():
+        return torch.cat([tok.decode(codes[i : i + 64]) for i in range(0, codes.shape[0], 64)]).clamp(-1, 1)
+
+
+def _sampling_sweep(run: _Run, target: Any, tok: Any, clf: Any, f_real: Tensor) -> tuple[list[dict[str, float]], Sampling]:
+    """Every (CFG, temperature) of the scale, sampled with the target's batched sampler (the
+    engine's AR draws); the default is the mildest setting within 0.02 of the best accuracy:
+    highest temperature first, then smallest CFG.  The engine's samples measure the default
+    on other seeds, without the sweep's selection bias."""
+    from specimg.eval.metrics import frechet_distance
+
+    q = run.scale.quality
     sweep: list[dict[str, float]] = []
-    sweep_labels = [c for c in range(NUM_CLASSES) for _ in range(s.quality.sweep_per_class)]
-    settings = [(cfg, temp) for temp in s.quality.temperature_sweep for cfg in s.quality.cfg_sweep]
-    for cfg, temp in tqdm(settings, desc="sampling sweep", disable=None):
-        with torch.inference_mode():
-            codes = sample_tokens(target, sweep_labels, [20_000 + i for i in range(len(sweep_labels))], Sampling(temp, cfg_scale=cfg))
-        imgs = decode(codes)
-        acc = (clf.predict(imgs) == torch.tensor(sweep_labels)).float().mean().item()
+    labels = [c for c in range(NUM_CLASSES) for _ in range(q.sweep_per_class)]
+    seeds = [20_000 + i for i in range(len(labels))]
+    for cfg, temp in tqdm([(cfg, temp) for temp in q.temperature_sweep for cfg in q.cfg_sweep], desc="sampling sweep", disable=None):
+        imgs = _decode(tok, target.sample_batch(labels, seeds, Sampling(temp, cfg_scale=cfg)))
+        acc = (clf.predict(imgs) == torch.tensor(labels)).float().mean().item()
         sweep.append({"cfg_scale": cfg, "temperature": temp, "acc": round(acc, 4),
                       "frechet_real_vs_ar": round(frechet_distance(f_real, clf.all_features(imgs)).value, 3)})
         run.log(f"  cfg {cfg}, temperature {temp}: accuracy {acc:.3f}, Frechet {sweep[-1]['frechet_real_vs_ar']:.2f}")
     best = max(v["acc"] for v in sweep)
     chosen = min((v for v in sweep if v["acc"] >= best - 0.02), key=lambda v: (-v["temperature"], v["cfg_scale"]))
-    run.manifest["defaults"].update(cfg_scale=chosen["cfg_scale"], temperature=chosen["temperature"])
-    sampling = Sampling(chosen["temperature"], cfg_scale=chosen["cfg_scale"])
+    return sweep, Sampling(chosen["temperature"], cfg_scale=chosen["cfg_scale"])
+
+
+def _engine_samples(target: Any, tok: Any, sampling: Sampling, wanted: list[int]) -> Tensor:
+    """Image i of class ``wanted[i]`` from the engine's AR loop, seed 10000 + i."""
+    from specimg.engine import Engine
+
     engine = Engine(target, None, "ar", sampling=sampling, tokenizer=tok)
-    wanted = [c for c in range(NUM_CLASSES) for _ in range(s.quality.per_class)]
     samples = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one image at a time is latency-bound: extra threads only wait on each other
@@ -536,32 +566,17 @@ def _evaluate(run: _Run) -> dict[str, Any]:
                 samples.append(engine.generate([c], seed=10_000 + i, progress=bar.update).tokens)
     finally:
         torch.set_num_threads(threads)
-    codes = torch.cat(samples)
-    imgs = decode(codes)
-    labels = torch.tensor(wanted)
-    pred = clf.predict(imgs)
-    acc = (pred == labels).float().mean().item()
-    with torch.no_grad():
-        f_samp = clf.all_features(imgs)
-        half = test.shape[0] // 2
-        recon = torch.cat([tok.decode(tok.encode(test[i : i + 128])) for i in range(0, test.shape[0], 128)]).clamp(-1, 1)
-        f_recon = clf.all_features(recon)
-    per_class = {str(c): round((pred[labels == c] == c).float().mean().item(), 3) for c in range(NUM_CLASSES)}
-    grid_n = min(len(wanted), NUM_CLASSES * 8)
-    order = sorted(range(len(wanted)), key=lambda i: (i % s.quality.per_class, wanted[i]))[:grid_n]
+    return torch.cat(samples)
+
+
+def _save_grid(run: _Run, imgs: Tensor, wanted: list[int], pred: Tensor) -> None:
+    """samples.png: up to 8 rows of one sample per class, misclassified ones labelled with the prediction."""
+    from specimg.images import make_grid, save_png_atomic
+
+    per_class = run.scale.quality.per_class
+    order = sorted(range(len(wanted)), key=lambda i: (i % per_class, wanted[i]))[: min(len(wanted), NUM_CLASSES * 8)]
     grid = make_grid(imgs[order], nrow=NUM_CLASSES, labels=[f"{wanted[i]}{'' if pred[i] == wanted[i] else f' ({int(pred[i])})'}" for i in order])
     save_png_atomic(grid, run.file("samples.png"))
-    torch.save({"codes": codes, "labels": labels}, run.work_file("ar-samples.pt"))
-    return {
-        "cfg_scale": chosen["cfg_scale"], "temperature": chosen["temperature"], "sampler": "Engine(method='ar')",
-        "samples": len(wanted), "sampling_sweep": sweep,
-        "classifier_acc_ar_samples": round(acc, 4), "per_class_acc_ar_samples": per_class,
-        "classifier_acc_real_test": run.manifest["stages"]["classifier"]["acc_real_test"],
-        "frechet_real_vs_ar": round(frechet_distance(f_real, f_samp).value, 3),
-        "frechet_real_vs_real": round(frechet_distance(f_real[:half], f_real[half:]).value, 3),
-        "frechet_real_vs_vq_recon": round(frechet_distance(f_real, f_recon).value, 3),
-        "feature_dim": int(f_real.shape[1]),
-    }
 
 
 def train_demo(out: str | os.PathLike[str], scale: str = "full", log: Callable[[str], None] = print,
