@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+from typing import Any, Literal
 
 import attrs
 from attrs import validators as v
+
+from specimg.errors import SpecimgError
+
+
+def _finite(instance: Any, attribute: attrs.Attribute, value: float) -> None:
+    """NaN slips through every comparison and infinity through lower bounds: refuse both."""
+    if not math.isfinite(value):
+        raise SpecimgError(f"{type(instance).__name__}.{attribute.name} must be a finite number, got {value!r}")
 
 
 @attrs.frozen
@@ -16,10 +25,10 @@ class Sampling:
     cfg_interval >= 0 stops guidance after that many image tokens, as LlamaGen does.
     """
 
-    temperature: float = attrs.field(default=1.0, validator=v.ge(0.0))
+    temperature: float = attrs.field(default=1.0, validator=[_finite, v.ge(0.0)])
     top_k: int = attrs.field(default=0, validator=v.ge(0))
-    top_p: float = attrs.field(default=1.0, validator=[v.gt(0.0), v.le(1.0)])
-    cfg_scale: float = attrs.field(default=1.0, validator=v.ge(1.0))
+    top_p: float = attrs.field(default=1.0, validator=[_finite, v.gt(0.0), v.le(1.0)])
+    cfg_scale: float = attrs.field(default=1.0, validator=[_finite, v.ge(1.0)])
     cfg_interval: int = attrs.field(default=-1, validator=v.ge(-1))
 
     @property
@@ -64,10 +73,13 @@ class TreeConfig:
     sample: bool = False
 
     def __attrs_post_init__(self) -> None:
-        """An unset kind is auto, unless a size is given: explicit sizes mean a dynamic tree."""
+        """An unset kind is auto, unless a size is given: explicit sizes mean a dynamic tree.
+        Rank paths and a static tree go together: one without the other would draft nothing."""
         sized = (self.depth, self.topk, self.total_tokens) != (None, None, None)
         if self.kind is None:
             object.__setattr__(self, "kind", "dynamic" if sized else "auto")
+        if (self.kind == "static") != bool(self.rank_paths):
+            raise SpecimgError("a static tree needs rank_paths, and rank_paths need kind='static'")
         for name, default in DYNAMIC_DEFAULTS.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, default)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager
@@ -17,7 +18,8 @@ from specimg.methods import AR, Stack
 from specimg.models.base import Condition, Drafter, Target
 from specimg.planner import TreePlanner
 from specimg.plugins import PluginManager, get_plugin_manager
-from specimg.sampling import probabilities
+from specimg.sampling import cfg_active_at, probabilities
+from specimg.stackhooks import StackHooks
 from specimg.stats import ImageStats, RunStats
 from specimg.step import Acceptance, Scores
 from specimg.tree import DraftSession, DraftTree
@@ -68,7 +70,7 @@ class Engine:
         self.plugins = plugins or get_plugin_manager()
         self._check_vocabularies()
         self.stack: Stack | None = None
-        self.own_tree = False
+        self.hooks: StackHooks | None = None
         if method.strip() == AR:
             if options:
                 raise SpecimgError("method 'ar' takes no options")
@@ -76,16 +78,7 @@ class Engine:
         self.stack = self.plugins.stack(method, options, delta)
         if drafter is None:
             raise SpecimgError(f"method {self.stack.name!r} drafts tokens and needs a drafter")
-        self._propose = self._firstresult_caller("propose_tree")
-        self.own_tree = bool(self.plugins.implementers("propose_tree", self.stack.members))
-        """Whether a method of the stack brings its own tree (lantern++'s static trees)."""
-        self._score = self._firstresult_caller("score")
-        self._accept = self._firstresult_caller("accept")
-        self._relaxers = [
-            (m.spec.name, m.delta, self.plugins.caller("build_relaxed_dist", [m.spec.plugin], with_defaults=False), m.options)
-            for m in self.stack.members
-            if self.plugins.implementers("build_relaxed_dist", [m])
-        ]
+        self.hooks = StackHooks.bind(self.plugins, self.stack)
 
     @property
     def method(self) -> str:
@@ -97,16 +90,6 @@ class Engine:
             size = getattr(model, "vocab_size", None)
             if size is not None and size != vocab:
                 raise SpecimgError(f"the {role} has a vocabulary of {size} tokens, the target {vocab}")
-
-    def _firstresult_caller(self, hook: str) -> tuple[Callable[..., Any], Any]:
-        assert self.stack is not None
-        owners = self.plugins.implementers(hook, self.stack.members)
-        if len(owners) > 1:
-            raise SpecimgError(f"methods {owners[0]!r} and {owners[1]!r} both implement {hook!r}; stack at most one of them")
-        members = [m for m in self.stack.members if m.spec.name in owners]
-        options = members[0].options if members else None
-        keep = [m.spec.plugin for m in self.stack.members]
-        return self.plugins.caller(hook, keep, with_defaults=True), options
 
     def generate(
         self, conditions: Sequence[Condition], seed: int = 0, progress: Callable[[int], None] | None = None
@@ -132,16 +115,21 @@ class Engine:
     def auto_tree(self) -> bool:
         """Whether the planner shapes the trees (an auto config); a method that brings its
         own tree (lantern++) gets the planner's tree config and may take its size."""
-        return self.stack is not None and self.tree_config.kind == "auto"
+        return self.hooks is not None and self.tree_config.kind == "auto"
+
+    @property
+    def own_tree(self) -> bool:
+        """Whether a method of the stack brings its own tree (lantern++'s static trees)."""
+        return self.hooks is not None and self.hooks.propose.owner is not None
 
     @property
     def tree_label(self) -> str:
         """The tree this engine drafts, in words."""
         config = self.tree_config
-        if self.stack is None:
+        if self.hooks is None:
             return "-"
         if self.own_tree:
-            return f"{self.plugins.implementers('propose_tree', self.stack.members)[0]}'s own" + (", auto-sized" if config.kind == "auto" else "")
+            return f"{self.hooks.propose.owner}'s own" + (", auto-sized" if config.kind == "auto" else "")
         if config.kind == "auto":
             return "auto"
         if config.kind == "dynamic":
@@ -179,11 +167,10 @@ class Engine:
         target, sampling, device = self.target, self.sampling, self.device
         root = torch.zeros(1, dtype=torch.long, device=device)
         mask = torch.ones(1, 1, dtype=torch.bool, device=device)
-        cfg_always = sampling.cfg_interval < 0
         while len(tokens) < target.num_tokens:
             out = target.forward_tree(torch.tensor(tokens[-1:], device=device), root, mask)
             target.commit(root)
-            cfg_on = cfg_always or len(tokens) - 1 <= sampling.cfg_interval
+            cfg_on = cfg_active_at(len(tokens), sampling)
             tokens.append(self._draw(probabilities(out.logits, sampling, cfg_on)[0], generator))
             stats.target_forwards += 1
             if progress:
@@ -191,9 +178,10 @@ class Engine:
 
     def relaxers(self, tree: DraftTree, scores: Scores) -> list[tuple[str, float, Callable[..., Tensor | None]]]:
         """The stack's build_relaxed_dist hooks bound to one step: (method, delta, relax)."""
+        assert self.hooks is not None
         return [
-            (name, delta, _bind(caller, options, tree, scores, self.target, self.tokenizer))
-            for name, delta, caller, options in self._relaxers
+            (r.method, r.delta, functools.partial(r, target_dist=scores.probs, tree=tree, scores=scores, target=self.target, tokenizer=self.tokenizer))
+            for r in self.hooks.relaxers
         ]
 
     def relax(self, tree: DraftTree, scores: Scores) -> Tensor:
@@ -203,12 +191,8 @@ class Engine:
 
     def accept(self, tree: DraftTree, dist: Tensor, scores: Scores, generator: torch.Generator) -> Acceptance:
         """One step's acceptance by the stack's accept hook or the core's default."""
-        assert self.stack is not None
-        accept, options = self._accept
-        return accept(
-            tree=tree, dist=dist, scores=scores, sampling=self.sampling, generator=generator,
-            exact=self.stack.delta == 0.0, options=options,
-        )
+        assert self.stack is not None and self.hooks is not None
+        return self.hooks.accept(tree=tree, dist=dist, scores=scores, sampling=self.sampling, generator=generator, exact=self.stack.delta == 0.0)
 
     @contextmanager
     def _timed(self, stats: ImageStats, phase: str):
@@ -225,10 +209,8 @@ class Engine:
         stats: ImageStats,
         progress: Callable[[int], None] | None,
     ) -> None:
-        assert self.stack is not None and self.drafter is not None
+        assert self.hooks is not None and self.drafter is not None
         target, drafter, sampling, device = self.target, self.drafter, self.sampling, self.device
-        propose, propose_options = self._propose
-        score, _ = self._score
         planner = self.planner() if self.auto_tree else None
         drafter.prefill(condition, sampling.cfg)
         new_tokens = tokens[-1:]
@@ -238,12 +220,12 @@ class Engine:
             with self._timed(stats, "draft"):
                 root_logits = drafter.start(hidden, torch.tensor(new_tokens, dtype=torch.long, device=device))
                 session = DraftSession(drafter, sampling, root_logits, len(tokens) - 1, filtered=tree_config.sample)
-                tree = propose(
+                tree = self.hooks.propose(
                     session=session, root_token=tokens[-1], tree_config=tree_config,
-                    max_depth=target.num_tokens - len(tokens) - 1, generator=generator, options=propose_options,
+                    max_depth=target.num_tokens - len(tokens) - 1, generator=generator,
                 )
             with self._timed(stats, "verify"):
-                scores = score(target=target, tree=tree, sampling=sampling, token_index=len(tokens))
+                scores = self.hooks.score(target=target, tree=tree, sampling=sampling, token_index=len(tokens))
             with self._timed(stats, "relax"):
                 dist = self.relax(tree, scores)
             with self._timed(stats, "accept"):
@@ -283,16 +265,3 @@ def _moved(model: Any, device: torch.device | str | None, dtype: torch.dtype | N
     if not isinstance(model, torch.nn.Module):
         return model
     return model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
-
-
-def _bind(caller: Callable[..., Any], options: Any, tree: Any, scores: Any, target: Any, tokenizer: Any) -> Callable[..., Tensor | None]:
-    """One method's build_relaxed_dist with this step's context filled in."""
-
-    def relax_step(dist: Tensor, budget: Tensor) -> Tensor | None:
-        results = caller(
-            dist=dist, target_dist=scores.probs, budget=budget, tree=tree, scores=scores,
-            target=target, tokenizer=tokenizer, options=options,
-        )
-        return next((r for r in results if r is not None), None)
-
-    return relax_step

@@ -52,12 +52,13 @@ def probabilities(logits: Tensor, sampling: Sampling, cfg_active: Tensor | bool 
     return filter_logits(guided / temperature, sampling.top_k, sampling.top_p).softmax(dim=-1)
 
 
-def cfg_active_at(token_index: Tensor, sampling: Sampling) -> Tensor:
-    """Where guidance applies to nodes predicting image tokens ``token_index`` [n].
+def cfg_active_at(token_index: Tensor | int, sampling: Sampling) -> Tensor | bool:
+    """Where guidance applies to nodes predicting image tokens ``token_index`` ([n], or
+    one index: the AR loops' per-step flag, without a tensor per step).
 
     LlamaGen's decode loop turns guidance off once its step counter (token index - 1)
     passes cfg_interval; the first token, from the prefill, is always guided.
     """
     if sampling.cfg_interval < 0:
-        return torch.ones_like(token_index, dtype=torch.bool)
+        return torch.ones_like(token_index, dtype=torch.bool) if isinstance(token_index, Tensor) else True
     return token_index - 1 <= sampling.cfg_interval

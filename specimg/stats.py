@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -29,7 +30,7 @@ class ImageStats:
     trees: list[list[int]] = attrs.field(factory=list)
     predicted_ms: float = 0.0
     predicted_ar_ms: float = 0.0
-    tvd: float = 0.0
+    tvd: float | None = 0.0
 
     @property
     def predicted_speedup(self) -> float | None:
@@ -49,9 +50,21 @@ class ImageStats:
             "seconds": {k: round(v, 5) for k, v in self.seconds.items()},
             "tree_sizes": self.tree_sizes,
             "accepted": self.accepted,
-            "tvd": round(self.tvd, 6),
+            **({"tvd": round(self.tvd, 6)} if self.tvd is not None else {}),
             **({"trees": self.trees, "predicted_ms": round(self.predicted_ms, 4), "predicted_ar_ms": round(self.predicted_ar_ms, 4)} if self.trees else {}),
         }
+
+    @classmethod
+    def from_dict(cls, record: Mapping[str, Any]) -> ImageStats:
+        """The statistics ``as_dict`` wrote (times as rounded there): runs read back from a manifest."""
+        return cls(
+            tokens=record["tokens"], target_forwards=record["target_forwards"],
+            tree_sizes=list(record["tree_sizes"]), accepted=list(record["accepted"]),
+            seconds=defaultdict(float, record["seconds"]), wall=record["wall_s"],
+            trees=[list(tree) for tree in record.get("trees", [])],
+            predicted_ms=record.get("predicted_ms", 0.0), predicted_ar_ms=record.get("predicted_ar_ms", 0.0),
+            tvd=record.get("tvd"),
+        )
 
 
 @attrs.frozen
@@ -80,19 +93,37 @@ class RunStats:
         return sum(steps) / max(1, len(steps))
 
     @property
+    def tvd(self) -> float | None:
+        """The budget spent per emitted token, pooled over the images (None when a record
+        predates the measure)."""
+        if any(s.tvd is None for s in self.images):
+            return None
+        emitted = [sum(s.accepted) + len(s.accepted) for s in self.images]
+        return sum(s.tvd * e for s, e in zip(self.images, emitted)) / max(1, sum(emitted))
+
+    @property
+    def mean_tree_size(self) -> float:
+        sizes = [n for s in self.images for n in s.tree_sizes]
+        return sum(sizes) / max(1, len(sizes))
+
+    @property
     def predicted_speedup(self) -> float | None:
         """The cost model's speedup over AR for the trees chosen (auto trees only)."""
         ms = sum(s.predicted_ms for s in self.images)
         return sum(s.predicted_ar_ms for s in self.images) / ms if ms else None
 
-    def trees(self) -> dict[str, int]:
-        """How many steps each auto tree ran, most used first ("depth D, top-k K, N nodes")."""
-        steps: dict[str, int] = defaultdict(int)
+    def tree_steps(self) -> dict[tuple[int, int, int], int]:
+        """How many steps each auto tree (depth, top-k, nodes) ran, most used first."""
+        steps: dict[tuple[int, int, int], int] = defaultdict(int)
         for s in self.images:
             bounds = [start for start, *_ in s.trees] + [len(s.accepted)]
             for (start, depth, topk, nodes), end in zip(s.trees, bounds[1:]):
-                steps[f"depth {depth}, top-k {topk}, {nodes} nodes"] += end - start
+                steps[depth, topk, nodes] += end - start
         return dict(sorted(steps.items(), key=lambda kv: -kv[1]))
+
+    def trees(self) -> dict[str, int]:
+        """``tree_steps`` in words ("depth D, top-k K, N nodes")."""
+        return {f"depth {d}, top-k {k}, {n} nodes": steps for (d, k, n), steps in self.tree_steps().items()}
 
     def seconds(self) -> dict[str, float]:
         total: dict[str, float] = defaultdict(float)

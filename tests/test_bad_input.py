@@ -64,6 +64,23 @@ def test_non_finite_training_numbers(tmp_path, capsys):
     assert "Invalid value for '--lr': 'nan' is not a finite number" in line
 
 
+@pytest.mark.parametrize("field", ["temperature", "cfg_scale", "top_p"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_sampling_from_python(field, value):
+    with pytest.raises(SpecimgError, match=f"^Sampling.{field} must be a finite number, got {value!r}$"):
+        Sampling(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "tree",
+    [dict(kind="static"), dict(kind="static", rank_paths=()), dict(rank_paths=((0,),)), dict(kind="dynamic", rank_paths=((0,), (1,)))],
+)
+def test_rank_paths_and_a_static_tree_go_together_from_python(tree):
+    """A static tree without rank paths used to decode as AR; rank paths on another kind were ignored."""
+    with pytest.raises(SpecimgError, match=r"^a static tree needs rank_paths, and rank_paths need kind='static'$"):
+        TreeConfig(**tree)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

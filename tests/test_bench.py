@@ -22,6 +22,7 @@ from specimg.eval.quality import Quality
 from specimg.models import loading
 from specimg.models.base import Caption
 from specimg.sampling import probabilities
+from specimg.stats import ImageStats
 
 INSTALLED = ("naive", "lantern", "lantern++", "gsd", "cascade")
 SAMPLING = Sampling(cfg_scale=2.0)
@@ -222,6 +223,27 @@ def test_tvd_column_pools_the_budget_spent_per_emitted_token():
     assert [row["tvd"] for row in csv.DictReader(io.StringIO(csv_text(summary)))] == ["0.0", str((4 * 0.1 + 2 * 0.4) / 6)]
     older = [{**r, "stats": {k: v for k, v in r["stats"].items() if k != "tvd"}} for r in records]  # written before tvd was kept
     assert [row["tvd"] for row in summarise(older, spec)["variants"]] == [None, None]
+
+
+def test_the_summary_pools_each_variant_through_run_stats():
+    """Rows from the records' statistics as the manifest holds them, auto trees included."""
+    ar = ImageStats(tokens=64, target_forwards=64, wall=2.0, seconds={"verify": 1.5})
+    first = ImageStats(
+        tokens=64, target_forwards=20, tree_sizes=[12] * 5 + [9] * 14, accepted=[4] * 5 + [2] * 14, seconds={"draft": 0.25, "verify": 0.5},
+        wall=0.75, trees=[[0, 3, 3, 12], [5, 4, 2, 9]], predicted_ms=30.0, predicted_ar_ms=90.0,
+    )
+    second = ImageStats(tokens=64, target_forwards=11, tree_sizes=[9] * 10, accepted=[5] * 10, seconds={"draft": 0.5}, wall=0.25, trees=[[0, 4, 2, 9]], predicted_ms=10.0, predicted_ar_ms=70.0)
+    for image in (ar, first, second):
+        assert ImageStats.from_dict(json.loads(json.dumps(image.as_dict()))) == image
+    variants, _ = plan_variants(["naive"], INSTALLED)
+    records = [{"label": label, "stats": image.as_dict()} for label, image in (("ar", ar), ("naive", first), ("ar", ar), ("naive", second))]
+    ar_row, naive_row = summarise(records, spec_for(variants, [0, 1]))["variants"]
+    assert (ar_row["tree"], ar_row["predicted_speedup"], ar_row["mean_tree_size"]) == ("-", None, 0.0)
+    assert naive_row["tree"] == "auto 4/2/9"  # 24 of the 29 steps
+    assert naive_row["predicted_speedup"] == 160.0 / 40.0 and naive_row["mean_tree_size"] == (5 * 12 + 24 * 9) / 29
+    assert naive_row["tau"] == 128 / 31 and naive_row["forwards_per_image"] == 15.5 and naive_row["speedup"] == 4.0 / 1.0
+    assert naive_row["mean_accepted"] == (5 * 4 + 14 * 2 + 10 * 5) / 29 and naive_row["wall_per_image_s"] == 0.5
+    assert naive_row["phase_s_per_image"] == {"draft": 0.375, "verify": 0.25, "relax": 0.0, "accept": 0.0, "commit": 0.0}
 
 
 class Stop(Exception):

@@ -70,6 +70,16 @@ def test_toy_recipe_end_to_end(tmp_path) -> None:
     assert gen.tokens.shape == (1, 256)
 
 
+def test_the_full_scale_records_itself_as_the_shipped_bundle_did() -> None:
+    """The scale is grouped by stage; the manifest keeps the flat record it always had."""
+    import specimg.demo
+    from specimg.demo.recipe import FULL
+
+    with open(os.path.join(os.path.dirname(specimg.demo.__file__), "bundle", "manifest.json")) as fh:
+        shipped = json.load(fh)["scale"]
+    assert json.dumps(FULL.record()) == json.dumps(shipped)
+
+
 def test_wrong_scale_on_existing_folder_is_a_user_error(tmp_path, capsys) -> None:
     from specimg.cli import main
 

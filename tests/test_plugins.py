@@ -4,11 +4,13 @@ import importlib.metadata
 
 import attrs
 import pytest
+import torch
 
 from specimg import MethodSpec, hookimpl
 from specimg.errors import SpecimgError
 from specimg.methods import parse_options
 from specimg.plugins import PluginManager
+from specimg.stackhooks import StackHooks
 
 
 @attrs.frozen
@@ -131,3 +133,37 @@ def test_a_misspelled_hook_registered_by_hand_is_an_error(fake_plugins):
     with pytest.raises(SpecimgError, match="'build_relaxed_distt', which is not a specimg hook"):
         pm.register(specimg_fake_plugins.misspelled, "misspelled")
     assert "misspelled" not in pm.methods()
+
+
+class Halving:
+    """A runtime plugin: its train_loss scales by its delta (its options reach it), its
+    relaxation always passes."""
+
+    @hookimpl
+    def register_methods(self, register):
+        register(MethodSpec("halving", ToyOptions))
+
+    @hookimpl
+    def train_loss(self, soft_ce, regression, options):
+        return soft_ce * options.delta, regression
+
+    @hookimpl
+    def build_relaxed_dist(self, dist):
+        return None
+
+
+def test_a_stack_binds_each_hook_to_its_members_in_method_string_order(manager):
+    manager.register(Halving(), "halving")
+    stack = manager.stack("halving+cascade+lantern++", {"halving": {"delta": "0.5"}, "lantern++": {"k": "4"}})
+    hooks = StackHooks.bind(manager, stack)
+    assert (hooks.propose.owner, hooks.propose.options) == ("lantern++", stack.members[2].options)
+    assert hooks.propose.takes_options and not hooks.score.takes_options
+    assert (hooks.score.owner, hooks.accept.owner, hooks.accept.options) == (None, None, None)
+    assert [(h.method, h.delta, h.options) for h in hooks.relaxers] == [(m.spec.name, m.delta, m.options) for m in stack.members]
+    assert [h.method for h in hooks.train_losses] == ["halving", "cascade"]
+    ce, reg = hooks.train_losses[0](soft_ce=torch.ones(3), regression=torch.ones(3), features=None, tokens=None, mask=None)
+    assert (ce.tolist(), reg.tolist()) == ([0.5, 0.5, 0.5], [1.0, 1.0, 1.0])
+    step = dict(target_dist=None, budget=None, tree=None, scores=None, target=None, tokenizer=None)
+    assert hooks.relaxers[0](dist=torch.ones(1, 2), **step) is None
+    bare = StackHooks.bind(manager, manager.stack("toy"))
+    assert (bare.propose.owner, bare.relaxers, bare.train_losses) == (None, (), ())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import attrs
@@ -16,6 +17,7 @@ from specimg.models.llamagen import LlamaGenTarget, build_target
 from specimg.plugins import PluginManager
 from specimg.train.data import DataSpec, DrafterData, make_drafter_data, sample_tokens, shard_name
 from specimg.train.drafter import TrainConfig, train_drafter
+from specimg.train.schedule import WarmupCosine
 
 TINY = dict(dim=64, n_layer=2, n_head=4, vocab_size=64, block_size=16, multiple_of=32, num_classes=10, initializer_range=0.1)
 FAST = dict(lr=3e-3, log_every=1, warmup_steps=2)
@@ -36,6 +38,31 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def read_log(path: str) -> list[dict]:
     with open(os.path.join(path, "log.jsonl")) as fh:
         return [json.loads(line) for line in fh]
+
+
+def warmup_cosine_lr(step: int, lr: float, steps: int, warmup: int, min_lr_ratio: float = 0.0) -> float:
+    """The trainers' learning rate at optimizer step ``step`` as they computed it before torch's scheduler did."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+@pytest.mark.parametrize("lr, steps, warmup, min_lr_ratio", [(3e-5, 200, 10, 0.0), (1e-3, 100, 5, 0.1), (2e-3, 10, 0, 0.2), (3e-3, 420, 21, 0.0)])
+def test_the_schedule_gives_the_closed_form_rates_also_when_resumed(lr, steps, warmup, min_lr_ratio) -> None:
+    params = [torch.nn.Parameter(torch.zeros(1))]
+    optimizer = torch.optim.SGD(params, lr=lr)
+    schedule = WarmupCosine(optimizer, lr, steps, warmup, min_lr_ratio)
+    rates = []
+    for _ in range(steps + 2):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    assert rates == [warmup_cosine_lr(k, lr, steps, warmup, min_lr_ratio) for k in range(steps + 2)]
+    for start in (1, warmup, steps // 2, steps):
+        resumed = torch.optim.SGD(params, lr=123.0)
+        WarmupCosine(resumed, lr, steps, warmup, min_lr_ratio, start=start)
+        assert resumed.param_groups[0]["lr"] == rates[start]
 
 
 def weights(path: str) -> dict[str, torch.Tensor]:
@@ -208,6 +235,7 @@ def test_a_killed_run_resumes_to_the_same_weights(data_dir: str, tmp_path) -> No
         assert torch.equal(whole[key], cut[key]), key
     strip = lambda log: [{k: v for k, v in e.items() if k != "seconds"} for e in log]  # noqa: E731
     assert strip(read_log(str(tmp_path / "cut"))) == strip(read_log(str(tmp_path / "whole")))
+    assert [e["lr"] for e in read_log(str(tmp_path / "cut"))] == [warmup_cosine_lr(k, config.lr, config.steps, config.warmup) for k in range(config.steps)]
     assert sorted(os.listdir(tmp_path / "cut" / "checkpoints")) == ["step-000006", "step-000008"]
     again = train_drafter(tiny(), data_dir, tmp_path / "cut", config, on_step=kill_after_5, progress=False)  # finished: no step runs
     assert again.steps == 8 and all(torch.equal(v, whole[k]) for k, v in again.drafter.state_dict().items())

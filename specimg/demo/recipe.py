@@ -10,7 +10,6 @@ bundle is complete.  Matrix products run under bfloat16 autocast on CPU (``autoc
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
 import shutil
@@ -25,11 +24,12 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
-from specimg.config import LLAMAGEN_SAMPLING
+from specimg.config import LLAMAGEN_SAMPLING, Sampling
 from specimg.demo.data import NUM_CLASSES, RECIPE, make_dataset
 from specimg.errors import SpecimgError
 from specimg.files import atomic_path
 from specimg.models.demo import load_target_file, save_target
+from specimg.train.schedule import WarmupCosine
 
 MANIFEST = "manifest.json"
 TOKENIZER, TARGET, CLASSIFIER = "tokenizer.safetensors", "target.safetensors", "classifier.safetensors"
@@ -39,76 +39,122 @@ CLASS_SLOT_SCORE = 5.0
 
 
 @attrs.frozen
-class Scale:
-    """Sizes and step counts of one recipe scale."""
+class TokenizerScale:
+    """The VQ tokenizer: its architecture, trained on random crops of its own images."""
 
-    name: str
-    vq: dict[str, Any]
-    gpt: dict[str, Any]
-    vq_images: int
-    vq_steps: int
-    vq_batch: int
-    vq_crop: int
-    gpt_images: int
-    gpt_steps: int
-    gpt_batch: int
-    gpt_lr: float
-    cls_images: int
-    cls_steps: int
-    cls_batch: int
-    drafter_images: int
-    drafter_steps: int
-    drafter_batch: int
-    drafter_lr: float
-    eval_real: int
-    eval_per_class: int
+    config: dict[str, Any]
+    images: int
+    steps: int
+    batch: int
+    crop: int
+
+
+@attrs.frozen
+class TargetScale:
+    """The GPT target: its architecture, trained on the tokenised images."""
+
+    config: dict[str, Any]
+    images: int
+    steps: int
+    batch: int
+    lr: float
+
+
+@attrs.frozen
+class ClassifierScale:
+    """The judge of the quality stage."""
+
+    images: int
+    steps: int
+    batch: int
+
+
+@attrs.frozen
+class DrafterScale:
+    """The two drafters, on the first ``images`` of the target's training set."""
+
+    images: int
+    steps: int
+    batch: int
+    lr: float
+
+
+@attrs.frozen
+class QualityScale:
+    """``real`` test images against ``per_class`` engine samples per class; first every
+    (CFG, temperature) pair is sampled ``sweep_per_class`` times per class and the best
+    becomes the default."""
+
+    real: int
+    per_class: int
     cfg_sweep: tuple[float, ...]
     temperature_sweep: tuple[float, ...]
-    """The quality stage samples every (CFG, temperature) pair and makes the best the default."""
     sweep_per_class: int
+
+
+@attrs.frozen
+class Scale:
+    """Sizes and step counts of one recipe scale, by stage."""
+
+    name: str
+    tokenizer: TokenizerScale
+    target: TargetScale
+    classifier: ClassifierScale
+    drafter: DrafterScale
+    quality: QualityScale
     seed: int = 0
+
+    def record(self) -> dict[str, Any]:
+        """The manifest's flat record of the scale (its keys predate the grouping by stage)."""
+        v, t, c, d, q = self.tokenizer, self.target, self.classifier, self.drafter, self.quality
+        return {
+            "name": self.name, "vq": v.config, "gpt": t.config,
+            "vq_images": v.images, "vq_steps": v.steps, "vq_batch": v.batch, "vq_crop": v.crop,
+            "gpt_images": t.images, "gpt_steps": t.steps, "gpt_batch": t.batch, "gpt_lr": t.lr,
+            "cls_images": c.images, "cls_steps": c.steps, "cls_batch": c.batch,
+            "drafter_images": d.images, "drafter_steps": d.steps, "drafter_batch": d.batch, "drafter_lr": d.lr,
+            "eval_real": q.real, "eval_per_class": q.per_class, "cfg_sweep": q.cfg_sweep, "temperature_sweep": q.temperature_sweep,
+            "sweep_per_class": q.sweep_per_class, "seed": self.seed,
+        }
 
 
 FULL = Scale(
     name="full",
-    vq=dict(codebook_size=512, codebook_embed_dim=8, ch=32, encoder_ch_mult=(1, 2, 2), decoder_ch_mult=(1, 2, 2),
-            z_channels=64, num_res_blocks=1, norm_groups=8),
-    gpt=dict(dim=128, n_layer=12, n_head=4, multiple_of=32, vocab_size=512, num_classes=NUM_CLASSES, block_size=256,
-             class_dropout_prob=0.1),
-    vq_images=4000, vq_steps=800, vq_batch=32, vq_crop=16,
-    gpt_images=16000, gpt_steps=4200, gpt_batch=16, gpt_lr=3e-3,
-    cls_images=3000, cls_steps=700, cls_batch=32,
-    drafter_images=800, drafter_steps=1000, drafter_batch=8, drafter_lr=1e-3,
-    eval_real=500, eval_per_class=20, cfg_sweep=(2.0, 3.0, 4.0, 5.0), temperature_sweep=(1.0, 0.8, 0.6), sweep_per_class=10,
+    tokenizer=TokenizerScale(
+        config=dict(codebook_size=512, codebook_embed_dim=8, ch=32, encoder_ch_mult=(1, 2, 2), decoder_ch_mult=(1, 2, 2),
+                    z_channels=64, num_res_blocks=1, norm_groups=8),
+        images=4000, steps=800, batch=32, crop=16,
+    ),
+    target=TargetScale(
+        config=dict(dim=128, n_layer=12, n_head=4, multiple_of=32, vocab_size=512, num_classes=NUM_CLASSES, block_size=256,
+                    class_dropout_prob=0.1),
+        images=16000, steps=4200, batch=16, lr=3e-3,
+    ),
+    classifier=ClassifierScale(images=3000, steps=700, batch=32),
+    drafter=DrafterScale(images=800, steps=1000, batch=8, lr=1e-3),
+    quality=QualityScale(real=500, per_class=20, cfg_sweep=(2.0, 3.0, 4.0, 5.0), temperature_sweep=(1.0, 0.8, 0.6), sweep_per_class=10),
 )
 TOY = Scale(
     name="toy",
-    vq=dict(codebook_size=64, codebook_embed_dim=4, ch=8, encoder_ch_mult=(1, 2, 2), decoder_ch_mult=(1, 2, 2),
-            z_channels=16, num_res_blocks=1, norm_groups=4),
-    gpt=dict(dim=32, n_layer=2, n_head=2, multiple_of=16, vocab_size=64, num_classes=NUM_CLASSES, block_size=256,
-             class_dropout_prob=0.1),
-    vq_images=32, vq_steps=3, vq_batch=8, vq_crop=16,
-    gpt_images=32, gpt_steps=3, gpt_batch=8, gpt_lr=2e-3,
-    cls_images=32, cls_steps=3, cls_batch=16,
-    drafter_images=8, drafter_steps=2, drafter_batch=4, drafter_lr=1e-3,
-    eval_real=20, eval_per_class=1, cfg_sweep=(4.0,), temperature_sweep=(1.0,), sweep_per_class=1,
+    tokenizer=TokenizerScale(
+        config=dict(codebook_size=64, codebook_embed_dim=4, ch=8, encoder_ch_mult=(1, 2, 2), decoder_ch_mult=(1, 2, 2),
+                    z_channels=16, num_res_blocks=1, norm_groups=4),
+        images=32, steps=3, batch=8, crop=16,
+    ),
+    target=TargetScale(
+        config=dict(dim=32, n_layer=2, n_head=2, multiple_of=16, vocab_size=64, num_classes=NUM_CLASSES, block_size=256,
+                    class_dropout_prob=0.1),
+        images=32, steps=3, batch=8, lr=2e-3,
+    ),
+    classifier=ClassifierScale(images=32, steps=3, batch=16),
+    drafter=DrafterScale(images=8, steps=2, batch=4, lr=1e-3),
+    quality=QualityScale(real=20, per_class=1, cfg_sweep=(4.0,), temperature_sweep=(1.0,), sweep_per_class=1),
 )
 SCALES = {"full": FULL, "toy": TOY}
 
 
 def autocast() -> Any:
     return torch.autocast("cpu", dtype=torch.bfloat16)
-
-
-def _cosine(step: int, total: int, lr: float, warmup: int) -> float:
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    return lr * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
-
-
-def _set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
-    for group in opt.param_groups:
-        group["lr"] = lr
 
 
 class _Run:
@@ -124,7 +170,7 @@ class _Run:
             held = self.manifest.get("scale", {}).get("name")
             if held != scale.name:
                 raise SpecimgError(f"{out} holds a bundle of scale {held}, not {scale.name}; give another --out or --scale {held}")
-            self.manifest["scale"] = attrs.asdict(scale)
+            self.manifest["scale"] = scale.record()
         else:
             self.manifest = _fresh_manifest(scale)
             self.save()
@@ -174,7 +220,7 @@ def _fresh_manifest(scale: Scale) -> dict[str, Any]:
         "versions": versions,
         "command": f"specimg train-demo --out DIR --scale {scale.name}",
         "data": RECIPE,
-        "scale": attrs.asdict(scale),
+        "scale": scale.record(),
         "files": {},
         "stages": {},
         "defaults": {k: getattr(LLAMAGEN_SAMPLING, k) for k in ("cfg_scale", "temperature", "top_k", "top_p")},  # until the quality stage
@@ -189,19 +235,19 @@ def _train_vq(run: _Run) -> dict[str, Any]:
     from specimg.models.vq import build_tokenizer, save_tokenizer
 
     s = run.scale
-    images, _ = make_dataset(s.vq_images, seed=s.seed + 1)
-    tok = build_tokenizer(seed=s.seed, **s.vq).train()
+    images, _ = make_dataset(s.tokenizer.images, seed=s.seed + 1)
+    tok = build_tokenizer(seed=s.seed, **s.tokenizer.config).train()
     opt = torch.optim.AdamW(tok.parameters(), lr=2e-3, betas=(0.9, 0.95), weight_decay=0.0)
     g = torch.Generator().manual_seed(s.seed + 11)
-    k = s.vq["codebook_size"]
+    k = s.tokenizer.config["codebook_size"]
     used = torch.zeros(k, dtype=torch.bool)
     history: list[dict[str, float]] = []
-    bar = tqdm(range(s.vq_steps), desc="vq", disable=None)
+    schedule = WarmupCosine(opt, 2e-3, s.tokenizer.steps, max(1, s.tokenizer.steps // 20))
+    bar = tqdm(range(s.tokenizer.steps), desc="vq", disable=None)
     for step in bar:
-        _set_lr(opt, _cosine(step, s.vq_steps, 2e-3, max(1, s.vq_steps // 20)))
-        idx = torch.randint(0, images.shape[0], (s.vq_batch,), generator=g)
-        y, x = torch.randint(0, 64 - s.vq_crop + 1, (2,), generator=g).tolist()
-        batch = images[idx, :, y : y + s.vq_crop, x : x + s.vq_crop]
+        idx = torch.randint(0, images.shape[0], (s.tokenizer.batch,), generator=g)
+        y, x = torch.randint(0, 64 - s.tokenizer.crop + 1, (2,), generator=g).tolist()
+        batch = images[idx, :, y : y + s.tokenizer.crop, x : x + s.tokenizer.crop]
         with autocast():
             z_q, losses, codes = tok._quantize(batch)
             recon = tok.decoder(tok.post_quant_conv(z_q)).float()
@@ -210,16 +256,17 @@ def _train_vq(run: _Run) -> dict[str, Any]:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        schedule.step()
         used[codes.flatten()] = True
-        if (step + 1) % 25 == 0 or step + 1 == s.vq_steps:
+        if (step + 1) % 25 == 0 or step + 1 == s.tokenizer.steps:
             usage = used.float().mean().item()
             history.append({"step": step + 1, "rec": round(rec.item(), 4), "usage": round(usage, 3)})
             bar.set_postfix(rec=f"{rec.item():.4f}", usage=f"{usage:.2f}")
-            run.log(f"  vq step {step + 1}/{s.vq_steps} rec {rec.item():.4f} usage {usage:.2f}")
+            run.log(f"  vq step {step + 1}/{s.tokenizer.steps} rec {rec.item():.4f} usage {usage:.2f}")
             # revive dead codes from current encoder outputs (k-means style restarts), early on
-            if step + 1 <= s.vq_steps // 2 and usage < 0.98:
+            if step + 1 <= s.tokenizer.steps // 2 and usage < 0.98:
                 with torch.no_grad():
-                    z = F.normalize(tok.quant_conv(tok.encoder(batch)).permute(0, 2, 3, 1).reshape(-1, s.vq["codebook_embed_dim"]).float(), dim=-1)
+                    z = F.normalize(tok.quant_conv(tok.encoder(batch)).permute(0, 2, 3, 1).reshape(-1, s.tokenizer.config["codebook_embed_dim"]).float(), dim=-1)
                     dead = (~used).nonzero().flatten()
                     pick = torch.randint(0, z.shape[0], (dead.numel(),), generator=g)
                     tok.quantize.embedding.weight[dead] = z[pick] + 0.01 * torch.randn(dead.numel(), z.shape[1], generator=g)
@@ -227,7 +274,7 @@ def _train_vq(run: _Run) -> dict[str, Any]:
     tok.eval()
     save_tokenizer(tok, run.file(TOKENIZER))
     with torch.no_grad():
-        test, _ = make_dataset(min(256, s.eval_real), seed=s.seed + 2, split="test")
+        test, _ = make_dataset(min(256, s.quality.real), seed=s.seed + 2, split="test")
         recon = tok.decode(tok.encode(test))
         codes = tok.encode(test)
     return {"final_rec_loss": history[-1]["rec"], "test_l1": round((recon - test).abs().mean().item(), 4),
@@ -250,13 +297,13 @@ def _tokenise(run: _Run) -> dict[str, Any]:
 
     s = run.scale
     tok = load_tokenizer(run.file(TOKENIZER))
-    images, labels = make_dataset(s.gpt_images, seed=s.seed + 3)
+    images, labels = make_dataset(s.target.images, seed=s.seed + 3)
     codes = _encode(tok, images)
     save_file({"codes": codes.to(torch.int16).contiguous(), "labels": labels}, run.work_file("tokens.safetensors"))
     hist = torch.bincount(codes.flatten(), minlength=tok.vocab_size).float()
     p = hist / hist.sum()
     entropy = -(p[p > 0] * p[p > 0].log()).sum().item()
-    return {"images": s.gpt_images, "unigram_entropy_nats": round(entropy, 3), "codes_used": int((hist > 0).sum())}
+    return {"images": s.target.images, "unigram_entropy_nats": round(entropy, 3), "codes_used": int((hist > 0).sum())}
 
 
 def _train_gpt(run: _Run) -> dict[str, Any]:
@@ -269,10 +316,10 @@ def _train_gpt(run: _Run) -> dict[str, Any]:
     s = run.scale
     data = load_file(run.work_file("tokens.safetensors"))
     codes, labels = data["codes"].long(), data["labels"]
-    model = build_target("GPT-B", seed=s.seed, **s.gpt)
+    model = build_target("GPT-B", seed=s.seed, **s.target.config)
     slot_at_init = init_class_reading_heads(model, CLASS_SLOT_SCORE, seed=s.seed)
     model.train()
-    steps, lr = s.gpt_steps, s.gpt_lr
+    steps, lr = s.target.steps, s.target.lr
     model.requires_grad_(True)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embedding" not in n]
     other = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embedding" not in n)]
@@ -280,22 +327,22 @@ def _train_gpt(run: _Run) -> dict[str, Any]:
                             lr=lr, betas=(0.9, 0.95))
     g = torch.Generator().manual_seed(s.seed + 21)
     order = torch.randperm(codes.shape[0], generator=g)
-    null = s.gpt["num_classes"]
-    test, test_labels = make_dataset(min(256, s.eval_real), seed=s.seed + 2, split="test")
+    null = s.target.config["num_classes"]
+    test, test_labels = make_dataset(min(256, s.quality.real), seed=s.seed + 2, split="test")
     test_codes = _encode(load_tokenizer(run.file(TOKENIZER)), test)
     history: list[dict[str, float]] = []
     ema = None
+    schedule = WarmupCosine(opt, lr, steps, max(1, steps // 20))
     bar = tqdm(range(steps), desc="gpt", disable=None)
     t0 = time.perf_counter()
     pos = 0
     for step in bar:
-        _set_lr(opt, _cosine(step, steps, lr, max(1, steps // 20)))
-        if pos + s.gpt_batch > order.numel():
+        if pos + s.target.batch > order.numel():
             order, pos = torch.randperm(codes.shape[0], generator=g), 0
-        idx = order[pos : pos + s.gpt_batch]
-        pos += s.gpt_batch
+        idx = order[pos : pos + s.target.batch]
+        pos += s.target.batch
         cond = labels[idx].clone()
-        cond[torch.rand(cond.shape[0], generator=g) < s.gpt["class_dropout_prob"]] = null
+        cond[torch.rand(cond.shape[0], generator=g) < s.target.config["class_dropout_prob"]] = null
         tokens = codes[idx]
         with autocast():
             logits = model.forward_sequence(cond, tokens).logits
@@ -304,6 +351,7 @@ def _train_gpt(run: _Run) -> dict[str, Any]:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        schedule.step()
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
         bar.set_postfix(loss=f"{ema:.3f}")
         if (step + 1) % 25 == 0 or step + 1 == steps:
@@ -352,10 +400,10 @@ def _train_classifier(run: _Run) -> dict[str, Any]:
 
     s = run.scale
     # every training glyph, not only the target's: the judge must know handwriting beyond them
-    images, labels = make_dataset(s.cls_images, seed=s.seed + 4, glyphs_per_class=None)
+    images, labels = make_dataset(s.classifier.images, seed=s.seed + 4, glyphs_per_class=None)
     # half the examples go through the VQ round trip: the classifier must read decoded samples too
     tok = load_tokenizer(run.file(TOKENIZER))
-    half = s.cls_images // 2
+    half = s.classifier.images // 2
     with torch.no_grad():
         for i in tqdm(range(0, half, 128), desc="vq round trip", disable=None):
             j = min(half, i + 128)
@@ -366,10 +414,10 @@ def _train_classifier(run: _Run) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
     g = torch.Generator().manual_seed(s.seed + 32)
     ema = None
-    bar = tqdm(range(s.cls_steps), desc="classifier", disable=None)
+    schedule = WarmupCosine(opt, 2e-3, s.classifier.steps, max(1, s.classifier.steps // 20))
+    bar = tqdm(range(s.classifier.steps), desc="classifier", disable=None)
     for step in bar:
-        _set_lr(opt, _cosine(step, s.cls_steps, 2e-3, max(1, s.cls_steps // 20)))
-        idx = torch.randint(0, images.shape[0], (s.cls_batch,), generator=g)
+        idx = torch.randint(0, images.shape[0], (s.classifier.batch,), generator=g)
         x = images[idx]
         shift = torch.randint(-3, 4, (2,), generator=g).tolist()
         x = torch.roll(x, shifts=shift, dims=(2, 3))
@@ -379,11 +427,12 @@ def _train_classifier(run: _Run) -> dict[str, Any]:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        schedule.step()
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
         bar.set_postfix(loss=f"{ema:.3f}")
     model.eval()
     save_classifier(model, run.file(CLASSIFIER))
-    test, test_labels = make_dataset(s.eval_real, seed=s.seed + 2, split="test")
+    test, test_labels = make_dataset(s.quality.real, seed=s.seed + 2, split="test")
     with torch.no_grad():
         acc_real = (model.predict(test) == test_labels).float().mean().item()
         recon = torch.cat([tok.decode(tok.encode(test[i : i + 128])) for i in range(0, test.shape[0], 128)])
@@ -400,7 +449,7 @@ def _drafter_data(run: _Run) -> dict[str, Any]:
 
     s = run.scale
     data = load_file(run.work_file("tokens.safetensors"))
-    m = min(s.drafter_images, data["codes"].shape[0])
+    m = min(s.drafter.images, data["codes"].shape[0])
     path = run.work_file("drafter-tokens.safetensors")
     save_file({"tokens": data["codes"][:m].long().contiguous(), "labels": data["labels"][:m].contiguous()}, path)
     target = load_target_file(run.file(TARGET))
@@ -417,8 +466,8 @@ def _train_drafter(run: _Run, name: str, method: str) -> dict[str, Any]:
 
     s = run.scale
     target = load_target_file(run.file(TARGET))
-    config = TrainConfig(steps=s.drafter_steps, batch_size=s.drafter_batch, lr=s.drafter_lr, log_every=max(1, s.drafter_steps // 20),
-                         checkpoint_every=max(1, s.drafter_steps // 2), seed=s.seed + 41)
+    config = TrainConfig(steps=s.drafter.steps, batch_size=s.drafter.batch, lr=s.drafter.lr, log_every=max(1, s.drafter.steps // 20),
+                         checkpoint_every=max(1, s.drafter.steps // 2), seed=s.seed + 41)
     stack = None if method == "plain" else method
     folder = run.work_file(f"run-{method}")
     result = train_drafter(target, run.work_file("drafter-data"), folder, config, method=stack, progress=True)
@@ -430,54 +479,84 @@ def _train_drafter(run: _Run, name: str, method: str) -> dict[str, Any]:
     last = log[-1] if log else {}
     flags = f" --method {method}" if stack else ""
     return {"method": method, "trainer": "specimg.train.drafter.train_drafter",
-            "command": f"specimg train-drafter --target demo --data DATA --out RUN{flags} --steps {s.drafter_steps} --batch-size {s.drafter_batch} --lr {s.drafter_lr}",
+            "command": f"specimg train-drafter --target demo --data DATA --out RUN{flags} --steps {s.drafter.steps} --batch-size {s.drafter.batch} --lr {s.drafter.lr}",
             "final_loss": round(last.get("loss", float("nan")), 4), "top1_agreement": round(last.get("acc", float("nan")), 4),
             "log": [{k: round(e[k], 4) if isinstance(e.get(k), float) else e.get(k) for k in keep} for e in log]}
 
 
 def _evaluate(run: _Run) -> dict[str, Any]:
-    from specimg.config import Sampling
-    from specimg.engine import Engine
+    """The quality stage: a sampling sweep chooses the default (CFG, temperature), then the
+    engine's own samples at that default are judged against real test images."""
     from specimg.eval.classifier import load_classifier
     from specimg.eval.metrics import frechet_distance
-    from specimg.images import make_grid, save_png_atomic
     from specimg.models.vq import load_tokenizer
-
-    from specimg.train.data import sample_tokens
 
     s = run.scale
     target = load_target_file(run.file(TARGET))
     tok = load_tokenizer(run.file(TOKENIZER))
     clf = load_classifier(run.file(CLASSIFIER))
-    test, test_labels = make_dataset(s.eval_real, seed=s.seed + 2, split="test")
+    test, _ = make_dataset(s.quality.real, seed=s.seed + 2, split="test")
     with torch.no_grad():
         f_real = clf.all_features(test)
+    sweep, chosen = _sampling_sweep(run, target, tok, clf, f_real)
+    run.manifest["defaults"].update(cfg_scale=chosen.cfg_scale, temperature=chosen.temperature)
+    wanted = [c for c in range(NUM_CLASSES) for _ in range(s.quality.per_class)]
+    codes = _engine_samples(target, tok, chosen, wanted)
+    imgs = _decode(tok, codes)
+    labels = torch.tensor(wanted)
+    pred = clf.predict(imgs)
+    with torch.no_grad():
+        f_samp = clf.all_features(imgs)
+        half = test.shape[0] // 2
+        recon = torch.cat([tok.decode(tok.encode(test[i : i + 128])) for i in range(0, test.shape[0], 128)]).clamp(-1, 1)
+        f_recon = clf.all_features(recon)
+    _save_grid(run, imgs, wanted, pred)
+    torch.save({"codes": codes, "labels": labels}, run.work_file("ar-samples.pt"))
+    return {
+        "cfg_scale": chosen.cfg_scale, "temperature": chosen.temperature, "sampler": "Engine(method='ar')",
+        "samples": len(wanted), "sampling_sweep": sweep,
+        "classifier_acc_ar_samples": round((pred == labels).float().mean().item(), 4),
+        "per_class_acc_ar_samples": {str(c): round((pred[labels == c] == c).float().mean().item(), 3) for c in range(NUM_CLASSES)},
+        "classifier_acc_real_test": run.manifest["stages"]["classifier"]["acc_real_test"],
+        "frechet_real_vs_ar": round(frechet_distance(f_real, f_samp).value, 3),
+        "frechet_real_vs_real": round(frechet_distance(f_real[:half], f_real[half:]).value, 3),
+        "frechet_real_vs_vq_recon": round(frechet_distance(f_real, f_recon).value, 3),
+        "feature_dim": int(f_real.shape[1]),
+    }
 
-    def decode(codes: Tensor) -> Tensor:
-        with torch.no_grad():
-            return torch.cat([tok.decode(codes[i : i + 64]) for i in range(0, codes.shape[0], 64)]).clamp(-1, 1)
 
-    # (CFG, temperature) sweep with the batched AR sampler (same draws as the engine's AR
-    # loop); the default is the mildest setting within 0.02 of the best accuracy: highest
-    # temperature first, then smallest CFG.  The engine's samples below, on other seeds,
-    # measure the default without the sweep's selection bias.
+def _decode(tok: Any, codes: Tensor) -> Tensor:
+    with torch.no_grad():
+        return torch.cat([tok.decode(codes[i : i + 64]) for i in range(0, codes.shape[0], 64)]).clamp(-1, 1)
+
+
+def _sampling_sweep(run: _Run, target: Any, tok: Any, clf: Any, f_real: Tensor) -> tuple[list[dict[str, float]], Sampling]:
+    """Every (CFG, temperature) of the scale, sampled with the target's batched sampler (the
+    engine's AR draws); the default is the mildest setting within 0.02 of the best accuracy:
+    highest temperature first, then smallest CFG.  The engine's samples measure the default
+    on other seeds, without the sweep's selection bias."""
+    from specimg.eval.metrics import frechet_distance
+
+    q = run.scale.quality
     sweep: list[dict[str, float]] = []
-    sweep_labels = [c for c in range(NUM_CLASSES) for _ in range(s.sweep_per_class)]
-    settings = [(cfg, temp) for temp in s.temperature_sweep for cfg in s.cfg_sweep]
-    for cfg, temp in tqdm(settings, desc="sampling sweep", disable=None):
-        with torch.inference_mode():
-            codes = sample_tokens(target, sweep_labels, [20_000 + i for i in range(len(sweep_labels))], Sampling(temp, cfg_scale=cfg))
-        imgs = decode(codes)
-        acc = (clf.predict(imgs) == torch.tensor(sweep_labels)).float().mean().item()
+    labels = [c for c in range(NUM_CLASSES) for _ in range(q.sweep_per_class)]
+    seeds = [20_000 + i for i in range(len(labels))]
+    for cfg, temp in tqdm([(cfg, temp) for temp in q.temperature_sweep for cfg in q.cfg_sweep], desc="sampling sweep", disable=None):
+        imgs = _decode(tok, target.sample_batch(labels, seeds, Sampling(temp, cfg_scale=cfg)))
+        acc = (clf.predict(imgs) == torch.tensor(labels)).float().mean().item()
         sweep.append({"cfg_scale": cfg, "temperature": temp, "acc": round(acc, 4),
                       "frechet_real_vs_ar": round(frechet_distance(f_real, clf.all_features(imgs)).value, 3)})
         run.log(f"  cfg {cfg}, temperature {temp}: accuracy {acc:.3f}, Frechet {sweep[-1]['frechet_real_vs_ar']:.2f}")
     best = max(v["acc"] for v in sweep)
     chosen = min((v for v in sweep if v["acc"] >= best - 0.02), key=lambda v: (-v["temperature"], v["cfg_scale"]))
-    run.manifest["defaults"].update(cfg_scale=chosen["cfg_scale"], temperature=chosen["temperature"])
-    sampling = Sampling(chosen["temperature"], cfg_scale=chosen["cfg_scale"])
+    return sweep, Sampling(chosen["temperature"], cfg_scale=chosen["cfg_scale"])
+
+
+def _engine_samples(target: Any, tok: Any, sampling: Sampling, wanted: list[int]) -> Tensor:
+    """Image i of class ``wanted[i]`` from the engine's AR loop, seed 10000 + i."""
+    from specimg.engine import Engine
+
     engine = Engine(target, None, "ar", sampling=sampling, tokenizer=tok)
-    wanted = [c for c in range(NUM_CLASSES) for _ in range(s.eval_per_class)]
     samples = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one image at a time is latency-bound: extra threads only wait on each other
@@ -487,32 +566,17 @@ def _evaluate(run: _Run) -> dict[str, Any]:
                 samples.append(engine.generate([c], seed=10_000 + i, progress=bar.update).tokens)
     finally:
         torch.set_num_threads(threads)
-    codes = torch.cat(samples)
-    imgs = decode(codes)
-    labels = torch.tensor(wanted)
-    pred = clf.predict(imgs)
-    acc = (pred == labels).float().mean().item()
-    with torch.no_grad():
-        f_samp = clf.all_features(imgs)
-        half = test.shape[0] // 2
-        recon = torch.cat([tok.decode(tok.encode(test[i : i + 128])) for i in range(0, test.shape[0], 128)]).clamp(-1, 1)
-        f_recon = clf.all_features(recon)
-    per_class = {str(c): round((pred[labels == c] == c).float().mean().item(), 3) for c in range(NUM_CLASSES)}
-    grid_n = min(len(wanted), NUM_CLASSES * 8)
-    order = sorted(range(len(wanted)), key=lambda i: (i % s.eval_per_class, wanted[i]))[:grid_n]
+    return torch.cat(samples)
+
+
+def _save_grid(run: _Run, imgs: Tensor, wanted: list[int], pred: Tensor) -> None:
+    """samples.png: up to 8 rows of one sample per class, misclassified ones labelled with the prediction."""
+    from specimg.images import make_grid, save_png_atomic
+
+    per_class = run.scale.quality.per_class
+    order = sorted(range(len(wanted)), key=lambda i: (i % per_class, wanted[i]))[: min(len(wanted), NUM_CLASSES * 8)]
     grid = make_grid(imgs[order], nrow=NUM_CLASSES, labels=[f"{wanted[i]}{'' if pred[i] == wanted[i] else f' ({int(pred[i])})'}" for i in order])
     save_png_atomic(grid, run.file("samples.png"))
-    torch.save({"codes": codes, "labels": labels}, run.work_file("ar-samples.pt"))
-    return {
-        "cfg_scale": chosen["cfg_scale"], "temperature": chosen["temperature"], "sampler": "Engine(method='ar')",
-        "samples": len(wanted), "sampling_sweep": sweep,
-        "classifier_acc_ar_samples": round(acc, 4), "per_class_acc_ar_samples": per_class,
-        "classifier_acc_real_test": run.manifest["stages"]["classifier"]["acc_real_test"],
-        "frechet_real_vs_ar": round(frechet_distance(f_real, f_samp).value, 3),
-        "frechet_real_vs_real": round(frechet_distance(f_real[:half], f_real[half:]).value, 3),
-        "frechet_real_vs_vq_recon": round(frechet_distance(f_real, f_recon).value, 3),
-        "feature_dim": int(f_real.shape[1]),
-    }
 
 
 def train_demo(out: str | os.PathLike[str], scale: str = "full", log: Callable[[str], None] = print,

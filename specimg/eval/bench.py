@@ -43,7 +43,7 @@ from specimg.files import atomic_path
 from specimg.manifest import Manifest
 from specimg.methods import AR, split_stack
 from specimg.models.base import Caption, Condition
-from specimg.stats import PHASES
+from specimg.stats import PHASES, ImageStats, RunStats
 
 DEFAULT_METHODS = ("ar", "naive", "lantern", "lantern++", "gsd", "cascade", "cascade+lantern")
 DEFAULT_IMAGES = 16
@@ -232,30 +232,55 @@ def run_bench(
     manifest file and reads all of them, so a run may resume on another process count.
     ``on_record`` is called after each record is safely written (tests use it to stop a run).
     """
-    from tqdm import tqdm
-
     if state is None:
         from accelerate import PartialState
 
         state = PartialState(cpu=True)
     out = os.fspath(out)
-    rank, world = state.process_index, state.num_processes
     if state.is_main_process:
         os.makedirs(out, exist_ok=True)
     state.wait_for_everyone()
     engines = dict(engines) if engines is not None else build_engines(models, spec)
-    settings = {**spec.settings(models.name), **_placement(models, engines)}
+    manifest, done = _open_manifests(out, {**spec.settings(models.name), **_placement(models, engines)}, state.process_index)
+    state.wait_for_everyone()  # everyone has read every file before anyone appends
+    _check_held(done, spec, out)
+    nv = len(spec.variants)
+    mine = list(range(state.process_index, len(spec.conditions), state.num_processes))
+    todo = [(i, (v + i) % nv) for i in mine for v in range(nv) if i * nv + (v + i) % nv not in done]
+    for engine in engines.values():  # every process plans auto trees on the main process's cost model
+        if engine.auto_tree:
+            engine.cost_model = costs.shared(engine.target, engine.drafter, engine.sampling, spec.conditions[0], state)
+    show = progress if state.is_main_process else False
+    if todo and spec.warmup > 0:
+        _warm_up(engines, spec, int(models.target.num_tokens), show)
+    computed = _generate(engines, spec, todo, manifest, done, int(models.target.num_tokens), show, on_record)
+    local = [_strip(done[i * nv + v]) for i in mine for v in range(nv)]
+    if state.num_processes > 1:
+        from accelerate.utils import gather_object
+
+        state.wait_for_everyone()
+        local = gather_object(local)
+    records = sorted(local, key=lambda r: (r["sample"], r["variant"]))
+    return BenchRun(records, computed, engines)
+
+
+def _open_manifests(out: str, settings: dict[str, Any], rank: int) -> tuple[Manifest, dict[int, dict[str, Any]]]:
+    """This process's manifest, and the records every process's manifest holds, by index
+    (sample * variants + variant): a run may resume on another process count."""
     own = _manifest_path(out, rank)
     done: dict[int, dict[str, Any]] = {}
     for path in sorted(set(glob.glob(os.path.join(out, "manifest*.jsonl"))) - {own}):
         done.update(Manifest(path, settings).done)
     manifest = Manifest(own, settings)
     done.update(manifest.done)
-    state.wait_for_everyone()  # everyone has read every file before anyone appends
+    return manifest, done
 
-    nv, n = len(spec.variants), len(spec.conditions)
-    mine = list(range(rank, n, world))
-    for i in range(n):  # every process checks every sample, so that all of them stop alike
+
+def _check_held(done: Mapping[int, Mapping[str, Any]], spec: BenchSpec, out: str) -> None:
+    """Refuse a folder whose records are of other conditions or variants.  Every process
+    checks every sample, so that all of them stop alike."""
+    nv = len(spec.variants)
+    for i in range(len(spec.conditions)):
         for v in range(nv):
             entry = done.get(i * nv + v)
             if entry is not None and (entry.get("condition") != spec.condition_keys[i] or entry.get("label") != spec.variants[v].label):
@@ -263,20 +288,37 @@ def run_bench(
                     f"{out} holds sample {i} for condition {entry.get('condition')!r}, this run asks for "
                     f"{spec.condition_keys[i]!r}; use another --out or remove it"
                 )
-    todo = [(i, (v + i) % nv) for i in mine for v in range(nv) if i * nv + (v + i) % nv not in done]
-    for engine in engines.values():  # every process plans auto trees on the main process's cost model
-        if engine.auto_tree:
-            engine.cost_model = costs.shared(engine.target, engine.drafter, engine.sampling, spec.conditions[0], state)
-    computed = 0
-    show = None if progress is None else not progress
-    per_image = int(models.target.num_tokens)
-    if todo and spec.warmup > 0:
-        warm = len(engines) * spec.warmup * per_image
-        with tqdm(total=warm, desc="warm-up", unit="tok", disable=True if not state.is_main_process else show) as bar:
-            for engine in engines.values():
-                for k in range(spec.warmup):
-                    engine.generate([spec.conditions[0]], seed=spec.seed - 1 - k, progress=bar.update)
-    with tqdm(total=len(todo) * per_image, desc=f"bench ({len(todo)} images)", unit="tok", disable=True if not state.is_main_process else show) as bar:
+
+
+def _bar(total: int, desc: str, show: bool | None) -> Any:
+    """A progress bar in tokens; ``show`` None: when the output is a terminal."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="tok", disable=None if show is None else not show)
+
+
+def _warm_up(engines: Mapping[str, Engine], spec: BenchSpec, per_image: int, show: bool | None) -> None:
+    """``spec.warmup`` discarded images per engine, on seeds no sample uses."""
+    with _bar(len(engines) * spec.warmup * per_image, "warm-up", show) as bar:
+        for engine in engines.values():
+            for k in range(spec.warmup):
+                engine.generate([spec.conditions[0]], seed=spec.seed - 1 - k, progress=bar.update)
+
+
+def _generate(
+    engines: Mapping[str, Engine],
+    spec: BenchSpec,
+    todo: Sequence[tuple[int, int]],
+    manifest: Manifest,
+    done: dict[int, dict[str, Any]],
+    per_image: int,
+    show: bool | None,
+    on_record: Callable[[dict[str, Any]], None] | None,
+) -> int:
+    """Generate each (sample, variant) of ``todo``, appending its record to the manifest
+    and to ``done``; returns how many."""
+    nv = len(spec.variants)
+    with _bar(len(todo) * per_image, f"bench ({len(todo)} images)", show) as bar:
         for i, v in todo:
             variant = spec.variants[v]
             bar.set_postfix_str(f"image {i} {variant.label}", refresh=False)
@@ -287,17 +329,9 @@ def run_bench(
             }
             manifest.add(i * nv + v, record)
             done[i * nv + v] = manifest.done[i * nv + v]
-            computed += 1
             if on_record is not None:
                 on_record(record)
-    local = [_strip(done[i * nv + v]) for i in mine for v in range(nv)]
-    if world > 1:
-        from accelerate.utils import gather_object
-
-        state.wait_for_everyone()
-        local = gather_object(local)
-    records = sorted(local, key=lambda r: (r["sample"], r["variant"]))
-    return BenchRun(records, computed, engines)
+    return len(todo)
 
 
 def _placement(models: Any, engines: Mapping[str, Engine]) -> dict[str, Any]:
@@ -336,34 +370,28 @@ def summarise(
         raise SpecimgError(f"the records are incomplete: samples per method {sorted(counts)}")
     n = counts.pop()
     baseline = next(v.label for v in spec.variants if v.method == AR)
-    ar_wall = sum(r["stats"]["wall_s"] for r in by_label[baseline])
+    stats = {label: RunStats(tuple(ImageStats.from_dict(r["stats"]) for r in rs)) for label, rs in by_label.items()}
     rows = []
     for v in spec.variants:
-        rs = by_label[v.label]
-        tokens = sum(r["stats"]["tokens"] for r in rs)
-        forwards = sum(r["stats"]["target_forwards"] for r in rs)
-        wall = sum(r["stats"]["wall_s"] for r in rs)
-        steps = [a for r in rs for a in r["stats"]["accepted"]]
-        sizes = [s for r in rs for s in r["stats"]["tree_sizes"]]
-        predicted_ms = sum(r["stats"].get("predicted_ms", 0.0) for r in rs)
-        emitted = [sum(r["stats"]["accepted"]) + len(r["stats"]["accepted"]) for r in rs]
+        run = stats[v.label]
+        seconds = run.seconds()
+        engine = engines.get(v.label) if engines is not None else None
         rows.append({
             **v.as_dict(),
             "images": n,
-            "tau": tokens / max(1, forwards),
-            "forwards_per_image": forwards / max(1, n),
-            "wall_per_image_s": wall / max(1, n),
-            "speedup": ar_wall / wall if wall > 0 else float("nan"),
-            "mean_accepted": sum(steps) / len(steps) if steps else 0.0,
-            "tvd": sum(r["stats"]["tvd"] * e for r, e in zip(rs, emitted)) / max(1, sum(emitted)) if all("tvd" in r["stats"] for r in rs) else None,
-            "mean_tree_size": sum(sizes) / len(sizes) if sizes else 0.0,
-            "tree": _tree_used(rs, engines[v.label] if engines and v.label in engines else None),
-            "predicted_speedup": sum(r["stats"].get("predicted_ar_ms", 0.0) for r in rs) / predicted_ms if predicted_ms else None,
-            "phase_s_per_image": {p: sum(r["stats"]["seconds"].get(p, 0.0) for r in rs) / max(1, n) for p in PHASES},
+            "tau": run.tau,
+            "forwards_per_image": run.target_forwards / max(1, n),
+            "wall_per_image_s": run.wall / max(1, n),
+            "speedup": stats[baseline].wall / run.wall if run.wall > 0 else float("nan"),
+            "mean_accepted": run.mean_accepted,
+            "tvd": run.tvd,
+            "mean_tree_size": run.mean_tree_size,
+            "tree": _tree_used(run, engine),
+            "predicted_speedup": run.predicted_speedup,
+            "phase_s_per_image": {p: seconds.get(p, 0.0) / max(1, n) for p in PHASES},
         })
-        stack = engines[v.label].stack if engines is not None and v.label in engines else None
-        if stack is not None:
-            rows[-1]["resolved"] = {"delta": stack.delta, "options": stack.options_dict()}
+        if engine is not None and engine.stack is not None:
+            rows[-1]["resolved"] = {"delta": engine.stack.delta, "options": engine.stack.options_dict()}
     summary: dict[str, Any] = {"images": n, "baseline": baseline, "variants": rows, "floors": {}, "notes": []}
     if quality is not None and n:
         samples = {label: torch.tensor([r["tokens"] for r in rs]) for label, rs in by_label.items()}
@@ -375,17 +403,12 @@ def summarise(
     return summary
 
 
-def _tree_used(records: Sequence[Mapping[str, Any]], engine: Engine | None) -> str:
+def _tree_used(run: RunStats, engine: Engine | None) -> str:
     """An auto tree's most used shape (by steps), else the engine's tree in words."""
-    steps: dict[str, int] = {}
-    for r in records:
-        trees, taken = r["stats"].get("trees", []), len(r["stats"]["accepted"])
-        for (start, depth, topk, nodes), end in zip(trees, [t[0] for t in trees[1:]] + [taken]):
-            key = f"auto {depth}/{topk}/{nodes}"
-            steps[key] = steps.get(key, 0) + end - start
-    own = engine is not None and engine.own_tree
-    if steps and not own:
-        return max(steps, key=lambda k: steps[k])
+    steps = run.tree_steps()
+    if steps and not (engine is not None and engine.own_tree):
+        depth, topk, nodes = next(iter(steps))
+        return f"auto {depth}/{topk}/{nodes}"
     return engine.tree_label if engine is not None else "-"
 
 

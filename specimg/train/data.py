@@ -57,10 +57,9 @@ from torch import Tensor
 from specimg.config import Sampling
 from specimg.errors import SpecimgError
 from specimg.files import atomic_path
-from specimg.models.base import Caption, causal_tree_mask, cfg_rows, takes_text
+from specimg.models.base import Caption, causal_tree_mask, takes_text
 from specimg.models.eagle import EagleTarget
-from specimg.models.llamagen import KVSlot, LlamaGenTarget
-from specimg.sampling import probabilities
+from specimg.models.llamagen import LlamaGenTarget
 
 FORMAT = "specimg-drafter-data/1"
 META = "meta.json"
@@ -98,59 +97,18 @@ def _atomic_write_json(path: str, obj: Any) -> None:
 
 
 @torch.inference_mode()
-def sample_tokens(target: LlamaGenTarget, conditions: Sequence[int] | Sequence[Caption], seeds: Sequence[int], sampling: Sampling) -> Tensor:
-    """Sample one image per condition (class labels for a c2i target, captions for a t2i
-    one) from the target, batched, with a KV cache: tokens [len(conditions), num_tokens].
-    Image i draws with its own generator seeded ``seeds[i]`` exactly as the engine's AR
-    loop does, so the result equals ``Engine(target, method="ar", sampling=sampling)
-    .generate([conditions[i]], seed=seeds[i])`` (up to floating-point differences between
-    batched and single-row matmuls)."""
-    c = target.config
-    if len(conditions) != len(seeds):
-        raise ValueError("one seed per condition")
-    if c.model_type == "c2i":
-        bad = [x for x in conditions if not 0 <= x < c.num_classes]
-        if bad:
-            raise SpecimgError(f"class label {bad[0]} is outside [0, {c.num_classes})")
-        if sampling.cfg and c.class_dropout_prob <= 0:
-            raise SpecimgError("this target has no null class (class_dropout_prob = 0): sample without CFG (--cfg-scale 1)")
-    n, rows, vocab = len(conditions), cfg_rows(sampling.cfg), c.vocab_size
-    cls, num = c.cls_token_num, c.block_size
-    w = target.tok_embeddings.weight
-    # the prefill's own condition rows, image i's rows at r * n + i (row 1 unconditional)
-    embedded = [target.embed_condition(x, sampling.cfg) for x in conditions]
-    prefix = torch.stack([e for e, _ in embedded], dim=1).flatten(0, 1)
-    valid = None  # t2i: [rows * n, cls + num] the slots a query may see (padded caption tokens: none)
-    if c.model_type == "t2i":
-        valid = torch.ones(rows * n, cls + num, dtype=torch.bool, device=w.device)
-        valid[:, :cls] = torch.stack([m for _, m in embedded]).repeat(rows, 1)
-    shape = (rows * n, c.kv_heads, cls + num, c.head_dim)
-    caches: list[KVSlot] = [(w.new_zeros(shape), w.new_zeros(shape)) for _ in target.layers]
-    generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
-    out = torch.empty(n, num, dtype=torch.long)
+def sample_tokens(target: EagleTarget, conditions: Sequence[Any], seeds: Sequence[int], sampling: Sampling) -> Tensor:
+    """One image per condition, image i seeded ``seeds[i]``, as ``Engine(target, method="ar",
+    sampling=sampling).generate([conditions[i]], seed=seeds[i])`` draws it: tokens
+    [len(conditions), num_tokens].  A target that samples batches itself (LlamaGen's
+    ``sample_batch``) does; the others go through the engine's AR loop one image at a time."""
+    batched = getattr(target, "sample_batch", None)
+    if batched is not None:
+        return batched(conditions, seeds, sampling)
+    from specimg.engine import Engine
 
-    def run(x: Tensor, start: int, width: int, mask: Tensor | None) -> Tensor:
-        rope = target.rope[start : start + width]
-        for layer, cache in zip(target.layers, caches):
-            x = layer(x, rope, mask, cache, start)
-        return target.output(target.norm(x[:, -1])).float().view(rows, n, vocab)
-
-    def draw(logits: Tensor, k: int, cfg_on: bool) -> None:
-        probs = probabilities(logits, sampling, cfg_on).cpu()
-        if sampling.greedy:
-            out[:, k] = probs.argmax(dim=-1)
-            return
-        for i, g in enumerate(generators):
-            out[i, k] = torch.multinomial(probs[i], 1, generator=g)[0]
-
-    # the condition; the first token is always guided, as in the engine
-    draw(run(prefix, 0, cls, None if valid is None else target.condition_mask(valid[:, :cls])[:, None]), 0, True)
-    for k in range(1, num):
-        last = out[:, k - 1].to(w.device).repeat(rows)
-        cfg_on = sampling.cfg_interval < 0 or k - 1 <= sampling.cfg_interval
-        start = cls + k - 1
-        draw(run(target.tok_embeddings(last)[:, None], start, 1, None if valid is None else valid[:, None, None, : start + 1]), k, cfg_on)
-    return out
+    engine = Engine(target, method="ar", sampling=sampling)
+    return torch.cat([engine.generate([c], seed=int(s)).tokens.cpu() for c, s in zip(conditions, seeds)])
 
 
 @torch.inference_mode()
@@ -159,16 +117,6 @@ def teacher_features(target: LlamaGenTarget, conditions: Tensor | Sequence[Capti
     ``conditions`` (class ids [B] or one caption per row)."""
     device = target.tok_embeddings.weight.device
     return target.forward_sequence(conditions.to(device) if isinstance(conditions, Tensor) else conditions, tokens.to(device)).hidden
-
-
-@torch.inference_mode()
-def engine_tokens(target: EagleTarget, conditions: Sequence[Any], seeds: Sequence[int], sampling: Sampling) -> Tensor:
-    """One image per condition from the engine's AR loop, image i seeded ``seeds[i]``: the
-    sampler of targets without a batched one."""
-    from specimg.engine import Engine
-
-    engine = Engine(target, method="ar", sampling=sampling)
-    return torch.cat([engine.generate([c], seed=int(s)).tokens.cpu() for c, s in zip(conditions, seeds)])
 
 
 @torch.inference_mode()
@@ -363,7 +311,7 @@ def make_drafter_data(
             seeds = [spec.seed + int(i) for i in idx]
             if text:
                 prompts = [spec.prompts[int(i)] for i in idx]
-                tok = engine_tokens(target, prompts, seeds, spec.sampling)
+                tok = sample_tokens(target, prompts, seeds, spec.sampling)
                 rows = chain_features(target, prompts, tok, uncond)
                 variants = [(lab, rows[0]), (null_labels, rows[-1])][: 1 + uncond]
             else:

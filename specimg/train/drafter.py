@@ -38,11 +38,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import shutil
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -55,7 +54,9 @@ from specimg.errors import SpecimgError
 from specimg.files import atomic_path
 from specimg.models.eagle import EagleDrafter, EagleTarget, build_drafter, load_drafter, save_drafter
 from specimg.plugins import PluginManager, get_plugin_manager
+from specimg.stackhooks import MemberHook, StackHooks
 from specimg.train.data import DrafterData, _atomic_write_json
+from specimg.train.schedule import WarmupCosine
 
 DRAFTER_TYPES = ("eagle1", "eagle3")
 RUN, STATE, LOG, FINAL = "run.json", "state.json", "log.jsonl", "drafter.safetensors"
@@ -96,13 +97,6 @@ class TrainConfig:
     @property
     def warmup(self) -> int:
         return self.steps // 20 if self.warmup_steps is None else self.warmup_steps
-
-    def lr_at(self, step: int) -> float:
-        """The learning rate of optimizer step ``step`` (0-based)."""
-        if step < self.warmup:
-            return self.lr * (step + 1) / self.warmup
-        progress = (step - self.warmup) / max(1, self.steps - self.warmup)
-        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
 @attrs.frozen
@@ -156,41 +150,30 @@ def eagle_loss(
     return {"ce": ce, "kl": ce.detach() - entropy, "reg": reg, "correct": correct, "target": target}
 
 
-LossHook = tuple[str, Callable[..., Any], Any]
-
-
-def loss_hooks(plugins: PluginManager, method: str | None, options: Mapping[str, Mapping[str, Any]] | None) -> tuple[list[LossHook], dict[str, Any]]:
-    """The ``train_loss`` callers of the stack's members that implement it, in method-string
-    order, each with that member's options; and the stack's options (for the run record)."""
+def loss_hooks(plugins: PluginManager, method: str | None, options: Mapping[str, Mapping[str, Any]] | None) -> tuple[tuple[MemberHook, ...], dict[str, Any]]:
+    """The ``train_loss`` hooks of the stack's members that implement it, in method-string
+    order; and the stack's options (for the run record)."""
     if not method:
         if options:
             raise SpecimgError("method options (-o) given without --method")
-        return [], {}
+        return (), {}
     stack = plugins.stack(method, options)
-    hooks = [
-        (m.spec.name, plugins.caller("train_loss", [m.spec.plugin], with_defaults=False), m.options)
-        for m in stack.members
-        if plugins.implementers("train_loss", [m])
-    ]
-    return hooks, {"method": stack.name, "options": stack.options_dict()}
+    return StackHooks.bind(plugins, stack).train_losses, {"method": stack.name, "options": stack.options_dict()}
 
 
 def apply_loss_hooks(
-    hooks: list[LossHook], soft_ce: Tensor, regression: Tensor, w_cls: float, w_reg: float, features: Tensor, tokens: Tensor, mask: Tensor
+    hooks: Sequence[MemberHook], soft_ce: Tensor, regression: Tensor, w_cls: float, w_reg: float, features: Tensor, tokens: Tensor, mask: Tensor
 ) -> Tensor:
     """Fold the loss's parts [B, T] through the hooks in order, then weigh and sum them into
     the per-position loss."""
     parts = (soft_ce, regression)
-    for name, caller, options in hooks:
-        results = caller(
-            soft_ce=parts[0], regression=parts[1], w_cls=w_cls, w_reg=w_reg, features=features, tokens=tokens, mask=mask, options=options
-        )
-        new = next((r for r in results if r is not None), None)
+    for hook in hooks:
+        new = hook(soft_ce=parts[0], regression=parts[1], w_cls=w_cls, w_reg=w_reg, features=features, tokens=tokens, mask=mask)
         if new is None:
             continue
         if not (isinstance(new, tuple) and len(new) == 2 and all(isinstance(t, Tensor) and t.shape == soft_ce.shape for t in new)):
             got = f"a tensor of shape {tuple(new.shape)}" if isinstance(new, Tensor) else type(new).__name__
-            raise SpecimgError(f"method {name!r}: train_loss returned {got}, expected the parts (soft_ce, regression), each {tuple(soft_ce.shape)}")
+            raise SpecimgError(f"method {hook.method!r}: train_loss returned {got}, expected the parts (soft_ce, regression), each {tuple(soft_ce.shape)}")
         parts = new
     return w_cls * parts[0] + w_reg * parts[1]
 
@@ -273,28 +256,58 @@ def train_drafter(
         raise SpecimgError("EAGLE-3 drafter training is not implemented yet; use --drafter-type eagle1")
     from accelerate import Accelerator
 
-    plugins = plugins or get_plugin_manager()
-    hooks, stack_record = loss_hooks(plugins, method, options)
+    hooks, stack_record = loss_hooks(plugins or get_plugin_manager(), method, options)
     data = data if isinstance(data, DrafterData) else DrafterData(data)
     data.check_target(target)
     if data.num_tokens < 2:
         raise SpecimgError("drafter training needs images of at least 2 tokens")
     accelerator = accelerator or Accelerator(mixed_precision=config.mixed_precision)
-    world, rank = accelerator.num_processes, accelerator.process_index
-    if config.batch_size % world:
-        raise SpecimgError(f"--batch-size {config.batch_size} (the global batch) is not a multiple of the {world} processes")
-    local = config.batch_size // world
-    per_epoch = len(data) // config.batch_size
-    if per_epoch == 0:
-        raise SpecimgError(f"the data holds {len(data)} examples, fewer than one batch of {config.batch_size}")
-
+    batches = _Batches(data, config, accelerator.num_processes, accelerator.process_index)
     out = os.fspath(out)
     settings = {
         "config": attrs.asdict(config), **stack_record, "data": data.meta["settings"], "target": data.meta["target"],
-        "init": os.path.abspath(init) if init else None, "processes": world,
+        "init": os.path.abspath(init) if init else None, "processes": accelerator.num_processes,
     }
+    state = _open_run(out, settings, config.keep_checkpoints, accelerator)
+    training = _Training.build(target, init, config, hooks, accelerator)
+    step = _resume(out, state, accelerator)
+    if state is not None and state.get("done") and os.path.exists(os.path.join(out, FINAL)):
+        return TrainResult(training.drafter().eval(), step, os.path.join(out, FINAL))
+    training.start_schedule(step)
+    from tqdm import tqdm
+
+    bar = tqdm(total=config.steps, initial=step, unit="step", desc="train-drafter", disable=(not accelerator.is_main_process) or (None if progress else True))
+    tick = time.perf_counter()
+    while step < config.steps:
+        epoch, indices = batches.at(step)
+        batch = data.get(indices)
+        metrics = training.step(batch, _noise(config, step, indices, batch["features"].shape[1:]))
+        step += 1
+        now = time.perf_counter()
+        metrics["seconds"], tick = now - tick, now
+        if accelerator.is_main_process:
+            if (step - 1) % config.log_every == 0 or step == config.steps:
+                _log(out, step - 1, epoch, metrics)
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['loss']:.4f}", acc=f"{metrics['acc']:.3f}")
+        if step % config.checkpoint_every == 0 or step == config.steps:
+            _checkpoint(accelerator, out, step, epoch, done=step == config.steps, keep=config.keep_checkpoints)
+        if on_step:
+            on_step(StepInfo(step, epoch, tuple(indices), metrics))
+    bar.close()
+    final = training.drafter().eval()
+    path = os.path.join(out, FINAL)
+    if accelerator.is_main_process:
+        save_drafter(final, path)
+    accelerator.wait_for_everyone()
+    return TrainResult(final, step, path)
+
+
+def _open_run(out: str, settings: dict[str, Any], keep: int, accelerator: Any) -> dict[str, Any] | None:
+    """Refuse a folder that holds another run; prepare it (settings recorded, log lines and
+    checkpoints past the last state dropped); return its state, None for a fresh run."""
     settings = json.loads(json.dumps(settings))  # tuples -> lists, as they come back from disk
-    run_path, state_path, log_path = (os.path.join(out, n) for n in (RUN, STATE, LOG))
+    run_path, state_path = os.path.join(out, RUN), os.path.join(out, STATE)
     old = _read_json(run_path)
     state = _read_json(state_path)
     if old is not None and old != settings:
@@ -307,95 +320,125 @@ def train_drafter(
         os.makedirs(out, exist_ok=True)
         if old is None:
             _atomic_write_json(run_path, settings)
-        _truncate_log(log_path, state["step"] if state else 0)
-        _prune(out, config.keep_checkpoints)
+        _truncate_log(os.path.join(out, LOG), state["step"] if state else 0)
+        _prune(out, keep)
+    return state
 
-    device = accelerator.device
-    # frozen (build_drafter turns its gradients off); the drafter shares its embeddings and head,
-    # and trains in float32 (mixed precision comes from the accelerator's autocast)
-    target.to(device=device, dtype=torch.float32).eval()
-    drafter = load_drafter(target, init) if init else build_drafter(target, seed=config.seed)
-    drafter.float().train()
-    if any(p.requires_grad for p in target.parameters()):
-        raise AssertionError("the target must be frozen")
-    model = _Trainable(drafter)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
-    model, optimizer = accelerator.prepare(model, optimizer)
 
-    step = 0
-    if state is not None:
-        ckpt = os.path.join(out, state["checkpoint"])
-        if not os.path.isdir(ckpt):
-            raise SpecimgError(f"{state_path} points to {ckpt}, which is missing")
-        accelerator.load_state(ckpt)
-        step = int(state["step"])
-    if state is not None and state.get("done") and os.path.exists(os.path.join(out, FINAL)):
-        return TrainResult(accelerator.unwrap_model(model).drafter.eval(), step, os.path.join(out, FINAL))
+def _resume(out: str, state: dict[str, Any] | None, accelerator: Any) -> int:
+    """Restore the checkpoint the state points to; the step it stood at (0: a fresh run)."""
+    if state is None:
+        return 0
+    ckpt = os.path.join(out, state["checkpoint"])
+    if not os.path.isdir(ckpt):
+        raise SpecimgError(f"{os.path.join(out, STATE)} points to {ckpt}, which is missing")
+    accelerator.load_state(ckpt)
+    return int(state["step"])
 
-    head = target.code_logits
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    order: dict[int, Tensor] = {}
-    from tqdm import tqdm
 
-    bar = tqdm(total=config.steps, initial=step, unit="step", desc="train-drafter", disable=(not accelerator.is_main_process) or (None if progress else True))
-    tick = time.perf_counter()
-    while step < config.steps:
-        epoch, b = divmod(step, per_epoch)
-        if epoch not in order:
-            order.clear()
-            order[epoch] = torch.randperm(len(data), generator=torch.Generator().manual_seed(config.seed * 1_000_003 + epoch))
-        first = b * config.batch_size + rank * local
-        indices = order[epoch][first : first + local].tolist()
-        batch = data.get(indices)
+def _log(out: str, step: int, epoch: int, metrics: Mapping[str, float]) -> None:
+    with open(os.path.join(out, LOG), "a", encoding="utf-8") as fh:
+        fh.write(json.dumps({"step": step, "epoch": epoch, **metrics}) + "\n")
+
+
+class _Batches:
+    """Which examples each step trains on: the global batch depends only on (seed, step),
+    and each process takes its own slice of it."""
+
+    def __init__(self, data: DrafterData, config: TrainConfig, world: int, rank: int):
+        if config.batch_size % world:
+            raise SpecimgError(f"--batch-size {config.batch_size} (the global batch) is not a multiple of the {world} processes")
+        self.per_epoch = len(data) // config.batch_size
+        if self.per_epoch == 0:
+            raise SpecimgError(f"the data holds {len(data)} examples, fewer than one batch of {config.batch_size}")
+        self.size, self.examples, self.seed = config.batch_size, len(data), config.seed
+        self.local = config.batch_size // world
+        self.rank = rank
+        self._order: tuple[int, Tensor] | None = None  # (epoch, its permutation)
+
+    def at(self, step: int) -> tuple[int, list[int]]:
+        """The epoch of optimizer step ``step`` and this process's examples in its batch."""
+        epoch, b = divmod(step, self.per_epoch)
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, torch.randperm(self.examples, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)))
+        first = b * self.size + self.rank * self.local
+        return epoch, self._order[1][first : first + self.local].tolist()
+
+
+def _noise(config: TrainConfig, step: int, indices: list[int], shape: torch.Size) -> Tensor | None:
+    """EAGLE's uniform input noise [b, N - 1, D] for examples of ``shape`` [N, D], per
+    example and step: the same whatever the number of processes."""
+    if config.noise <= 0:
+        return None
+    noise = torch.stack([torch.rand(shape, generator=_generator(config.seed, step, i)) for i in indices])
+    return (noise[:, :-1] - 0.5) * config.noise
+
+
+@attrs.define(eq=False)
+class _Training:
+    """The drafter under training and what one optimizer step needs: the frozen target's
+    head, the optimizer and its schedule, the stack's loss hooks."""
+
+    accelerator: Any
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    params: list[Tensor]
+    head: Callable[[Tensor], Tensor]
+    hooks: Sequence[MemberHook]
+    config: TrainConfig
+    schedule: WarmupCosine | None = None
+
+    @classmethod
+    def build(cls, target: EagleTarget, init: str | os.PathLike[str] | None, config: TrainConfig, hooks: Sequence[MemberHook], accelerator: Any) -> _Training:
+        # frozen (build_drafter turns its gradients off); the drafter shares its embeddings and head,
+        # and trains in float32 (mixed precision comes from the accelerator's autocast)
+        target.to(device=accelerator.device, dtype=torch.float32).eval()
+        drafter = load_drafter(target, init) if init else build_drafter(target, seed=config.seed)
+        drafter.float().train()
+        if any(p.requires_grad for p in target.parameters()):
+            raise AssertionError("the target must be frozen")
+        optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+        model, optimizer = accelerator.prepare(_Trainable(drafter), optimizer)
+        params = [p for p in drafter.parameters() if p.requires_grad]
+        return cls(accelerator, model, optimizer, params, target.code_logits, hooks, config)
+
+    def drafter(self) -> EagleDrafter:
+        return self.accelerator.unwrap_model(self.model).drafter
+
+    def start_schedule(self, step: int) -> None:
+        """The learning-rate schedule from optimizer step ``step`` on (a resumed run's)."""
+        c = self.config
+        self.schedule = WarmupCosine(self.optimizer, c.lr, c.steps, c.warmup, c.min_lr_ratio, start=step)
+
+    def step(self, batch: dict[str, Tensor], noise: Tensor | None) -> dict[str, float]:
+        """One optimizer step on this process's share of the global batch; the metrics of
+        the whole batch (losses, top-1 agreement, learning rate, gradient norm)."""
+        assert self.schedule is not None
+        accelerator, config = self.accelerator, self.config
+        device = accelerator.device
         features, tokens = batch["features"].to(device), batch["tokens"].to(device)
-        noise = None
-        if config.noise > 0:  # per example and step: the same whatever the number of processes
-            shape = features.shape[1:]
-            noise = torch.stack([torch.rand(shape, generator=_generator(config.seed, step, i)) for i in indices])
-            noise = ((noise[:, :-1] - 0.5) * config.noise).to(device)
-        lr = config.lr_at(step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        lr = self.schedule.get_last_lr()[0]
         with accelerator.autocast():
-            terms = eagle_loss(model, head, features, tokens, noise)
+            terms = eagle_loss(self.model, self.head, features, tokens, None if noise is None else noise.to(device))
         mask = torch.ones_like(terms["ce"], dtype=torch.bool)
-        loss = apply_loss_hooks(hooks, terms["ce"], terms["reg"], config.w_cls, config.w_reg, terms["target"], tokens[:, :-1], mask)
+        loss = apply_loss_hooks(self.hooks, terms["ce"], terms["reg"], config.w_cls, config.w_reg, terms["target"], tokens[:, :-1], mask)
         m = mask.float()
         count = accelerator.reduce(m.sum().detach().reshape(1), "sum").clamp(min=1)
-        local_loss = (loss * m).sum() * world / count[0]
-        accelerator.backward(local_loss)
+        # scaled so that DDP's gradient average is the gradient of the global masked mean
+        accelerator.backward((loss * m).sum() * accelerator.num_processes / count[0])
         accelerator.unscale_gradients()
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, config.clip_norm if config.clip_norm else float("inf"))
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, config.clip_norm if config.clip_norm else float("inf"))
         if config.clip_value is not None:
-            torch.nn.utils.clip_grad_value_(params, config.clip_value)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+            torch.nn.utils.clip_grad_value_(self.params, config.clip_value)
+        self.optimizer.step()
+        self.schedule.step()
+        self.optimizer.zero_grad(set_to_none=True)
         sums = torch.stack([(terms[k] * m).sum() if k != "loss" else (loss * m).sum() for k in ("loss", "ce", "kl", "reg", "correct")]).detach()
         sums = accelerator.reduce(sums, "sum") / count
-        step += 1
-        now = time.perf_counter()
-        metrics = {
+        return {
             "loss": float(sums[0]), "ce": float(sums[1]), "kl": float(sums[2]), "reg": float(sums[3]), "acc": float(sums[4]),
-            "lr": lr, "grad_norm": float(grad_norm), "seconds": now - tick,
+            "lr": lr, "grad_norm": float(grad_norm),
         }
-        tick = now
-        if accelerator.is_main_process:
-            if (step - 1) % config.log_every == 0 or step == config.steps:
-                with open(log_path, "a", encoding="utf-8") as fh:
-                    fh.write(json.dumps({"step": step - 1, "epoch": epoch, **metrics}) + "\n")
-            bar.update(1)
-            bar.set_postfix(loss=f"{metrics['loss']:.4f}", acc=f"{metrics['acc']:.3f}")
-        if step % config.checkpoint_every == 0 or step == config.steps:
-            _checkpoint(accelerator, out, step, epoch, done=step == config.steps, keep=config.keep_checkpoints)
-        if on_step:
-            on_step(StepInfo(step, epoch, tuple(indices), metrics))
-    bar.close()
-    final = accelerator.unwrap_model(model).drafter.eval()
-    path = os.path.join(out, FINAL)
-    if accelerator.is_main_process:
-        save_drafter(final, path)
-    accelerator.wait_for_everyone()
-    return TrainResult(final, step, path)
 
 
 def _generator(*key: int) -> torch.Generator:
