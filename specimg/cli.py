@@ -19,11 +19,11 @@ from specimg.cliopts import (
     DTYPES, IMAGES, SEED, THREADS, FiniteFloat, check_tree_fits, condition_options, device_from, device_options, method_options,
     model_options, prompt_options, sampling_from, sampling_options, tree_from, tree_options,
 )
-from specimg.eval.conditions import Conditions, conditions_for, sample_captions, shorten
 from specimg.config import LLAMAGEN_SAMPLING, Sampling
 from specimg.engine import Engine
 from specimg.errors import SpecimgError
 from specimg.eval.bench import DEFAULT_IMAGES as BENCH_IMAGES
+from specimg.eval.conditions import Conditions, conditions_for, sample_captions, shorten
 from specimg.eval.prompts import class_labels
 from specimg.files import writable_folder
 from specimg.methods import AR, parse_options

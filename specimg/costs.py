@@ -18,18 +18,18 @@ import json
 import os
 import statistics
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import attrs
 import numpy as np
 import torch
 
-from specimg.cache import cache_dir
-from specimg.files import atomic_path
 from specimg.accept import sample_and_match
+from specimg.cache import cache_dir
 from specimg.config import Sampling
+from specimg.files import atomic_path
 from specimg.models.base import Condition, Drafter, Target
 from specimg.sampling import probabilities
 from specimg.tree import DraftSession, DraftTree, build_dynamic
