@@ -328,7 +328,7 @@ def _write_run(engine: Engine, models: Any, conditions: Conditions, seed: int, o
             click.echo(f"{engine.method}: {out} already holds these {len(keys)} images; nothing to do (more images: raise -n)")
         return
     if engine.auto_tree:
-        engine.cost_model = costs.shared(engine.target, engine.drafter, engine.sampling, conditions.values[0], state)
+        engine.cost_model = costs.shared(engine, conditions.values[0], state)
     mine = todo[state.process_index :: world]
     images: list[ImageStats] = []
     start = time.perf_counter()

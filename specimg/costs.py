@@ -18,7 +18,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +49,9 @@ class CostModel:
     (``draft_level``: a drafter call for the frontier, its processing, the top-k), the
     drafter's ``draft_start`` per step (three new tokens), ``overhead`` per step (the
     acceptance walk, the commit, the planner's bookkeeping) and ``ar`` per AR token.
-    Sizes in between interpolate linearly; beyond, extrapolate."""
+    Sizes in between interpolate linearly; beyond, extrapolate.  ``step_scales``: per
+    method stack, what its real speculative step takes against the sum of the timed parts
+    (see :func:`for_engine`)."""
 
     key: str
     machine: str
@@ -59,6 +61,10 @@ class CostModel:
     draft_start_ms: float
     overhead_ms: float
     ar_ms: float
+    step_scales: Mapping[str, float] = attrs.field(factory=dict)
+
+    def scale(self, method: str) -> float:
+        return self.step_scales.get(method, 1.0)
 
     def verify(self, nodes: np.ndarray | int) -> np.ndarray:
         return _interp(nodes, self.verify_ms)
@@ -67,8 +73,8 @@ class CostModel:
         """An EAGLE-2 tree: the start, the first level, then depth - 1 levels of ``topk`` fed nodes."""
         return self.draft_start_ms + float(_interp(topk, self.draft_base_ms)) + (depth - 1) * float(_interp(topk, self.draft_level_ms))
 
-    def step(self, depth: int, topk: int, nodes: np.ndarray | int) -> np.ndarray:
-        return self.verify(nodes) + self.draft(depth, topk) + self.overhead_ms
+    def step(self, depth: int, topk: int, nodes: np.ndarray | int, method: str = "") -> np.ndarray:
+        return (self.verify(nodes) + self.draft(depth, topk) + self.overhead_ms) * self.scale(method)
 
     def to_json(self) -> str:
         return json.dumps(attrs.asdict(self), indent=1)
@@ -78,6 +84,7 @@ class CostModel:
         data = json.loads(text)
         for name in ("verify_ms", "draft_base_ms", "draft_level_ms"):
             data[name] = tuple((int(n), float(ms)) for n, ms in data[name])
+        data["step_scales"] = {str(m): float(x) for m, x in data.get("step_scales", {}).items()}
         return cls(**data)
 
 
@@ -137,10 +144,33 @@ def load_or_measure(target: Target, drafter: Drafter, sampling: Sampling, condit
     return model
 
 
-def shared(target: Target, drafter: Drafter, sampling: Sampling, condition: Condition, state: Any) -> CostModel:
-    """The cost model every process of an ``accelerate`` ``state`` uses: the main process
-    reads or measures it, the others receive it, so that all of them plan alike."""
-    model = load_or_measure(target, drafter, sampling, condition) if state.is_main_process else None
+def for_engine(engine: Any, condition: Condition) -> CostModel:
+    """The cached cost model for an engine's models on this machine, with its method's step
+    scale: the first engine of a method stack decodes one image on auto trees and divides
+    its wall time by what the timed parts predict for the steps it took.  The parts are
+    timed as calls in a tight loop; a real step interleaves them with other work and adds
+    the method's relaxation and the loop's own Python (a fifth of a step or more on a small
+    model).  Measured once, cached with the model, so runs stay reproducible."""
+    model = load_or_measure(engine.target, engine.drafter, engine.sampling, condition)
+    if engine.method in model.step_scales or not engine.auto_tree:
+        return model
+    parts = attrs.evolve(model, step_scales={**model.step_scales, engine.method: 1.0})
+    planned, engine.cost_model = engine.cost_model, parts
+    try:
+        stats = engine.generate([condition], seed=0).stats.images[0]
+    finally:
+        engine.cost_model = planned
+    scale = 1000 * stats.wall / stats.predicted_ms if stats.predicted_ms else 1.0
+    model = attrs.evolve(model, step_scales={**model.step_scales, engine.method: scale})
+    _memory[model.key] = model
+    _save(cache_dir() / "costs" / f"{model.key}.json", model.to_json())
+    return model
+
+
+def shared(engine: Any, condition: Condition, state: Any) -> CostModel:
+    """The cost model every process of an ``accelerate`` ``state`` uses for ``engine``: the
+    main process reads or measures it, the others receive it, so that all of them plan alike."""
+    model = for_engine(engine, condition) if state.is_main_process else None
     if state.num_processes > 1:
         from accelerate.utils import broadcast_object_list
 

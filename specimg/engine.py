@@ -99,7 +99,7 @@ class Engine:
         step's token count."""
         rows, stats = [], []
         if self.auto_tree and self.cost_model is None and conditions:
-            self.cost_model = costs.load_or_measure(self.target, self.drafter, self.sampling, conditions[0])
+            self.cost_model = costs.for_engine(self, conditions[0])
         for index, condition in enumerate(conditions):
             generator = torch.Generator(self.device).manual_seed(seed + index)
             image = ImageStats()
@@ -142,7 +142,7 @@ class Engine:
         assert self.cost_model is not None and self.drafter is not None
         max_nodes = getattr(self.target, "max_tree_nodes", 128)
         max_fed = getattr(self.drafter, "max_tree_nodes", 128)
-        return TreePlanner(self.cost_model, max_nodes, max_fed, self.device, self.tree_config.sample)
+        return TreePlanner(self.cost_model, max_nodes, max_fed, self.device, self.tree_config.sample, self.method)
 
     def _draw(self, probs: Tensor, generator: torch.Generator) -> int:
         if self.sampling.greedy:

@@ -72,25 +72,31 @@ def _grown(rates: np.ndarray, max_depth: int, topk: int):
         yield depth, 1.0 + np.concatenate([[0.0], np.cumsum(np.sort(values)[::-1])])
 
 
-def plans(cost: CostModel, rates: np.ndarray, max_nodes: int, max_depth: int = MAX_DEPTH, max_topk: int = MAX_TOPK, max_fed: int = 128) -> Iterator[Plan]:
+def plans(
+    cost: CostModel, rates: np.ndarray, max_nodes: int, max_depth: int = MAX_DEPTH, max_topk: int = MAX_TOPK, max_fed: int = 128, method: str = ""
+) -> Iterator[Plan]:
     """The best size of every (depth, top-k) tree that fits: at most ``max_nodes`` nodes,
-    and at most ``max_fed`` drafter nodes fed ((depth - 1) * top-k)."""
+    and at most ``max_fed`` drafter nodes fed ((depth - 1) * top-k); steps timed for
+    ``method``'s stack (its step scale)."""
+    scale = cost.scale(method)
     verify = cost.verify(np.arange(2, max_nodes + 1)) + cost.overhead_ms
     for topk in range(1, max_topk + 1):
         first = cost.draft(1, topk)
         level_ms = cost.draft(2, topk) - first
         for depth, tokens in _grown(rates, min(max_depth, 1 + max_fed // topk), topk):
             tokens = tokens[1:max_nodes]  # trees of 2..max_nodes nodes
-            ms = verify[: tokens.size] + first + (depth - 1) * level_ms
+            ms = (verify[: tokens.size] + first + (depth - 1) * level_ms) * scale
             i = int(np.argmax(tokens / ms))
             yield Plan(depth, topk, i + 2, float(tokens[i]), float(ms[i]), float(tokens[i] / ms[i] * cost.ar_ms))
 
 
-def choose(cost: CostModel, rates: np.ndarray, max_nodes: int, max_depth: int = MAX_DEPTH, max_topk: int = MAX_TOPK, max_fed: int = 128) -> Plan:
+def choose(
+    cost: CostModel, rates: np.ndarray, max_nodes: int, max_depth: int = MAX_DEPTH, max_topk: int = MAX_TOPK, max_fed: int = 128, method: str = ""
+) -> Plan:
     """The tree with the most expected tokens per second; ties go to the narrower, then
     the shallower tree."""
     best: Plan | None = None
-    for plan in plans(cost, rates, max_nodes, max_depth, max_topk, max_fed):
+    for plan in plans(cost, rates, max_nodes, max_depth, max_topk, max_fed, method):
         if best is None or plan.speedup > best.speedup * (1 + 1e-9):
             best = plan
     if best is None:
@@ -138,15 +144,15 @@ class TreePlanner:
     """One image's tree choice: plans from the prior, then re-plans every few steps from
     the image's own profile.  Every tree it switches to is kept with the step it started at."""
 
-    def __init__(self, cost: CostModel, max_nodes: int, max_fed: int, device: torch.device | str, sample: bool = False):
-        self.cost, self.max_nodes, self.max_fed, self.sample = cost, max_nodes, max_fed, sample
+    def __init__(self, cost: CostModel, max_nodes: int, max_fed: int, device: torch.device | str, sample: bool = False, method: str = ""):
+        self.cost, self.max_nodes, self.max_fed, self.sample, self.method = cost, max_nodes, max_fed, sample, method
         self.profile = AcceptanceProfile(device)
         self.plans: list[tuple[int, Plan]] = []
         self._steps = 0
         self._replan()
 
     def _replan(self) -> None:
-        plan = choose(self.cost, self.profile.rates(), self.max_nodes, max_fed=self.max_fed)
+        plan = choose(self.cost, self.profile.rates(), self.max_nodes, max_fed=self.max_fed, method=self.method)
         if not self.plans or plan.tree() != self.plans[-1][1].tree():
             self.plans.append((self._steps, plan))
         else:

@@ -39,14 +39,21 @@ def tune(engine: Engine, conditions: Sequence[Condition], seed: int, out: str, e
     """Print the cost curve and the ranked candidate trees; write OUT/tune.json and OUT/tune.png."""
     if remeasure:
         costs.forget(engine.target, engine.drafter, engine.sampling)
-    cost = costs.load_or_measure(engine.target, engine.drafter, engine.sampling, conditions[0], log=echo)
-    engine.cost_model = cost
+    auto = Engine(
+        engine.target, engine.drafter, engine.method, engine.stack.options_dict() if engine.stack else None, engine.sampling,
+        TreeConfig(), delta=engine.stack.delta if engine.stack else None, tokenizer=engine.tokenizer, plugins=engine.plugins,
+    )
+    costs.load_or_measure(engine.target, engine.drafter, engine.sampling, conditions[0], log=echo)
+    cost = costs.for_engine(auto, conditions[0])  # with the method's step scale
     rates = learn_profile(engine, conditions, seed).rates()
     max_nodes = getattr(engine.target, "max_tree_nodes", 128)
     max_fed = getattr(engine.drafter, "max_tree_nodes", 128)
-    ranked = sorted(planner.plans(cost, rates, max_nodes, max_fed=max_fed), key=lambda p: -p.speedup)
+    ranked = sorted(planner.plans(cost, rates, max_nodes, max_fed=max_fed, method=engine.method), key=lambda p: -p.speedup)
     echo(f"cost model {cost.key}: {cost.machine}")
-    echo(f"AR step {cost.ar_ms:.2f} ms; drafter start {cost.draft_start_ms:.2f} ms; step overhead {cost.overhead_ms:.2f} ms")
+    echo(
+        f"AR step {cost.ar_ms:.2f} ms; drafter start {cost.draft_start_ms:.2f} ms; step overhead {cost.overhead_ms:.2f} ms; "
+        f"a real {engine.method} step takes {cost.scale(engine.method):.2f}x its timed parts"
+    )
     echo("verify:  " + "  ".join(f"{n}: {ms:.2f} ms ({ms / cost.ar_ms:.2f}x)" for n, ms in cost.verify_ms))
     echo("draft level by top-k:  " + "  ".join(f"{k}: {ms:.2f} ms" for k, ms in cost.draft_level_ms))
     echo(f"acceptance by rank (depth 0, {len(conditions)} images of {engine.method}): " + " ".join(f"{r:.2f}" for r in rates[0, :6]))
@@ -54,7 +61,7 @@ def tune(engine: Engine, conditions: Sequence[Condition], seed: int, out: str, e
     echo("|---:|---:|---:|---:|---:|---:|")
     for plan in ranked[:12]:
         echo(f"| {plan.depth} | {plan.topk} | {plan.nodes} | {plan.tokens_per_step:.2f} | {plan.step_ms:.2f} | {plan.speedup:.2f}x |")
-    best = planner.choose(cost, rates, max_nodes, max_fed=max_fed)
+    best = planner.choose(cost, rates, max_nodes, max_fed=max_fed, method=engine.method)
     echo(f"auto would choose: {best} (predicted {best.speedup:.2f}x)")
     result = {
         "cost_model": json.loads(cost.to_json()), "method": engine.method, "rates": rates.tolist(),
@@ -63,7 +70,7 @@ def tune(engine: Engine, conditions: Sequence[Condition], seed: int, out: str, e
     os.makedirs(out, exist_ok=True)
     with atomic_path(os.path.join(out, "tune.json"), ".json") as tmp, open(tmp, "w") as file:
         json.dump(result, file, indent=1)
-    if _plot(cost, rates, max_nodes, max_fed, os.path.join(out, "tune.png")):
+    if _plot(cost, rates, max_nodes, max_fed, engine.method, os.path.join(out, "tune.png")):
         echo(f"-> {out}/tune.json, {out}/tune.png")
     else:
         echo(f"-> {out}/tune.json (no tune.png: the plot needs matplotlib, pip install 'specimg[plot]')")
@@ -74,7 +81,7 @@ def vars_of(plan: planner.Plan) -> dict[str, Any]:
     return {"depth": plan.depth, "topk": plan.topk, "nodes": plan.nodes, "tokens_per_step": plan.tokens_per_step, "step_ms": plan.step_ms, "speedup": plan.speedup}
 
 
-def _plot(cost: costs.CostModel, rates: np.ndarray, max_nodes: int, max_fed: int, path: str) -> bool:
+def _plot(cost: costs.CostModel, rates: np.ndarray, max_nodes: int, max_fed: int, method: str, path: str) -> bool:
     """Left: the verify cost curve against the AR step; right: the predicted speedup of the
     best tree of each top-k against its size."""
     try:
@@ -96,7 +103,7 @@ def _plot(cost: costs.CostModel, rates: np.ndarray, max_nodes: int, max_fed: int
         best = np.full(sizes.shape, np.nan)
         for depth in range(1, min(planner.MAX_DEPTH, 1 + max_fed // topk) + 1):
             tokens = planner.expected_tokens(rates, depth, topk)[1:max_nodes]
-            speedup = tokens / cost.step(depth, topk, sizes[: tokens.size]) * cost.ar_ms
+            speedup = tokens / cost.step(depth, topk, sizes[: tokens.size], method) * cost.ar_ms
             best[: tokens.size] = np.fmax(best[: tokens.size], speedup)
         right.plot(sizes, best, color=f"C{i}", label=f"top-k {topk}, best depth")
     right.axhline(1.0, linestyle="--", color="0.5", linewidth=1)
