@@ -19,7 +19,7 @@ from specimg.cliopts import (
     DTYPES, IMAGES, SEED, THREADS, FiniteFloat, check_tree_fits, condition_options, device_from, device_options, method_options,
     model_options, prompt_options, sampling_from, sampling_options, tree_from, tree_options,
 )
-from specimg.config import LLAMAGEN_SAMPLING, Sampling
+from specimg.config import LLAMAGEN_SAMPLING, Sampling, TreeConfig
 from specimg.engine import Engine
 from specimg.errors import SpecimgError
 from specimg.eval.bench import DEFAULT_IMAGES as BENCH_IMAGES
@@ -261,7 +261,7 @@ def tune(**kw: Any) -> None:
     """Show what auto trees see on this machine: the cost curve, the method's acceptance
     profile (learnt from -n images drafted with a wide tree) and the best candidate trees
     by predicted speedup.  Writes OUT/tune.json and OUT/tune.png."""
-    from specimg.eval.tune import WIDE, tune as run_tune
+    from specimg.eval.tune import tune as run_tune
 
     if kw["threads"] or not kw["target"]:
         torch.set_num_threads(kw["threads"] or 1)
@@ -273,7 +273,7 @@ def tune(**kw: Any) -> None:
     writable_folder(kw["out"])
     engine = Engine(
         models.target, models.drafter, kw["method"], parse_options(kw["options"]), sampling_from(kw, _base_sampling(model, kw["target"], models.target)),
-        WIDE, delta=kw["delta"], tokenizer=models.tokenizer, device=device, dtype=dtype,
+        TreeConfig(), delta=kw["delta"], tokenizer=models.tokenizer, device=device, dtype=dtype,
     )
     run_tune(engine, conditions_for(models.target, kw).values, kw["seed"], kw["out"], click.echo, remeasure=kw["remeasure"])
 

@@ -239,7 +239,7 @@ class Engine:
             if dist is not scores.probs:
                 spent += relax.tvd(dist[path], scores.probs[path]).sum()
             if planner:
-                self._plan_step(planner, stats, tree, dist, result.path)
+                self._plan_step(planner, stats, tree, dist, path)
             if self.on_step:
                 self.on_step(tree, dist, result.path)
             stats.target_forwards += 1
@@ -249,7 +249,7 @@ class Engine:
                 progress(len(new_tokens))
         stats.tvd = float(spent) / max(1, sum(stats.accepted) + len(stats.accepted))
 
-    def _plan_step(self, planner: TreePlanner, stats: ImageStats, tree: DraftTree, dist: Tensor, path: list[int]) -> None:
+    def _plan_step(self, planner: TreePlanner, stats: ImageStats, tree: DraftTree, dist: Tensor, path: Tensor) -> None:
         """Book the step against its plan's prediction, then let the planner learn from it."""
         assert self.cost_model is not None
         plan = planner.plan

@@ -19,7 +19,7 @@ statistics, never on timings taken during the run, so a seed gives the same imag
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import attrs
 import numpy as np
@@ -113,10 +113,11 @@ class AcceptanceProfile:
         self.sums = (PRIOR_WEIGHT * prior).repeat(depth, 1).to(device)
         self.counts = torch.full((depth, width), PRIOR_WEIGHT, dtype=torch.float64, device=device)
 
-    def observe(self, tree: DraftTree, dist: Tensor, path: list[int], greedy: bool) -> None:
-        """Add one step: at each node of the walked ``path``, the chance each child had."""
+    def observe(self, tree: DraftTree, dist: Tensor, path: Sequence[int] | Tensor, greedy: bool) -> None:
+        """Add one step: at each node of the walked ``path`` (node ids, or their tensor on
+        the device), the chance each child had."""
         depth, width = self.sums.shape
-        nodes = torch.tensor(path, device=dist.device)
+        nodes = torch.as_tensor(path, device=dist.device)
         ids = tree.child_ids[nodes, :width]
         tokens = tree.tokens[ids.clamp(min=0)]
         rows = dist[nodes]
@@ -163,7 +164,7 @@ class TreePlanner:
     def plan(self) -> Plan:
         return self.plans[-1][1]
 
-    def observe(self, tree: DraftTree, dist: Tensor, path: list[int], greedy: bool) -> None:
+    def observe(self, tree: DraftTree, dist: Tensor, path: Sequence[int] | Tensor, greedy: bool) -> None:
         self.profile.observe(tree, dist, path, greedy)
         self._steps += 1
         if self._steps % REPLAN_EVERY == 0:

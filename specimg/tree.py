@@ -178,6 +178,7 @@ class _Growth:
              torch.zeros(1, device=device), torch.zeros(1, device=device))
         ]  # (tokens, parents, logq, score) per level
         self.size, self.levels, self.width = 1, 0, 0
+        self._columns: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None
         self.session_of = torch.full((capacity,), -1, dtype=torch.long, device=device)
         self.session_of[0] = 0
         self.fed_count = 0
@@ -205,10 +206,12 @@ class _Growth:
         return probs
 
     def columns(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """tokens, parents, logq, scores and depths of every node so far."""
-        tokens, parents, logq, scores = (torch.cat(c) for c in zip(*self.parts))
-        depths = torch.cat([torch.full_like(p[0], level) for level, p in enumerate(self.parts)])
-        return tokens, parents, logq, scores, depths
+        """tokens, parents, logq, scores and depths of every node so far (joined once per level)."""
+        if self._columns is None or self._columns[0].shape[0] != self.size:
+            tokens, parents, logq, scores = (torch.cat(c) for c in zip(*self.parts))
+            depths = torch.cat([torch.full_like(p[0], level) for level, p in enumerate(self.parts)])
+            self._columns = (tokens, parents, logq, scores, depths)
+        return self._columns
 
     def tree(self, keep: Tensor, sampled: bool) -> DraftTree:
         """The subtree of nodes ``keep`` (sorted ids, closed under ancestors)."""

@@ -25,26 +25,25 @@ WIDE = TreeConfig(kind="dynamic", depth=planner.MAX_DEPTH, topk=8, total_tokens=
 
 
 def learn_profile(engine: Engine, conditions: Sequence[Condition], seed: int) -> planner.AcceptanceProfile:
-    """The acceptance profile of ``engine``'s method, pooled over one image per condition."""
+    """The acceptance profile of ``engine``'s method, pooled over one image per condition
+    drafted with the wide tree."""
     profile = planner.AcceptanceProfile(engine.device)
     engine.on_step = lambda tree, dist, path: profile.observe(tree, dist, path, engine.sampling.greedy)
+    planned, engine.tree_config = engine.tree_config, WIDE
     try:
         engine.generate(list(conditions), seed=seed)
     finally:
-        engine.on_step = None
+        engine.on_step, engine.tree_config = None, planned
     return profile
 
 
 def tune(engine: Engine, conditions: Sequence[Condition], seed: int, out: str, echo: Callable[[str], None], remeasure: bool = False) -> dict[str, Any]:
-    """Print the cost curve and the ranked candidate trees; write OUT/tune.json and OUT/tune.png."""
+    """Print the cost curve and the ranked candidate trees of ``engine`` (on auto trees);
+    write OUT/tune.json and OUT/tune.png."""
     if remeasure:
         costs.forget(engine.target, engine.drafter, engine.sampling)
-    auto = Engine(
-        engine.target, engine.drafter, engine.method, engine.stack.options_dict() if engine.stack else None, engine.sampling,
-        TreeConfig(), delta=engine.stack.delta if engine.stack else None, tokenizer=engine.tokenizer, plugins=engine.plugins,
-    )
     costs.load_or_measure(engine.target, engine.drafter, engine.sampling, conditions[0], log=echo)
-    cost = costs.for_engine(auto, conditions[0])  # with the method's step scale
+    cost = costs.for_engine(engine, conditions[0])  # with the method's step scale
     rates = learn_profile(engine, conditions, seed).rates()
     max_nodes = getattr(engine.target, "max_tree_nodes", 128)
     max_fed = getattr(engine.drafter, "max_tree_nodes", 128)
