@@ -15,7 +15,7 @@ from specimg import costs, relax
 from specimg.config import Sampling, TreeConfig
 from specimg.errors import SpecimgError
 from specimg.methods import AR, Stack
-from specimg.models.base import Condition, Drafter, Target
+from specimg.models.base import Condition, Drafter, Target, placed
 from specimg.planner import TreePlanner
 from specimg.plugins import PluginManager, get_plugin_manager
 from specimg.sampling import cfg_active_at, probabilities
@@ -60,7 +60,7 @@ class Engine:
         cost_model: costs.CostModel | None = None,
     ):
         if device is not None or dtype is not None:
-            target, drafter, tokenizer = (_moved(m, device, dtype) for m in (target, drafter, tokenizer))
+            target, drafter, tokenizer = (placed(m, device, dtype) for m in (target, drafter, tokenizer))
         self.target, self.drafter, self.sampling, self.tree_config = target, drafter, sampling, tree
         self.tokenizer, self.cost_model = tokenizer, cost_model
         self.device = costs.device_of(target)
@@ -258,10 +258,3 @@ class Engine:
         stats.predicted_ms += plan.step_ms
         stats.predicted_ar_ms += plan.tokens_per_step * self.cost_model.ar_ms
         planner.observe(tree, dist, path, self.sampling.greedy)
-
-
-def _moved(model: Any, device: torch.device | str | None, dtype: torch.dtype | None) -> Any:
-    """A model on ``device`` in ``dtype`` (floating weights only), if it is a torch module."""
-    if not isinstance(model, torch.nn.Module):
-        return model
-    return model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)

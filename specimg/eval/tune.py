@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import attrs
 import numpy as np
 
 from specimg import costs, planner
@@ -64,7 +65,7 @@ def tune(engine: Engine, conditions: Sequence[Condition], seed: int, out: str, e
     echo(f"auto would choose: {best} (predicted {best.speedup:.2f}x)")
     result = {
         "cost_model": json.loads(cost.to_json()), "method": engine.method, "rates": rates.tolist(),
-        "candidates": [vars_of(p) for p in ranked], "choice": vars_of(best),
+        "candidates": [attrs.asdict(p) for p in ranked], "choice": attrs.asdict(best),
     }
     os.makedirs(out, exist_ok=True)
     with atomic_path(os.path.join(out, "tune.json"), ".json") as tmp, open(tmp, "w") as file:
@@ -74,10 +75,6 @@ def tune(engine: Engine, conditions: Sequence[Condition], seed: int, out: str, e
     else:
         echo(f"-> {out}/tune.json (no tune.png: the plot needs matplotlib, pip install 'specimg[plot]')")
     return result
-
-
-def vars_of(plan: planner.Plan) -> dict[str, Any]:
-    return {"depth": plan.depth, "topk": plan.topk, "nodes": plan.nodes, "tokens_per_step": plan.tokens_per_step, "step_ms": plan.step_ms, "speedup": plan.speedup}
 
 
 def _plot(cost: costs.CostModel, rates: np.ndarray, max_nodes: int, max_fed: int, method: str, path: str) -> bool:

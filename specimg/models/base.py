@@ -106,3 +106,12 @@ def cfg_rows(cfg: bool) -> int:
 def causal_tree_mask(n: int, device: torch.device | str = "cpu") -> Tensor:
     """The mask of a chain: every node attends to itself and all earlier nodes."""
     return torch.ones(n, n, dtype=torch.bool, device=device).tril()
+
+
+def placed(model: object, device: torch.device | str | None, dtype: torch.dtype | None = None) -> object:
+    """``model`` on ``device`` (and in ``dtype``, floating weights only) if it is a torch
+    module; anything else is returned as it is (a tokenizer that shares the target's
+    weights, such as Janus's VQ model, moves with the target)."""
+    if not isinstance(model, torch.nn.Module):
+        return model
+    return model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)

@@ -8,6 +8,7 @@ from typing import Any
 import attrs
 import torch
 
+from specimg.models import base
 from specimg.models.eagle import EagleDrafter, EagleTarget, build_drafter, load_drafter
 from specimg.models.families import detect_family, load_family_tokenizer, load_target
 from specimg.models.llamagen import build_target
@@ -34,13 +35,9 @@ class Models:
 
 
 def placed(models: Models, device: torch.device | str, dtype: torch.dtype | None = None) -> Models:
-    """The same models on ``device`` (and in ``dtype``, floating weights only).  A tokenizer
-    that is no module shares the target's weights (Janus's VQ model) and moves with it."""
-    moved = [
-        (m.to(device=device, dtype=dtype) if dtype else m.to(device)) if isinstance(m, torch.nn.Module) else m
-        for m in (models.target, models.drafter, models.tokenizer)
-    ]
-    return attrs.evolve(models, target=moved[0], drafter=moved[1], tokenizer=moved[2])
+    """The same models on ``device`` (and in ``dtype``, floating weights only)."""
+    target, drafter, tokenizer = (base.placed(m, device, dtype) for m in (models.target, models.drafter, models.tokenizer))
+    return attrs.evolve(models, target=target, drafter=drafter, tokenizer=tokenizer)
 
 
 def tiny_random(seed: int = 0) -> Models:
