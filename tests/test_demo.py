@@ -56,7 +56,7 @@ def test_toy_recipe_end_to_end(tmp_path) -> None:
     # the recorded accuracy is the bundle's own: its AR samples (toy scale: one per class,
     # seeds 10000 + i, at the chosen sampling), decoded and classified again here
     quality = manifest["stages"]["quality"]
-    engine = Engine(models.target, None, "ar", sampling=Sampling(quality["temperature"], cfg_scale=quality["cfg_scale"]))
+    engine = Engine(models.target, None, "ar", sampling=Sampling(quality["temperature"], cfg_scale=quality["cfg_scale"], top_k=quality["top_k"]))
     wanted = list(range(NUM_CLASSES))
     codes = torch.cat([engine.generate([c], seed=10_000 + i).tokens for i, c in enumerate(wanted)])
     with torch.no_grad():

@@ -82,13 +82,13 @@ class DrafterScale:
 @attrs.frozen
 class QualityScale:
     """``real`` test images against ``per_class`` engine samples per class; first every
-    (CFG, temperature) pair is sampled ``sweep_per_class`` times per class and the best
-    becomes the default."""
+    (CFG, top-k) pair at LlamaGen's temperature 1 is sampled ``sweep_per_class`` times per
+    class and the mildest of the best becomes the default (top-k 0: no top-k)."""
 
     real: int
     per_class: int
     cfg_sweep: tuple[float, ...]
-    temperature_sweep: tuple[float, ...]
+    top_k_sweep: tuple[int, ...]
     sweep_per_class: int
 
 
@@ -113,7 +113,7 @@ class Scale:
             "gpt_images": t.images, "gpt_steps": t.steps, "gpt_batch": t.batch, "gpt_lr": t.lr,
             "cls_images": c.images, "cls_steps": c.steps, "cls_batch": c.batch,
             "drafter_images": d.images, "drafter_steps": d.steps, "drafter_batch": d.batch, "drafter_lr": d.lr,
-            "eval_real": q.real, "eval_per_class": q.per_class, "cfg_sweep": q.cfg_sweep, "temperature_sweep": q.temperature_sweep,
+            "eval_real": q.real, "eval_per_class": q.per_class, "cfg_sweep": q.cfg_sweep, "top_k_sweep": q.top_k_sweep,
             "sweep_per_class": q.sweep_per_class, "seed": self.seed,
         }
 
@@ -121,18 +121,18 @@ class Scale:
 FULL = Scale(
     name="full",
     tokenizer=TokenizerScale(
-        config=dict(codebook_size=512, codebook_embed_dim=8, ch=32, encoder_ch_mult=(1, 2, 2), decoder_ch_mult=(1, 2, 2),
+        config=dict(codebook_size=4096, codebook_embed_dim=8, ch=32, encoder_ch_mult=(1, 2, 2), decoder_ch_mult=(1, 2, 2),
                     z_channels=64, num_res_blocks=1, norm_groups=8),
-        images=4000, steps=800, batch=32, crop=16,
+        images=4000, steps=1000, batch=16, crop=32,
     ),
     target=TargetScale(
-        config=dict(dim=128, n_layer=12, n_head=4, multiple_of=32, vocab_size=512, num_classes=NUM_CLASSES, block_size=256,
+        config=dict(dim=128, n_layer=12, n_head=4, multiple_of=32, vocab_size=4096, num_classes=NUM_CLASSES, block_size=256,
                     class_dropout_prob=0.1),
-        images=16000, steps=4200, batch=16, lr=3e-3,
+        images=16000, steps=4500, batch=16, lr=3e-3,
     ),
     classifier=ClassifierScale(images=3000, steps=700, batch=32),
-    drafter=DrafterScale(images=800, steps=1000, batch=8, lr=1e-3),
-    quality=QualityScale(real=500, per_class=20, cfg_sweep=(2.0, 3.0, 4.0, 5.0), temperature_sweep=(1.0, 0.8, 0.6), sweep_per_class=10),
+    drafter=DrafterScale(images=1200, steps=2000, batch=8, lr=1e-3),
+    quality=QualityScale(real=500, per_class=20, cfg_sweep=(2.0, 3.0, 4.0), top_k_sweep=(0, 500, 100), sweep_per_class=10),
 )
 TOY = Scale(
     name="toy",
@@ -148,7 +148,7 @@ TOY = Scale(
     ),
     classifier=ClassifierScale(images=32, steps=3, batch=16),
     drafter=DrafterScale(images=8, steps=2, batch=4, lr=1e-3),
-    quality=QualityScale(real=20, per_class=1, cfg_sweep=(4.0,), temperature_sweep=(1.0,), sweep_per_class=1),
+    quality=QualityScale(real=20, per_class=1, cfg_sweep=(4.0,), top_k_sweep=(0, 8), sweep_per_class=1),
 )
 SCALES = {"full": FULL, "toy": TOY}
 
@@ -485,10 +485,12 @@ def _train_drafter(run: _Run, name: str, method: str) -> dict[str, Any]:
 
 
 def _evaluate(run: _Run) -> dict[str, Any]:
-    """The quality stage: a sampling sweep chooses the default (CFG, temperature), then the
-    engine's own samples at that default are judged against real test images."""
+    """The quality stage: a sampling sweep chooses the default (CFG, top-k), then the
+    engine's own samples at that default are judged against real test images, and the
+    target's uncertainty where it sampled them is recorded."""
     from specimg.eval.classifier import load_classifier
     from specimg.eval.metrics import frechet_distance
+    from specimg.eval.uncertainty import sampled_uncertainty
     from specimg.models.vq import load_tokenizer
 
     s = run.scale
@@ -499,7 +501,7 @@ def _evaluate(run: _Run) -> dict[str, Any]:
     with torch.no_grad():
         f_real = clf.all_features(test)
     sweep, chosen = _sampling_sweep(run, target, tok, clf, f_real)
-    run.manifest["defaults"].update(cfg_scale=chosen.cfg_scale, temperature=chosen.temperature)
+    run.manifest["defaults"].update(cfg_scale=chosen.cfg_scale, temperature=chosen.temperature, top_k=chosen.top_k)
     wanted = [c for c in range(NUM_CLASSES) for _ in range(s.quality.per_class)]
     codes = _engine_samples(target, tok, chosen, wanted)
     imgs = _decode(tok, codes)
@@ -513,7 +515,7 @@ def _evaluate(run: _Run) -> dict[str, Any]:
     _save_grid(run, imgs, wanted, pred)
     torch.save({"codes": codes, "labels": labels}, run.work_file("ar-samples.pt"))
     return {
-        "cfg_scale": chosen.cfg_scale, "temperature": chosen.temperature, "sampler": "Engine(method='ar')",
+        "cfg_scale": chosen.cfg_scale, "temperature": chosen.temperature, "top_k": chosen.top_k, "sampler": "Engine(method='ar')",
         "samples": len(wanted), "sampling_sweep": sweep,
         "classifier_acc_ar_samples": round((pred == labels).float().mean().item(), 4),
         "per_class_acc_ar_samples": {str(c): round((pred[labels == c] == c).float().mean().item(), 3) for c in range(NUM_CLASSES)},
@@ -522,6 +524,7 @@ def _evaluate(run: _Run) -> dict[str, Any]:
         "frechet_real_vs_real": round(frechet_distance(f_real[:half], f_real[half:]).value, 3),
         "frechet_real_vs_vq_recon": round(frechet_distance(f_real, f_recon).value, 3),
         "feature_dim": int(f_real.shape[1]),
+        "uncertainty_at_samples": sampled_uncertainty(target, labels, codes, chosen).summary(),
     }
 
 
@@ -531,25 +534,27 @@ def _decode(tok: Any, codes: Tensor) -> Tensor:
 
 
 def _sampling_sweep(run: _Run, target: Any, tok: Any, clf: Any, f_real: Tensor) -> tuple[list[dict[str, float]], Sampling]:
-    """Every (CFG, temperature) of the scale, sampled with the target's batched sampler (the
-    engine's AR draws); the default is the mildest setting within 0.02 of the best accuracy:
-    highest temperature first, then smallest CFG.  The engine's samples measure the default
-    on other seeds, without the sweep's selection bias."""
+    """Every (CFG, top-k) of the scale at temperature 1, sampled with the target's batched
+    sampler (the engine's AR draws); the default is the mildest setting within 0.02 of the
+    best accuracy: no top-k or the widest first, then the smallest CFG.  The engine's
+    samples measure the default on other seeds, without the sweep's selection bias."""
     from specimg.eval.metrics import frechet_distance
 
     q = run.scale.quality
     sweep: list[dict[str, float]] = []
     labels = [c for c in range(NUM_CLASSES) for _ in range(q.sweep_per_class)]
     seeds = [20_000 + i for i in range(len(labels))]
-    for cfg, temp in tqdm([(cfg, temp) for temp in q.temperature_sweep for cfg in q.cfg_sweep], desc="sampling sweep", disable=None):
-        imgs = _decode(tok, target.sample_batch(labels, seeds, Sampling(temp, cfg_scale=cfg)))
+    temperature = LLAMAGEN_SAMPLING.temperature
+    for cfg, top_k in tqdm([(cfg, k) for k in q.top_k_sweep for cfg in q.cfg_sweep], desc="sampling sweep", disable=None):
+        imgs = _decode(tok, target.sample_batch(labels, seeds, Sampling(temperature, cfg_scale=cfg, top_k=top_k)))
         acc = (clf.predict(imgs) == torch.tensor(labels)).float().mean().item()
-        sweep.append({"cfg_scale": cfg, "temperature": temp, "acc": round(acc, 4),
+        sweep.append({"cfg_scale": cfg, "temperature": temperature, "top_k": top_k, "acc": round(acc, 4),
                       "frechet_real_vs_ar": round(frechet_distance(f_real, clf.all_features(imgs)).value, 3)})
-        run.log(f"  cfg {cfg}, temperature {temp}: accuracy {acc:.3f}, Frechet {sweep[-1]['frechet_real_vs_ar']:.2f}")
+        run.log(f"  cfg {cfg}, top-k {top_k}: accuracy {acc:.3f}, Frechet {sweep[-1]['frechet_real_vs_ar']:.2f}")
     best = max(v["acc"] for v in sweep)
-    chosen = min((v for v in sweep if v["acc"] >= best - 0.02), key=lambda v: (-v["temperature"], v["cfg_scale"]))
-    return sweep, Sampling(chosen["temperature"], cfg_scale=chosen["cfg_scale"])
+    chosen = min((v for v in sweep if v["acc"] >= best - 0.02),
+                 key=lambda v: (-(v["top_k"] or target.vocab_size + 1), v["cfg_scale"]))
+    return sweep, Sampling(temperature, cfg_scale=chosen["cfg_scale"], top_k=int(chosen["top_k"]))
 
 
 def _engine_samples(target: Any, tok: Any, sampling: Sampling, wanted: list[int]) -> Tensor:
