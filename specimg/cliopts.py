@@ -123,6 +123,7 @@ def tree_options(fn: F) -> F:
         click.option("--total-tokens", type=click.IntRange(min=1), default=None, help="tree size budget (dynamic)"),
         click.option("--rank-paths", type=RankPaths(), help="the nodes of --tree static, e.g. '0 1 0.0 0.1' (dot-separated draft ranks from the root)"),
         click.option("--sample-drafts", is_flag=True, help="draw draft children instead of taking the drafter's top-k"),
+        click.option("--ar-fallback/--no-ar-fallback", default=True, show_default=True, help="auto trees: finish an image with AR steps once no tree is predicted faster than AR"),
     ])(fn)
 
 
@@ -165,7 +166,8 @@ def sampling_from(kw: dict[str, Any], base: Sampling) -> Sampling:
 def tree_from(kw: dict[str, Any]) -> TreeConfig:
     if (kw["tree_kind"] == "static") != bool(kw["rank_paths"]):
         raise SpecimgError("--tree static needs --rank-paths, and --rank-paths needs --tree static")
-    return TreeConfig(kw["tree_kind"], kw["depth"], kw["topk"], kw["total_tokens"], kw["rank_paths"] or (), sample=kw["sample_drafts"])
+    return TreeConfig(kw["tree_kind"], kw["depth"], kw["topk"], kw["total_tokens"], kw["rank_paths"] or (), sample=kw["sample_drafts"],
+                      ar_fallback=kw["ar_fallback"])
 
 
 def check_tree_fits(tree: TreeConfig, target: Any, drafter: Any) -> None:

@@ -63,6 +63,8 @@ class TreeConfig:
     static: the nodes are ``rank_paths``, each a tuple of draft ranks from the root.
     ``sample`` draws children from the drafter (without replacement) instead of taking its
     top-k; with an unrelaxed method this enables recursive rejection sampling.
+    ``ar_fallback`` (auto only): once no tree is predicted faster than AR, the image
+    finishes with AR steps; off, the planner keeps its best tree (to measure a method's tau).
     """
 
     kind: TreeKind = attrs.field(default=None, validator=v.optional(v.in_(("auto", "dynamic", "chain", "static"))))
@@ -71,6 +73,7 @@ class TreeConfig:
     total_tokens: int = attrs.field(default=None, validator=v.optional(v.ge(1)))
     rank_paths: tuple[tuple[int, ...], ...] = attrs.field(default=(), converter=lambda paths: tuple(tuple(p) for p in paths))
     sample: bool = False
+    ar_fallback: bool = True
 
     def __attrs_post_init__(self) -> None:
         """An unset kind is auto, unless a size is given: explicit sizes mean a dynamic tree.

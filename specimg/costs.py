@@ -156,10 +156,11 @@ def for_engine(engine: Any, condition: Condition) -> CostModel:
         return model
     parts = attrs.evolve(model, step_scales={**model.step_scales, engine.method: 1.0})
     planned, engine.cost_model = engine.cost_model, parts
+    tree, engine.tree_config = engine.tree_config, attrs.evolve(engine.tree_config, ar_fallback=False)  # time tree steps only
     try:
         stats = engine.generate([condition], seed=0).stats.images[0]
     finally:
-        engine.cost_model = planned
+        engine.cost_model, engine.tree_config = planned, tree
     scale = 1000 * stats.wall / stats.predicted_ms if stats.predicted_ms else 1.0
     model = attrs.evolve(model, step_scales={**model.step_scales, engine.method: scale})
     _memory[model.key] = model

@@ -16,7 +16,7 @@ from specimg.config import Sampling, TreeConfig
 from specimg.errors import SpecimgError
 from specimg.methods import AR, Stack
 from specimg.models.base import Condition, Drafter, Target, placed
-from specimg.planner import TreePlanner
+from specimg.planner import Plan, TreePlanner
 from specimg.plugins import PluginManager, get_plugin_manager
 from specimg.sampling import cfg_active_at, probabilities
 from specimg.stackhooks import StackHooks
@@ -142,7 +142,7 @@ class Engine:
         assert self.cost_model is not None and self.drafter is not None
         max_nodes = getattr(self.target, "max_tree_nodes", 128)
         max_fed = getattr(self.drafter, "max_tree_nodes", 128)
-        return TreePlanner(self.cost_model, max_nodes, max_fed, self.device, self.tree_config.sample, self.method)
+        return TreePlanner(self.cost_model, max_nodes, max_fed, self.device, self.tree_config.sample, self.method, self.tree_config.ar_fallback)
 
     def _draw(self, probs: Tensor, generator: torch.Generator) -> int:
         if self.sampling.greedy:
@@ -216,6 +216,9 @@ class Engine:
         new_tokens = tokens[-1:]
         spent = torch.zeros((), dtype=torch.float64, device=device)  # TVD(q_R, p) over the walked paths' nodes
         while len(tokens) < target.num_tokens:
+            if planner and planner.plan.is_ar:
+                self._finish_ar(planner.plan, tokens, generator, stats, progress)
+                break
             tree_config = planner.tree if planner else self.tree_config
             with self._timed(stats, "draft"):
                 root_logits = drafter.start(hidden, torch.tensor(new_tokens, dtype=torch.long, device=device))
@@ -248,6 +251,20 @@ class Engine:
             if progress:
                 progress(len(new_tokens))
         stats.tvd = float(spent) / max(1, sum(stats.accepted) + len(stats.accepted))
+
+    def _finish_ar(self, plan: Plan, tokens: list[int], generator: torch.Generator, stats: ImageStats, progress: Callable[[int], None] | None) -> None:
+        """The rest of the image as AR steps (the planner found no tree that pays), booked
+        as one-node steps that accept nothing.  The target has committed every token but
+        the last, as after any step."""
+        assert self.cost_model is not None
+        steps = self.target.num_tokens - len(tokens)
+        stats.trees.append([len(stats.accepted), plan.depth, plan.topk, plan.nodes])
+        stats.predicted_ms += steps * plan.step_ms
+        stats.predicted_ar_ms += steps * self.cost_model.ar_ms
+        with self._timed(stats, "verify"):
+            self._decode_ar(tokens, generator, stats, progress)
+        stats.tree_sizes.extend([1] * steps)
+        stats.accepted.extend([0] * steps)
 
     def _plan_step(self, planner: TreePlanner, stats: ImageStats, tree: DraftTree, dist: Tensor, path: Tensor) -> None:
         """Book the step against its plan's prediction, then let the planner learn from it."""

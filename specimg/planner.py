@@ -40,7 +40,8 @@ REPLAN_EVERY = 16
 
 @attrs.frozen
 class Plan:
-    """A chosen tree and what the cost model predicts for it."""
+    """A chosen tree and what the cost model predicts for it; a one-node plan is AR (no
+    tree pays: ``ar_plan``)."""
 
     depth: int
     topk: int
@@ -49,11 +50,26 @@ class Plan:
     step_ms: float
     speedup: float
 
+    @property
+    def is_ar(self) -> bool:
+        return self.nodes == 1
+
     def tree(self, sample: bool = False) -> TreeConfig:
-        return TreeConfig(kind="dynamic", depth=self.depth, topk=self.topk, total_tokens=self.nodes, sample=sample)
+        """The plan's EAGLE-2 tree (AR's: the root alone)."""
+        return TreeConfig(kind="dynamic", depth=max(1, self.depth), topk=max(1, self.topk), total_tokens=self.nodes, sample=sample)
 
     def __str__(self) -> str:
-        return f"depth {self.depth}, top-k {self.topk}, {self.nodes} nodes"
+        return tree_name(self.depth, self.topk, self.nodes)
+
+
+def tree_name(depth: int, topk: int, nodes: int) -> str:
+    """A planned tree in words; the one-node plan is AR."""
+    return "AR (no tree pays)" if nodes == 1 else f"depth {depth}, top-k {topk}, {nodes} nodes"
+
+
+def ar_plan(cost: CostModel) -> Plan:
+    """Plain AR steps: one token per target forward, at the cost model's AR step."""
+    return Plan(0, 0, 1, 1.0, cost.ar_ms, 1.0)
 
 
 def expected_tokens(rates: np.ndarray, depth: int, topk: int) -> np.ndarray:
@@ -143,10 +159,17 @@ class AcceptanceProfile:
 
 class TreePlanner:
     """One image's tree choice: plans from the prior, then re-plans every few steps from
-    the image's own profile.  Every tree it switches to is kept with the step it started at."""
+    the image's own profile.  Every tree it switches to is kept with the step it started at.
 
-    def __init__(self, cost: CostModel, max_nodes: int, max_fed: int, device: torch.device | str, sample: bool = False, method: str = ""):
+    With ``ar_fallback``, a re-plan from the image's own steps in which no tree is
+    predicted faster than AR switches to AR (``ar_plan``) for the rest of the image: AR
+    steps teach the profile nothing, and the profile pools the whole image, so more of the
+    image would hardly move it.  The prior alone is no evidence: the first plan drafts."""
+
+    def __init__(self, cost: CostModel, max_nodes: int, max_fed: int, device: torch.device | str, sample: bool = False, method: str = "",
+                 ar_fallback: bool = True):
         self.cost, self.max_nodes, self.max_fed, self.sample, self.method = cost, max_nodes, max_fed, sample, method
+        self.ar_fallback = ar_fallback
         self.profile = AcceptanceProfile(device)
         self.plans: list[tuple[int, Plan]] = []
         self._steps = 0
@@ -154,6 +177,8 @@ class TreePlanner:
 
     def _replan(self) -> None:
         plan = choose(self.cost, self.profile.rates(), self.max_nodes, max_fed=self.max_fed, method=self.method)
+        if self.ar_fallback and self._steps and plan.speedup < 1.0:
+            plan = ar_plan(self.cost)
         if not self.plans or plan.tree() != self.plans[-1][1].tree():
             self.plans.append((self._steps, plan))
         else:

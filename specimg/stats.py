@@ -8,6 +8,8 @@ from typing import Any
 
 import attrs
 
+from specimg.planner import tree_name
+
 PHASES = ("draft", "verify", "relax", "accept", "commit")
 
 
@@ -123,7 +125,7 @@ class RunStats:
 
     def trees(self) -> dict[str, int]:
         """``tree_steps`` in words ("depth D, top-k K, N nodes")."""
-        return {f"depth {d}, top-k {k}, {n} nodes": steps for (d, k, n), steps in self.tree_steps().items()}
+        return {tree_name(d, k, n): steps for (d, k, n), steps in self.tree_steps().items()}
 
     def seconds(self) -> dict[str, float]:
         total: dict[str, float] = defaultdict(float)

@@ -145,3 +145,39 @@ def test_each_method_stack_gets_its_step_scale_once(tmp_path, monkeypatch):
 
 
 TYPICAL_RATES = np.array([[0.6 * 0.45**r for r in range(10)]] * 10)
+
+
+def test_when_no_tree_pays_the_image_finishes_with_ar_steps():
+    """The prior (first child accepted half the time) makes a 2-node tree pay on this
+    machine; steps in which nothing is accepted make none pay, and the planner turns to AR."""
+    dear = machine({1: 1.0, 2: 1.2, 128: 100.0})
+    tree = DraftTree.from_parents([0, 1], [-1, 0])
+    dist = torch.zeros(2, 4)
+    dist[:, 3] = 1.0  # the drafted child never has a chance
+    for fallback in (True, False):
+        p = planner.TreePlanner(dear, max_nodes=128, max_fed=128, device="cpu", ar_fallback=fallback)
+        assert not p.plan.is_ar and p.plan.speedup > 1
+        for _ in range(planner.REPLAN_EVERY):
+            p.observe(tree, dist, [0], greedy=False)
+        assert p.plan.is_ar == fallback
+        assert p.plan.speedup == 1.0 if fallback else p.plan.speedup < 1.0
+    assert str(planner.ar_plan(dear)) == "AR (no tree pays)"
+    hopeless = machine({1: 1.0, 2: 5.0, 128: 500.0})
+    assert not planner.TreePlanner(hopeless, max_nodes=128, max_fed=128, device="cpu").plan.is_ar  # the prior is no evidence
+
+
+def test_the_engine_finishes_ar_where_no_tree_pays_and_greedy_still_equals_ar():
+    target = build_target("GPT-B", seed=0, **{**TINY, "block_size": 64})
+    drafter = build_drafter(target, seed=1)  # random: its drafts are almost never accepted
+    dear = machine({1: 1.0, 2: 1.2, 128: 100.0})
+    greedy = specimg.Sampling(temperature=0.0, cfg_scale=2.0)
+    out = specimg.Engine(target, drafter, "naive", sampling=greedy, cost_model=dear).generate([1], seed=3)
+    image = out.stats.images[0]
+    assert image.trees[0][3] > 1 and image.trees[-1] == [planner.REPLAN_EVERY, 0, 0, 1]
+    steps = len(image.accepted)
+    assert image.target_forwards == 1 + steps and image.tree_sizes[planner.REPLAN_EVERY :] == [1] * (steps - planner.REPLAN_EVERY)
+    assert out.stats.trees()["AR (no tree pays)"] == steps - planner.REPLAN_EVERY
+    ar = specimg.Engine(target, None, "ar", sampling=greedy).generate([1], seed=3)
+    assert torch.equal(out.tokens, ar.tokens)
+    kept = specimg.Engine(target, drafter, "naive", sampling=greedy, cost_model=dear, tree=specimg.TreeConfig(ar_fallback=False))
+    assert all(nodes > 1 for *_, nodes in kept.generate([1], seed=3).stats.images[0].trees)

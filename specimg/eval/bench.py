@@ -408,7 +408,7 @@ def _tree_used(run: RunStats, engine: Engine | None) -> str:
     steps = run.tree_steps()
     if steps and not (engine is not None and engine.own_tree):
         depth, topk, nodes = next(iter(steps))
-        return f"auto {depth}/{topk}/{nodes}"
+        return "AR" if nodes == 1 else f"auto {depth}/{topk}/{nodes}"
     return engine.tree_label if engine is not None else "-"
 
 
