@@ -519,7 +519,7 @@ def make_drafter_data_command(**kw: Any) -> None:
 @click.option("--warmup", type=click.IntRange(min=0), default=None, help="warmup steps [default: 5% of --steps]")
 @click.option("--min-lr-ratio", type=FiniteFloat(0.0, 1.0), default=0.0, show_default=True, help="cosine floor, as a fraction of --lr")
 @click.option("--weight-decay", type=FiniteFloat(min=0.0), default=0.0, show_default=True)
-@click.option("--w-cls", type=FiniteFloat(min=0.0), default=0.1, show_default=True, help="weight of the soft cross-entropy (EAGLE p_w)")
+@click.option("--w-cls", type=FiniteFloat(min=0.0), default=None, help="weight of the soft cross-entropy [default: 0.1, EAGLE-1's p_w; 1.0 for eagle3]")
 @click.option("--w-reg", type=FiniteFloat(min=0.0), default=1.0, show_default=True, help="weight of the SmoothL1 feature regression (EAGLE v_w)")
 @click.option("--clip-value", type=FiniteFloat(min=0.0, min_open=True), default=0.5, show_default=True, help="clip gradient values (EAGLE)")
 @click.option("--clip-norm", type=FiniteFloat(min=0.0, min_open=True), default=None, help="clip the gradient norm")
@@ -539,7 +539,7 @@ def train_drafter_command(**kw: Any) -> None:
 
     config = TrainConfig(
         steps=kw["steps"], batch_size=kw["batch_size"], lr=kw["lr"], weight_decay=kw["weight_decay"], warmup_steps=kw["warmup"],
-        min_lr_ratio=kw["min_lr_ratio"], w_cls=kw["w_cls"], w_reg=kw["w_reg"], clip_value=kw["clip_value"],
+        min_lr_ratio=kw["min_lr_ratio"], w_reg=kw["w_reg"], clip_value=kw["clip_value"], **({"w_cls": kw["w_cls"]} if kw["w_cls"] is not None else {}),
         clip_norm=kw["clip_norm"], noise=kw["noise"], checkpoint_every=kw["checkpoint_every"],
         keep_checkpoints=kw["keep_checkpoints"], log_every=kw["log_every"], seed=kw["seed"],
         mixed_precision=kw["mixed_precision"], drafter_type=kw["drafter_type"], ttt_steps=kw["ttt_steps"],

@@ -80,10 +80,13 @@ RUN, STATE, LOG, FINAL = "run.json", "state.json", "log.jsonl", "drafter.safeten
 
 @attrs.frozen
 class TrainConfig:
-    """Hyper-parameters.  Defaults follow EAGLE-1 where it has one (lr 3e-5, AdamW betas
+    """Hyper-parameters.  Defaults follow EAGLE-1 (EAGLE-3 for its own fields) where it has one (lr 3e-5, AdamW betas
     (0.9, 0.95), p_w 0.1, v_w 1.0, gradient values clipped at 0.5); EAGLE decays linearly,
     here warmup + cosine."""
 
+    drafter_type: str = attrs.field(default="eagle1", validator=v.in_(DRAFTER_TYPES))
+    ttt_steps: int = attrs.field(default=3, validator=[v.ge(1), v.le(16)])
+    """EAGLE-3's unrolled training-time-test steps (ignored by EAGLE-1)."""
     steps: int = attrs.field(default=1000, validator=v.ge(1))
     batch_size: int = attrs.field(default=8, validator=v.ge(1))
     """Global batch (all processes together), in examples (images)."""
@@ -94,7 +97,8 @@ class TrainConfig:
     """Linear warmup; None: 5% of the steps."""
     min_lr_ratio: float = attrs.field(default=0.0, validator=[v.ge(0.0), v.le(1.0)])
     """The cosine decays to lr * min_lr_ratio at the last step."""
-    w_cls: float = attrs.field(default=0.1, validator=v.ge(0.0))
+    w_cls: float = attrs.field(default=attrs.Factory(lambda c: 1.0 if c.drafter_type == "eagle3" else 0.1, takes_self=True), validator=v.ge(0.0))
+    """EAGLE-1's p_w 0.1 (against the regression's 1.0); EAGLE-3, which has no regression: 1.0."""
     w_reg: float = attrs.field(default=1.0, validator=v.ge(0.0))
     clip_value: float | None = 0.5
     """Clip each gradient element to [-clip_value, clip_value] (EAGLE); None: off."""
@@ -108,9 +112,6 @@ class TrainConfig:
     log_every: int = attrs.field(default=10, validator=v.ge(1))
     seed: int = 0
     mixed_precision: str = attrs.field(default="no", validator=v.in_(("no", "fp16", "bf16")))
-    drafter_type: str = attrs.field(default="eagle1", validator=v.in_(DRAFTER_TYPES))
-    ttt_steps: int = attrs.field(default=3, validator=[v.ge(1), v.le(16)])
-    """EAGLE-3's unrolled training-time-test steps (ignored by EAGLE-1)."""
 
     @property
     def warmup(self) -> int:
