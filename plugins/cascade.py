@@ -15,7 +15,9 @@ c's siblings are excluded from I(c): their tokens are candidates of u and never 
 Drafter training (CASCADE, arXiv 2605.07230): the soft cross-entropy at position t is
 scaled by (1 + beta) where the sequence converges as C(c) sees it along a branch, cos(F_t,
 F_{t-1}) >= tau_seq (a node and its parent are consecutive positions), with F_t the same
-state: the one produced by consuming token t.  The feature regression is left alone.
+state: the one produced by consuming token t.  The feature regression is left alone.  An
+EAGLE-3 drafter's parts come per unrolled step ([K, B, T], ``features`` aligned to them):
+each step's soft cross-entropy is scaled by the same rule at the position it predicts.
 """
 
 from __future__ import annotations
@@ -81,12 +83,13 @@ def unit_states(hidden: Tensor) -> Tensor:
 
 
 def convergent_positions(features: Tensor, mask: Tensor, tau_seq: float) -> Tensor:
-    """[B, T] true at t >= 1 where cos(F_t, F_{t-1}) >= tau_seq and both positions are valid:
-    C(c)'s test between a node and its parent, on a teacher-forced sequence."""
+    """[..., T] true at t >= 1 where cos(F_t, F_{t-1}) >= tau_seq and both positions are valid:
+    C(c)'s test between a node and its parent, on a teacher-forced sequence (features
+    [..., T, D]; leading axes, such as EAGLE-3's unrolled steps, are kept apart)."""
     feats = unit_states(features)
     valid = mask.bool()
     out = torch.zeros_like(valid)
-    out[:, 1:] = ((feats[:, 1:] * feats[:, :-1]).sum(dim=-1) >= tau_seq) & valid[:, 1:] & valid[:, :-1]
+    out[..., 1:] = ((feats[..., 1:, :] * feats[..., :-1, :]).sum(dim=-1) >= tau_seq) & valid[..., 1:] & valid[..., :-1]
     return out
 
 

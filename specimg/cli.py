@@ -27,6 +27,7 @@ from specimg.eval.conditions import Conditions, conditions_for, sample_captions,
 from specimg.eval.prompts import class_labels
 from specimg.files import writable_folder
 from specimg.methods import AR, parse_options
+from specimg.models.eagle import DRAFTER_TYPES
 from specimg.plugins import get_plugin_manager
 from specimg.relax import BudgetError
 from specimg.stats import ImageStats, RunStats
@@ -142,11 +143,11 @@ def _models(kw: dict[str, Any], model: str):
         raise SpecimgError("--drafter and --tokenizer go with --target")
     if model == "tiny-random":
         return loading.tiny_random()
-    if model in ("demo", "demo-cascade"):
+    if model in ("demo", "demo-cascade", "demo-eagle3"):
         from specimg.models.demo import load_demo
 
-        return load_demo(drafter="cascade" if model == "demo-cascade" else "plain")
-    raise SpecimgError(f"unknown --model {model!r}; choose demo, demo-cascade or tiny-random")
+        return load_demo(drafter=model.partition("-")[2] or "plain")
+    raise SpecimgError(f"unknown --model {model!r}; choose demo, demo-cascade, demo-eagle3 or tiny-random")
 
 
 def _default_model() -> str:
@@ -466,6 +467,7 @@ def _label_list(text: str | None, target: Any) -> tuple[int, ...]:
 @click.option("--feature-dtype", type=click.Choice(list(DTYPES)), default=None, help="storage type of the features [default: --dtype]")
 @click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True, help="images sampled / teacher-forced at once")
 @click.option("--shard-size", type=click.IntRange(min=1), default=256, show_default=True, help="images per shard file")
+@click.option("--drafter-type", type=click.Choice(list(DRAFTER_TYPES)), default="eagle1", show_default=True, help="eagle3: also store the target's low, middle and high layers (an EAGLE-3 drafter's input; it serves eagle1 too)")
 def make_drafter_data_command(**kw: Any) -> None:
     """Generate drafter training data once: the target's teacher-forced features on
     self-sampled (or given) token sequences, as safetensors shards.  A c2i target samples
@@ -485,7 +487,7 @@ def make_drafter_data_command(**kw: Any) -> None:
         num_samples=kw["num_samples"], labels=_label_list(kw["class_labels"], target),
         captions=captions, prompts=prompts,
         tokens_file=kw["tokens_file"], sampling=sampling, seed=kw["seed"], uncond=kw["uncond"], dtype=kw["feature_dtype"] or kw["dtype"],
-        shard_size=kw["shard_size"], batch_size=kw["batch_size"],
+        shard_size=kw["shard_size"], batch_size=kw["batch_size"], drafter_type=kw["drafter_type"],
     )
     start = time.perf_counter()
     with tqdm(unit="img", desc="drafter data", disable=None if state.is_main_process else True) as bar:
@@ -508,7 +510,8 @@ def make_drafter_data_command(**kw: Any) -> None:
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="run folder; a run started again on it resumes")
 @click.option("--method", "-m", default=None, help="method stack whose train_loss hooks reweight the loss, e.g. cascade")
 @click.option("--option", "-o", "options", multiple=True, metavar="METHOD.KEY=VALUE", help="a method option (repeatable)")
-@click.option("--drafter-type", type=click.Choice(["eagle1", "eagle3"]), default="eagle1", show_default=True)
+@click.option("--drafter-type", type=click.Choice(list(DRAFTER_TYPES)), default="eagle1", show_default=True, help="eagle3 needs data made with --drafter-type eagle3")
+@click.option("--ttt-steps", type=click.IntRange(1, 16), default=TrainConfig().ttt_steps, show_default=True, help="EAGLE-3's unrolled training-time-test steps")
 @click.option("--init", type=click.Path(dir_okay=False), help="start from these drafter weights (safetensors)")
 @click.option("--steps", type=click.IntRange(min=1), default=TrainConfig().steps, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=TrainConfig().batch_size, show_default=True, help="global batch (all processes), in images")
@@ -516,7 +519,7 @@ def make_drafter_data_command(**kw: Any) -> None:
 @click.option("--warmup", type=click.IntRange(min=0), default=None, help="warmup steps [default: 5% of --steps]")
 @click.option("--min-lr-ratio", type=FiniteFloat(0.0, 1.0), default=0.0, show_default=True, help="cosine floor, as a fraction of --lr")
 @click.option("--weight-decay", type=FiniteFloat(min=0.0), default=0.0, show_default=True)
-@click.option("--w-cls", type=FiniteFloat(min=0.0), default=0.1, show_default=True, help="weight of the soft cross-entropy (EAGLE p_w)")
+@click.option("--w-cls", type=FiniteFloat(min=0.0), default=None, help="weight of the soft cross-entropy [default: 0.1, EAGLE-1's p_w; 1.0 for eagle3]")
 @click.option("--w-reg", type=FiniteFloat(min=0.0), default=1.0, show_default=True, help="weight of the SmoothL1 feature regression (EAGLE v_w)")
 @click.option("--clip-value", type=FiniteFloat(min=0.0, min_open=True), default=0.5, show_default=True, help="clip gradient values (EAGLE)")
 @click.option("--clip-norm", type=FiniteFloat(min=0.0, min_open=True), default=None, help="clip the gradient norm")
@@ -528,20 +531,18 @@ def make_drafter_data_command(**kw: Any) -> None:
 @click.option("--seed", type=SEED, default=0, show_default=True, help="drafter init and data order")
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda or auto (a GPU when there is one; under accelerate launch, one per process)")
 def train_drafter_command(**kw: Any) -> None:
-    """Train an EAGLE-1 drafter on drafter data (accelerate: `accelerate launch -m specimg.cli
-    train-drafter ...` for several GPUs).  Writes OUT/drafter.safetensors."""
+    """Train an EAGLE-1 or EAGLE-3 drafter on drafter data (accelerate: `accelerate launch -m
+    specimg.cli train-drafter ...` for several GPUs).  Writes OUT/drafter.safetensors."""
     from accelerate import Accelerator
 
     from specimg.train.drafter import train_drafter
 
-    if kw["drafter_type"] == "eagle3":
-        raise SpecimgError("EAGLE-3 drafter training is not implemented yet; use --drafter-type eagle1")
     config = TrainConfig(
         steps=kw["steps"], batch_size=kw["batch_size"], lr=kw["lr"], weight_decay=kw["weight_decay"], warmup_steps=kw["warmup"],
-        min_lr_ratio=kw["min_lr_ratio"], w_cls=kw["w_cls"], w_reg=kw["w_reg"], clip_value=kw["clip_value"],
+        min_lr_ratio=kw["min_lr_ratio"], w_reg=kw["w_reg"], clip_value=kw["clip_value"], **({"w_cls": kw["w_cls"]} if kw["w_cls"] is not None else {}),
         clip_norm=kw["clip_norm"], noise=kw["noise"], checkpoint_every=kw["checkpoint_every"],
         keep_checkpoints=kw["keep_checkpoints"], log_every=kw["log_every"], seed=kw["seed"],
-        mixed_precision=kw["mixed_precision"], drafter_type=kw["drafter_type"],
+        mixed_precision=kw["mixed_precision"], drafter_type=kw["drafter_type"], ttt_steps=kw["ttt_steps"],
     )
     writable_folder(kw["out"])
     target = _train_target(kw["target"], kw["preset"], kw["target_config"])

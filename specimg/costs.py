@@ -30,7 +30,7 @@ from specimg.accept import sample_and_match
 from specimg.cache import cache_dir
 from specimg.config import Sampling
 from specimg.files import atomic_path
-from specimg.models.base import Condition, Drafter, Target
+from specimg.models.base import Condition, Drafter, Target, draft_features
 from specimg.sampling import probabilities
 from specimg.tree import DraftSession, DraftTree, build_dynamic
 
@@ -227,9 +227,9 @@ def measure(target: Target, drafter: Drafter, sampling: Sampling, condition: Con
     capacity = min(getattr(target, "max_tree_nodes", VERIFY_SIZES[-1]), getattr(drafter, "max_tree_nodes", VERIFY_SIZES[-1]))
     prefill = target.prefill(condition, sampling.cfg)
     token = torch.zeros(1, dtype=torch.long, device=device)
-    last = prefill.hidden
+    last = draft_features(drafter, prefill)
     for _ in range(target.num_tokens // 2):  # one token at a time, as AR decodes it
-        last = target.forward_tree(token, token, torch.ones(1, 1, dtype=torch.bool, device=device)).hidden
+        last = draft_features(drafter, target.forward_tree(token, token, torch.ones(1, 1, dtype=torch.bool, device=device)))
         target.commit(token)
 
     def ar_step() -> None:  # no commit, so the prefix stays put; the commit's cost is in the overhead
@@ -255,7 +255,7 @@ def measure(target: Target, drafter: Drafter, sampling: Sampling, condition: Con
 
         def fresh_root() -> torch.Tensor:  # a reset drafter: its node budget must not run out
             drafter.prefill(condition, sampling.cfg)
-            return drafter.start(prefill.hidden, token)
+            return drafter.start(draft_features(drafter, prefill), token)
 
         def draft(root: torch.Tensor, depth: int) -> DraftTree:
             session = DraftSession(drafter, sampling, root, 0, filtered=False)

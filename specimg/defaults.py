@@ -26,7 +26,7 @@ def propose_tree(
 def score(target: Target, tree: DraftTree, sampling: Sampling, token_index: int) -> Scores:
     out = target.forward_tree(tree.tokens, tree.depths, tree.mask)
     probs = probabilities(out.logits, sampling, cfg_active_at(tree.depths + token_index, sampling))
-    return Scores(probs=probs, hidden=out.hidden, logits=out.logits)
+    return Scores(probs=probs, hidden=out.hidden, logits=out.logits, layers=out.layers)
 
 
 @hookimpl(trylast=True)

@@ -15,7 +15,7 @@ from specimg import costs, relax
 from specimg.config import Sampling, TreeConfig
 from specimg.errors import SpecimgError
 from specimg.methods import AR, Stack
-from specimg.models.base import Condition, Drafter, Target, placed
+from specimg.models.base import Condition, Drafter, Target, draft_features, placed
 from specimg.planner import Plan, TreePlanner
 from specimg.plugins import PluginManager, get_plugin_manager
 from specimg.sampling import cfg_active_at, probabilities
@@ -159,7 +159,7 @@ class Engine:
         if self.stack is None:
             self._decode_ar(tokens, generator, stats, progress)
         else:
-            self._decode_speculative(condition, prefill.hidden, tokens, generator, stats, progress)
+            self._decode_speculative(condition, draft_features(self.drafter, prefill), tokens, generator, stats, progress)
         stats.tokens = len(tokens)
         return tokens
 
@@ -237,7 +237,7 @@ class Engine:
                 path = torch.tensor(result.path, dtype=torch.long, device=device)
                 target.commit(path)
                 new_tokens = tree.tokens[path[1:]].tolist() + [result.next_token]
-                hidden = scores.hidden[:, path]
+                hidden = draft_features(drafter, scores)[:, path]
                 tokens.extend(new_tokens)
             if dist is not scores.probs:
                 spent += relax.tvd(dist[path], scores.probs[path]).sum()

@@ -118,6 +118,10 @@ def train_loss(
     ``soft_ce`` and ``regression`` [B, T] are the parts so far; the loss is ``w_cls *
     soft_ce + w_reg * regression`` (EAGLE's weights) before the masked mean.  ``features``
     [B, T, D] are the target's hidden states (``features[:, t]`` after consuming ``tokens[:,
-    t]``), ``mask`` [B, T] the valid positions.  Return the new ``(soft_ce, regression)`` or
-    None to pass; folded in method-string order.
+    t]``, the state whose distribution entry t matches), ``mask`` [B, T] the valid positions.
+    An EAGLE-3 drafter's parts come per unrolled step, [K, B, T] (``regression`` zero),
+    with ``features`` [K, B, T, D], ``tokens`` and ``mask`` [K, B, T] aligned to them the
+    same way (step i's entry t consumes token t + i; entries past the image are masked);
+    the trainer weighs step i by 0.8^i after the hooks.  Return the new ``(soft_ce,
+    regression)`` of the same shape, or None to pass; folded in method-string order.
     """

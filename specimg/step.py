@@ -11,11 +11,13 @@ class Scores(NamedTuple):
     """The target's verdict on a tree, per node: the processed next-token distribution
     ``probs`` [n, V] (float32; at temperature 0 the temperature-1 distribution), and per row
     (row 0 conditional) the last hidden states ``hidden`` [rows, n, D] and raw ``logits``
-    [rows, n, V]."""
+    [rows, n, V]; ``layers`` the exposed layers' states [rows, n, k * D] when the target
+    exposes any (an EAGLE-3 drafter's features), else None."""
 
     probs: Tensor
     hidden: Tensor
     logits: Tensor
+    layers: Tensor | None = None
 
 
 class Acceptance(NamedTuple):

@@ -38,17 +38,25 @@ def test_toy_recipe_end_to_end(tmp_path) -> None:
     from click.testing import CliRunner
 
     from specimg.cli import cli
+    from specimg.config import Sampling, TreeConfig
     from specimg.engine import Engine
     from specimg.models.demo import load_demo
 
     result = CliRunner().invoke(cli, ["train-demo", "--out", str(tmp_path), "--scale", "toy", "--threads", "1"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     manifest = json.loads((tmp_path / "manifest.json").read_text())
-    assert set(manifest["stages"]) >= {"tokenizer", "tokens", "target", "classifier", "drafter", "drafter-cascade", "quality"}
+    assert set(manifest["stages"]) >= {
+        "tokenizer", "tokens", "target", "classifier", "drafter", "drafter-cascade", "drafter-data-eagle3", "drafter-eagle3", "quality",
+    }
+    assert manifest["stages"]["drafter-eagle3"]["drafter_type"] == "eagle3" and "drafter-eagle3.safetensors" in manifest["files"]
     assert not (tmp_path / "work").exists()
     models = load_demo(tmp_path)
     assert models.name == "demo" and models.tokenizer is not None and models.drafter is not None
-    from specimg.config import Sampling
+    eagle3 = load_demo(tmp_path, drafter="eagle3")
+    assert eagle3.drafter.kind == "eagle3" and eagle3.drafter.feature_layers == (0, 1, 1)  # the toy target's 2 layers
+    greedy = Sampling(temperature=0.0, cfg_scale=2.0)
+    ar = Engine(eagle3.target, None, "ar", sampling=greedy).generate([4], seed=0).tokens
+    assert torch.equal(Engine(eagle3.target, eagle3.drafter, "naive", sampling=greedy, tree=TreeConfig(depth=3, topk=2, total_tokens=6)).generate([4], seed=0).tokens, ar)
     from specimg.eval.classifier import load_classifier
 
     classifier = load_classifier(os.path.join(tmp_path, "classifier.safetensors"))

@@ -1,4 +1,5 @@
-"""EAGLE-1 drafter: tree expansion equals chains, rollback, teacher forcing, save/load."""
+"""EAGLE drafters: tree expansion equals chains and rollback (both types); EAGLE-1's teacher
+forcing and weights; save/load."""
 
 from __future__ import annotations
 
@@ -22,13 +23,13 @@ def path_to(node: int, parents: list[int]) -> list[int]:
     return path[::-1]
 
 
-def setup(kind: str = "c2i", seed: int = 1) -> tuple[LlamaGenTarget, EagleDrafter]:
+def setup(kind: str = "c2i", seed: int = 1, drafter: str = "eagle1") -> tuple[LlamaGenTarget, EagleDrafter]:
     target = build_target("GPT-B", **(TINY if kind == "c2i" else TINY_T2I))
-    return target, build_drafter(target, seed=seed)
+    return target, build_drafter(target, seed=seed, kind=drafter)
 
 
-def features(rows: int, m: int, seed: int) -> torch.Tensor:
-    return torch.randn(rows, m, 64, generator=torch.Generator().manual_seed(seed))
+def features(rows: int, m: int, seed: int, width: int = 64) -> torch.Tensor:
+    return torch.randn(rows, m, width, generator=torch.Generator().manual_seed(seed))
 
 
 def started(drafter: EagleDrafter, steps: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -38,13 +39,20 @@ def started(drafter: EagleDrafter, steps: list[tuple[torch.Tensor, torch.Tensor]
     return logits
 
 
-COMMITTED = [(features(2, 1, 0), torch.tensor([5])), (features(2, 3, 1), torch.tensor([9, 2, 40]))]
+def committed(width: int = 64) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(features(2, 1, 0, width), torch.tensor([5])), (features(2, 3, 1, width), torch.tensor([9, 2, 40]))]
 
 
-@pytest.mark.parametrize("kind", ["c2i", "t2i"])
-def test_tree_expansion_equals_sequential_chains(kind: str) -> None:
-    target, drafter = setup(kind)
+COMMITTED = committed()
+WIDTH = {"eagle1": 64, "eagle3": 3 * 64}
+"""What start takes: the target's last hidden states (EAGLE-1), three layers' inputs (EAGLE-3)."""
+
+
+@pytest.mark.parametrize("kind,drafter_type", [("c2i", "eagle1"), ("t2i", "eagle1"), ("c2i", "eagle3"), ("t2i", "eagle3")])
+def test_tree_expansion_equals_sequential_chains(kind: str, drafter_type: str) -> None:
+    target, drafter = setup(kind, drafter=drafter_type)
     assert isinstance(drafter, Drafter)
+    COMMITTED = committed(WIDTH[drafter_type])
     root = started(drafter, COMMITTED)
     assert root.shape == (2, target.vocab_size) and root.dtype == torch.float32
     # drafter node i = tree node i, fed in batches whose parents were fed by earlier calls
@@ -62,10 +70,12 @@ def test_tree_expansion_equals_sequential_chains(kind: str) -> None:
         torch.testing.assert_close(tree_logits[:, node - 1], chain[:, 0], atol=ATOL, rtol=0)
 
 
-def test_start_rolls_back_speculative_nodes() -> None:
-    target, drafter = setup()
-    _, fresh = setup()
-    nxt = (features(2, 2, 7), torch.tensor([11, 12]))
+@pytest.mark.parametrize("drafter_type", ["eagle1", "eagle3"])
+def test_start_rolls_back_speculative_nodes(drafter_type: str) -> None:
+    target, drafter = setup(drafter=drafter_type)
+    _, fresh = setup(drafter=drafter_type)
+    COMMITTED = committed(WIDTH[drafter_type])
+    nxt = (features(2, 2, 7, WIDTH[drafter_type]), torch.tensor([11, 12]))
     started(drafter, COMMITTED)
     drafter.expand(torch.tensor([0, 0, 0]), torch.tensor([1, 2, 3]))
     drafter.expand(torch.tensor([1, 3, 3]), torch.tensor([4, 5, 6]))
@@ -116,13 +126,16 @@ def test_training_touches_only_the_drafter() -> None:
     assert target.output.weight.grad is None and target.tok_embeddings.weight.grad is None
 
 
-def test_save_load_roundtrip(tmp_path) -> None:
-    target, drafter = setup(seed=3)
+@pytest.mark.parametrize("drafter_type", ["eagle1", "eagle3"])
+def test_save_load_roundtrip(tmp_path, drafter_type: str) -> None:
+    target, drafter = setup(seed=3, drafter=drafter_type)
+    COMMITTED = committed(WIDTH[drafter_type])
     path = tmp_path / "drafter.safetensors"
     save_drafter(drafter, path)
-    loaded = load_drafter(target, path)
+    loaded = load_drafter(build_target("GPT-B", **TINY), path)  # the file says which type it holds
+    assert type(loaded) is type(drafter) and getattr(loaded, "feature_layers", None) == getattr(drafter, "feature_layers", None)
     torch.testing.assert_close(started(loaded, COMMITTED), started(drafter, COMMITTED), atol=0, rtol=0)
-    assert not torch.equal(started(build_drafter(target, seed=4), COMMITTED), started(drafter, COMMITTED))
+    assert not torch.equal(started(build_drafter(target, seed=4, kind=drafter_type), COMMITTED), started(drafter, COMMITTED))
     with pytest.raises(SpecimgError, match="safetensors"):
         save_drafter(drafter, tmp_path / "drafter.pt")
     other = build_target("GPT-B", **dict(TINY, dim=32, n_head=2))

@@ -63,10 +63,12 @@ def test_drafter_tree_expansion_equals_chains(target) -> None:
         torch.testing.assert_close(tree[:, node - 1], chain[:, 0], atol=ATOL, rtol=0)
 
 
-def test_greedy_naive_with_an_eagle_drafter_equals_ar(target, tmp_path) -> None:
-    drafter = build_drafter(target, seed=2)
+@pytest.mark.parametrize("drafter_type", ["eagle1", "eagle3"])
+def test_greedy_naive_with_an_eagle_drafter_equals_ar(target, tmp_path, drafter_type) -> None:
+    drafter = build_drafter(target, seed=2, kind=drafter_type)
     save_drafter(drafter, tmp_path / "d.safetensors")
     loaded = load_drafter(target, tmp_path / "d.safetensors")
+    assert loaded.kind == drafter_type
     sampling = Sampling(temperature=0.0, cfg_scale=3.0)
     ar = Engine(target, method="ar", sampling=sampling).generate(["a red cat"]).tokens
     naive = Engine(target, loaded, method="naive", sampling=sampling, tree=TreeConfig(depth=3, topk=2, total_tokens=6)).generate(["a red cat"]).tokens
@@ -96,3 +98,17 @@ def test_drafter_data_from_prompts_is_the_targets_own_states_and_trains(target, 
     result = train_drafter(target, tmp_path / "d", tmp_path / "run", TrainConfig(steps=3, batch_size=2, lr=1e-3, log_every=1), progress=False)
     assert result.steps == 3 and (tmp_path / "run" / "drafter.safetensors").exists()
     assert not any(p.requires_grad for p in target.parameters())
+
+
+def test_eagle3_data_from_prompts_holds_the_targets_layers_and_trains(target, tmp_path) -> None:
+    spec = DataSpec(num_samples=1, prompts=("a cat",), seed=3, sampling=Sampling(cfg_scale=3.0), batch_size=1, drafter_type="eagle3")
+    make_drafter_data(target, tmp_path / "d", spec)
+    data = DrafterData(tmp_path / "d")
+    batch = data.get(range(2))
+    assert data.feature_layers == (0, 1, 1) and batch["layers"].shape == (2, target.num_tokens, 3 * target.hidden_size)
+    first = target.prefill("a cat", cfg=True)  # the layers' inputs at the last prompt position, both rows
+    torch.testing.assert_close(batch["layers"][:, 0], first.layers[:, 0], atol=ATOL, rtol=0)
+    assert not torch.allclose(first.layers[..., : target.hidden_size], first.layers[..., target.hidden_size : 2 * target.hidden_size])  # two layers
+    config = TrainConfig(steps=2, batch_size=2, lr=1e-3, log_every=1, drafter_type="eagle3")
+    result = train_drafter(target, tmp_path / "d", tmp_path / "run", config, progress=False)
+    assert load_drafter(target, result.path).kind == "eagle3"

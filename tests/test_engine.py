@@ -1,4 +1,5 @@
-"""The engine on tiny LlamaGen models: greedy speculative decoding reproduces AR."""
+"""The engine on tiny LlamaGen models with EAGLE-1 and EAGLE-3 drafters: greedy speculative
+decoding reproduces AR."""
 
 import pytest
 import torch
@@ -8,14 +9,16 @@ from specimg.errors import SpecimgError
 from specimg.models.base import Caption
 from specimg.models.eagle import build_drafter
 from specimg.models.llamagen import build_target
+from specimg.models.loading import TINY_VQ
+from specimg.models.vq import build_tokenizer
 
 TINY = dict(dim=64, n_layer=2, n_head=4, multiple_of=32, vocab_size=64, num_classes=5, block_size=16)
 
 
-@pytest.fixture(scope="module")
-def models():
+@pytest.fixture(scope="module", params=["eagle1", "eagle3"])
+def models(request):
     target = build_target("GPT-B", seed=0, **TINY)
-    return target, build_drafter(target, seed=1)
+    return target, build_drafter(target, seed=1, kind=request.param)
 
 
 GREEDY = specimg.Sampling(temperature=0.0, cfg_scale=3.0)
@@ -36,6 +39,21 @@ def test_greedy_naive_equals_greedy_ar(models, tree):
     spec = specimg.Engine(target, drafter, method="naive", sampling=GREEDY, tree=tree).generate(list(range(5)) * 2, seed=3)
     assert torch.equal(spec.tokens, ar.tokens)
     assert spec.stats.target_forwards <= ar.stats.target_forwards
+
+
+@pytest.mark.parametrize("method", ["naive", "lantern", "lantern++", "gsd", "cascade", "cascade+lantern", "lantern+gsd"])
+def test_an_eagle3_drafter_decodes_with_every_method(method):
+    """At budget 0 every method's greedy tokens are AR's; at its own budget it makes an image."""
+    target = build_target("GPT-B", seed=0, **TINY)
+    drafter = build_drafter(target, seed=1, kind="eagle3")
+    tokenizer = build_tokenizer(seed=2, **dict(TINY_VQ, codebook_size=TINY["vocab_size"]))
+    tree = specimg.TreeConfig(depth=3, topk=2, total_tokens=8)
+    ar = specimg.Engine(target, method="ar", sampling=GREEDY).generate([0, 3], seed=3)
+    exact = specimg.Engine(target, drafter, method, sampling=GREEDY, tree=tree, delta=0.0, tokenizer=tokenizer).generate([0, 3], seed=3)
+    assert torch.equal(exact.tokens, ar.tokens) and sum(exact.stats.images[0].accepted) > 0
+    relaxed = specimg.Engine(target, drafter, method, tree=tree, tokenizer=tokenizer).generate([1], seed=4)
+    image = tokenizer.decode(relaxed.tokens)
+    assert image.shape == (1, 3, 16, 16) and bool(image.isfinite().all())
 
 
 def test_drafter_equal_to_target_accepts_whole_chains(models):

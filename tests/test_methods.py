@@ -4,6 +4,7 @@ world whose target spreads its mass over groups of near-identical tokens."""
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any
 
 import attrs
@@ -19,7 +20,7 @@ from specimg.relax import transfer, tvd
 from specimg.testing.conformance import relaxed, step_engine
 from specimg.testing.markov import MarkovDrafter, MarkovTarget
 from specimg.testing.strategies import CodebookTokenizer, RelaxCase
-from specimg.train.drafter import apply_loss_hooks, loss_hooks
+from specimg.train.drafter import apply_loss_hooks, eagle3_terms, loss_hooks, ttt_fold
 from specimg.tree import DraftSession, build_tree
 from specimg_plugins import cascade, gsd, lantern, lantern_pp
 
@@ -307,6 +308,23 @@ def test_cascade_train_loss_boosts_the_cross_entropy_at_convergent_positions():
     total = apply_loss_hooks(hooks, soft_ce, regression, 0.1, 1.0, features, torch.zeros(2, 4, dtype=torch.long), mask)
     want = torch.tensor([[0.6, 0.7, 0.95, 0.9], [0.6, 0.8, 0.8, 0.9]])
     torch.testing.assert_close(total, want)
+
+
+def test_cascade_reweights_each_unrolled_step_of_an_eagle3_drafter():
+    # the target's states after consuming tokens 0..3: cos(s1, s0) = 0.6, cos(s2, s1) = 0.96, cos(s3, s2) = 0.6
+    features = torch.tensor([[[9.0, 9.0], [1.0, 0.0], [3.0, 4.0], [4.0, 3.0], [0.0, 5.0]]])
+    layers, tokens = torch.zeros(1, 5, 6), torch.arange(5)[None]
+    uniform = lambda layers, tokens, steps: [torch.zeros(1, 4, 2)] * steps  # noqa: E731  ce = log 2 where valid
+    terms = eagle3_terms(uniform, lambda x: x, layers, features, tokens, steps=2)
+    # step i's entry t consumes token t + i and matches s_{t+i}; step 1 has no token to consume at t = 3
+    assert terms["mask"].tolist() == [[[True] * 4], [[True, True, True, False]]]
+    assert torch.equal(terms["target"][1, 0, :3], features[0, 2:]) and terms["tokens"][1, 0, :3].tolist() == [1, 2, 3]
+    hooks, _ = loss_hooks(PluginManager(), "cascade", {"cascade": {"tau_seq": 0.9, "beta": 0.5}})
+    parts = apply_loss_hooks(hooks, terms["ce"], terms["reg"], 0.1, 1.0, terms["target"], terms["tokens"], terms["mask"])
+    # convergent: step 0 at t = 2 (s2 ~ s1); step 1 at t = 1 (its s2 ~ s1), each step on its own
+    log2 = math.log(2)
+    torch.testing.assert_close(parts, 0.1 * log2 * torch.tensor([[[1.0, 1.0, 1.5, 1.0]], [[1.0, 1.5, 1.0, 0.0]]]))
+    torch.testing.assert_close(ttt_fold(parts, terms["mask"].float()), 0.1 * log2 * torch.tensor([[1.8, 2.2, 2.3, 1.0]]))
 
 
 def test_cascade_train_loss_leaves_the_regression_alone():

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from specimg import Engine, MethodSpec, Sampling, hookimpl
 from specimg.errors import SpecimgError
+from specimg.models.eagle import load_drafter
 from specimg.models.llamagen import LlamaGenTarget, build_target
 from specimg.plugins import PluginManager
 from specimg.train.data import DataSpec, DrafterData, make_drafter_data, sample_tokens, shard_name
@@ -32,6 +33,14 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """16 self-distilled images (x2 rows: conditional and null class) in 3 shards."""
     path = str(tmp_path_factory.mktemp("data") / "data")
     make_drafter_data(tiny(), path, DataSpec(num_samples=16, shard_size=6, batch_size=8, seed=5))
+    return path
+
+
+@pytest.fixture(scope="module")
+def data3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The same images as ``data_dir``, made for an EAGLE-3 drafter (the target's layers too)."""
+    path = str(tmp_path_factory.mktemp("data3") / "data")
+    make_drafter_data(tiny(), path, DataSpec(num_samples=16, shard_size=6, batch_size=8, seed=5, drafter_type="eagle3"))
     return path
 
 
@@ -143,6 +152,32 @@ def test_loss_decreases_and_only_the_drafter_trains(data_dir: str, tmp_path) -> 
     assert set(saved) == set(result.drafter.state_dict()) and not any(k.startswith(("tok_embeddings", "output")) for k in saved)
 
 
+def test_eagle3_data_holds_the_targets_layers(data_dir: str, data3_dir: str) -> None:
+    one, three = DrafterData(data_dir), DrafterData(data3_dir)
+    assert (one.drafter_type, three.drafter_type, three.feature_layers) == ("eagle1", "eagle3", (0, 1, 1))
+    a, b = one.get([0, 17]), three.get([0, 17])
+    assert "layers" not in a and b["layers"].shape == (2, 16, 3 * 64)
+    assert torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["features"], b["features"])  # the same images
+    target = tiny()
+    target.expose_layers((0, 1, 1))
+    out = target.forward_sequence(b["labels"], b["tokens"])  # example 17 is a null-class twin
+    torch.testing.assert_close(b["layers"], out.layers, atol=1e-5, rtol=0)
+
+
+def test_eagle3_training_time_test_learns(data3_dir: str, tmp_path) -> None:
+    target = tiny()
+    config = TrainConfig(steps=30, batch_size=8, drafter_type="eagle3", ttt_steps=3, **FAST)
+    result = train_drafter(target, data3_dir, tmp_path / "run", config, progress=False)
+    log = read_log(str(tmp_path / "run"))
+    assert set(log[0]) >= {"acc", "acc1", "acc2"} and log[0]["reg"] == 0.0
+    assert log[-1]["kl"] < 0.5 * log[0]["kl"], (log[0]["kl"], log[-1]["kl"])
+    assert min(e["acc2"] for e in log[-5:]) > log[0]["acc2"]  # the unrolled steps learn too
+    loaded = load_drafter(tiny(), result.path)
+    assert loaded.kind == "eagle3" and all(torch.equal(v, result.drafter.state_dict()[k]) for k, v in loaded.state_dict().items())
+    with pytest.raises(SpecimgError, match="--init.*eagle3 drafter.*not the eagle1"):
+        train_drafter(tiny(), data3_dir, tmp_path / "again", TrainConfig(steps=1, batch_size=8), init=result.path, progress=False)
+
+
 class Scale:
     """A runtime plugin: method ``name`` multiplies both parts of the loss, or shifts the
     regression."""
@@ -244,7 +279,7 @@ def test_a_killed_run_resumes_to_the_same_weights(data_dir: str, tmp_path) -> No
 
 
 def test_user_errors(data_dir: str, tmp_path) -> None:
-    with pytest.raises(SpecimgError, match="EAGLE-3.*not implemented"):
+    with pytest.raises(SpecimgError, match="EAGLE-1 data.*make-drafter-data --drafter-type eagle3"):
         train_drafter(tiny(), data_dir, tmp_path / "a", TrainConfig(steps=1, drafter_type="eagle3"))
     with pytest.raises(SpecimgError, match="another target"):
         train_drafter(tiny(seed=3), data_dir, tmp_path / "b", TrainConfig(steps=1))
@@ -259,7 +294,7 @@ def test_user_errors(data_dir: str, tmp_path) -> None:
 # ----------------------------------------------------------------------------- two processes
 
 
-def _two_process_worker(data_dir: str, out: str, results: str) -> None:
+def _two_process_worker(data_dir: str, out: str, results: str, drafter_type: str) -> None:
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
@@ -268,7 +303,7 @@ def _two_process_worker(data_dir: str, out: str, results: str) -> None:
     torch.set_num_threads(1)  # after the state, which sets (host cores / processes) threads
     seen: list[list[int]] = []
     result = train_drafter(
-        tiny(), data_dir, out, TrainConfig(steps=4, batch_size=8, checkpoint_every=2, **FAST),
+        tiny(), data_dir, out, TrainConfig(steps=4, batch_size=8, checkpoint_every=2, drafter_type=drafter_type, **FAST),
         accelerator=accelerator, on_step=lambda info: seen.append(list(info.indices)), progress=False,
     )
     rank = accelerator.process_index
@@ -276,15 +311,17 @@ def _two_process_worker(data_dir: str, out: str, results: str) -> None:
     # no destroy_process_group: the FileStore would delete debug_launcher's rendezvous file before it does
 
 
-def test_two_cpu_processes_train_their_own_shards_to_one_drafter(data_dir: str, tmp_path) -> None:
+@pytest.mark.parametrize("drafter_type", ["eagle1", "eagle3"])
+def test_two_cpu_processes_train_their_own_shards_to_one_drafter(data_dir: str, data3_dir: str, tmp_path, drafter_type: str) -> None:
     from accelerate import debug_launcher
 
+    data_dir = data3_dir if drafter_type == "eagle3" else data_dir
     single: list[list[int]] = []
     train_drafter(
-        tiny(), data_dir, tmp_path / "one", TrainConfig(steps=4, batch_size=8, checkpoint_every=2, **FAST),
+        tiny(), data_dir, tmp_path / "one", TrainConfig(steps=4, batch_size=8, checkpoint_every=2, drafter_type=drafter_type, **FAST),
         on_step=lambda info: single.append(list(info.indices)), progress=False,
     )
-    debug_launcher(_two_process_worker, args=(data_dir, str(tmp_path / "two"), str(tmp_path)), num_processes=2)
+    debug_launcher(_two_process_worker, args=(data_dir, str(tmp_path / "two"), str(tmp_path), drafter_type), num_processes=2)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert r0["world"] == r1["world"] == 2
     for step, (a, b) in enumerate(zip(r0["seen"], r1["seen"])):
@@ -301,6 +338,29 @@ def test_two_cpu_processes_train_their_own_shards_to_one_drafter(data_dir: str, 
 # ----------------------------------------------------------------------------- CLI
 
 
+def test_cli_eagle3_from_data_to_generate_and_bench(tmp_path, capsys) -> None:
+    from cli_runner import run
+
+    save_file(tiny().state_dict(), str(tmp_path / "gpt.safetensors"))
+    target = ["--target", str(tmp_path / "gpt.safetensors"), *(x for key, value in TINY.items() for x in ("--target-config", f"{key}={value}"))]
+    data, data1, run3 = (str(tmp_path / name) for name in ("data3", "data1", "run3"))
+    assert run("make-drafter-data", *target, "--out", data, "-n", "4", "--device", "cpu", "--drafter-type", "eagle3") == 0
+    assert run("make-drafter-data", *target, "--out", data1, "-n", "4", "--device", "cpu") == 0
+    train = ["train-drafter", *target, "--steps", "2", "--batch-size", "4", "--device", "cpu", "--drafter-type", "eagle3"]
+    capsys.readouterr()
+    assert run(*train, "--data", data1, "--out", str(tmp_path / "bad")) == 2  # EAGLE-1 data: one line, no traceback
+    err = capsys.readouterr().err
+    assert err.startswith("specimg: error:") and "--drafter-type eagle3" in err and "Traceback" not in err
+    assert run(*train, "--data", data, "--out", run3, "--ttt-steps", "2", "--method", "cascade") == 0
+    assert json.loads(open(os.path.join(run3, "run.json")).read())["config"]["ttt_steps"] == 2
+    drafter = ["--drafter", os.path.join(run3, "drafter.safetensors")]  # its type is in the file
+    gen = ["generate", "--model", "tiny-random", *target, *drafter, "-n", "1", "--tree", "chain", "--depth", "3", "--device", "cpu"]
+    for method in ("naive", "cascade"):  # no tokenizer here: lantern and gsd decode with the engine's (test_engine)
+        assert run(*gen, "--method", method, "--out", str(tmp_path / method)) == 0
+    bench = ["bench", "--model", "tiny-random", *target, *drafter, "-n", "1", "--warmup", "0", "--no-quality", "--depth", "2", "--topk", "2", "--total-tokens", "4"]
+    assert run(*bench, "--methods", "ar,naive,cascade", "--device", "cpu", "--out", str(tmp_path / "bench")) == 0
+
+
 def test_cli_makes_data_and_trains(tmp_path) -> None:
     from click.testing import CliRunner
 
@@ -315,7 +375,7 @@ def test_cli_makes_data_and_trains(tmp_path) -> None:
     assert result.exit_code == 0, result.output
     assert os.path.exists(os.path.join(run, "drafter.safetensors")) and len(read_log(run)) == 2  # steps 0 and 2 (the last)
     result = runner.invoke(cli, args + ["--drafter-type", "eagle3"])
-    assert isinstance(result.exception, SpecimgError) and "not implemented" in str(result.exception)
+    assert isinstance(result.exception, SpecimgError) and "make-drafter-data --drafter-type eagle3" in str(result.exception)
 
     # a checkpoint file, shaped by --preset and --target-config
     save_file(tiny().state_dict(), str(tmp_path / "gpt.safetensors"))

@@ -33,7 +33,7 @@ from specimg.train.schedule import WarmupCosine
 
 MANIFEST = "manifest.json"
 TOKENIZER, TARGET, CLASSIFIER = "tokenizer.safetensors", "target.safetensors", "classifier.safetensors"
-DRAFTER, DRAFTER_CASCADE = "drafter.safetensors", "drafter-cascade.safetensors"
+DRAFTER, DRAFTER_CASCADE, DRAFTER_EAGLE3 = "drafter.safetensors", "drafter-cascade.safetensors", "drafter-eagle3.safetensors"
 CLASS_SLOT_SCORE = 5.0
 """How far below the class slot every image key starts in each layer's head 0 (``class_slot``)."""
 
@@ -71,7 +71,8 @@ class ClassifierScale:
 
 @attrs.frozen
 class DrafterScale:
-    """The two drafters, on the first ``images`` of the target's training set."""
+    """The drafters (EAGLE-1 plain and with CASCADE's loss, EAGLE-3), each on the first
+    ``images`` of the target's training set."""
 
     images: int
     steps: int
@@ -453,45 +454,54 @@ def _train_classifier(run: _Run) -> dict[str, Any]:
     return {"final_train_loss": round(ema or 0.0, 4), "acc_real_test": round(acc_real, 4), "acc_vq_recon_test": round(acc_recon, 4)}
 
 
-def _drafter_data(run: _Run) -> dict[str, Any]:
+def _drafter_data(run: _Run, drafter_type: str = "eagle1") -> dict[str, Any]:
     """Teacher-forced target features (both CFG rows) on the first ``drafter_images`` of the
-    GPT's training token set, with ``specimg.train.data`` (what make-drafter-data does)."""
+    GPT's training token set, with ``specimg.train.data`` (what make-drafter-data does); for
+    EAGLE-3 the target's low, middle and high layers too."""
     from safetensors.torch import load_file, save_file
 
     from specimg.train.data import DataSpec, make_drafter_data
 
     s = run.scale
+    if not os.path.isfile(run.work_file("tokens.safetensors")):  # a bundle finished before this stage joined the recipe
+        raise SpecimgError(f"{run.out} no longer holds the token set (its work folder was removed): re-create the bundle in a fresh --out")
     data = load_file(run.work_file("tokens.safetensors"))
     m = min(s.drafter.images, data["codes"].shape[0])
     path = run.work_file("drafter-tokens.safetensors")
     save_file({"tokens": data["codes"][:m].long().contiguous(), "labels": data["labels"][:m].contiguous()}, path)
     target = load_target_file(run.file(TARGET))
     with tqdm(total=m, unit="img", desc="drafter data", disable=None) as bar:
-        meta = make_drafter_data(target, run.work_file("drafter-data"), DataSpec(num_samples=m, tokens_file=path, uncond=True, dtype="bfloat16", batch_size=32), progress=bar.update)
+        spec = DataSpec(num_samples=m, tokens_file=path, uncond=True, dtype="bfloat16", batch_size=32, drafter_type=drafter_type)
+        meta = make_drafter_data(target, run.work_file(_data_folder(drafter_type)), spec, progress=bar.update)
+    flag = "" if drafter_type == "eagle1" else f" --drafter-type {drafter_type}"
     return {"images": m, "examples": meta["num_examples"], "tool": "specimg.train.data.make_drafter_data",
-            "command": f"specimg make-drafter-data --target demo --tokens TOKENS --num-samples {m} --uncond --dtype bfloat16 --out DATA"}
+            "command": f"specimg make-drafter-data --target demo --tokens TOKENS --num-samples {m} --uncond --dtype bfloat16{flag} --out DATA"}
 
 
-def _train_drafter(run: _Run, name: str, method: str) -> dict[str, Any]:
-    """EAGLE-1 with the project's trainer (``specimg train-drafter``; ``--method cascade``
-    for CASCADE's loss reweighting)."""
+def _data_folder(drafter_type: str) -> str:
+    return "drafter-data" if drafter_type == "eagle1" else f"drafter-data-{drafter_type}"
+
+
+def _train_drafter(run: _Run, name: str, method: str, drafter_type: str = "eagle1") -> dict[str, Any]:
+    """A drafter with the project's trainer (``specimg train-drafter``; ``--method cascade``
+    for CASCADE's loss reweighting, ``--drafter-type eagle3`` for EAGLE-3 on its own data)."""
     from specimg.train.drafter import TrainConfig, train_drafter
 
     s = run.scale
     target = load_target_file(run.file(TARGET))
     config = TrainConfig(steps=s.drafter.steps, batch_size=s.drafter.batch, lr=s.drafter.lr, log_every=max(1, s.drafter.steps // 20),
-                         checkpoint_every=max(1, s.drafter.steps // 2), seed=s.seed + 41)
+                         checkpoint_every=max(1, s.drafter.steps // 2), seed=s.seed + 41, drafter_type=drafter_type)
     stack = None if method == "plain" else method
-    folder = run.work_file(f"run-{method}")
-    result = train_drafter(target, run.work_file("drafter-data"), folder, config, method=stack, progress=True)
+    folder = run.work_file(f"run-{method}" if drafter_type == "eagle1" else f"run-{drafter_type}")
+    result = train_drafter(target, run.work_file(_data_folder(drafter_type)), folder, config, method=stack, progress=True)
     with atomic_path(run.file(name), ".safetensors") as tmp:
         shutil.copyfile(result.path, tmp)
     with open(os.path.join(folder, "log.jsonl")) as f:
         log = [json.loads(line) for line in f if line.strip()]
-    keep = ("step", "loss", "ce", "reg", "acc")
+    keep = ("step", "loss", "ce", "reg", "acc") + (tuple(f"acc{i}" for i in range(1, config.ttt_steps)) if drafter_type == "eagle3" else ())
     last = log[-1] if log else {}
-    flags = f" --method {method}" if stack else ""
-    return {"method": method, "trainer": "specimg.train.drafter.train_drafter",
+    flags = (f" --method {method}" if stack else "") + ("" if drafter_type == "eagle1" else f" --drafter-type {drafter_type}")
+    return {"method": method, "drafter_type": drafter_type, "trainer": "specimg.train.drafter.train_drafter",
             "command": f"specimg train-drafter --target demo --data DATA --out RUN{flags} --steps {s.drafter.steps} --batch-size {s.drafter.batch} --lr {s.drafter.lr}",
             "final_loss": round(last.get("loss", float("nan")), 4), "top1_agreement": round(last.get("acc", float("nan")), 4),
             "log": [{k: round(e[k], 4) if isinstance(e.get(k), float) else e.get(k) for k in keep} for e in log]}
@@ -615,10 +625,12 @@ def train_demo(out: str | os.PathLike[str], scale: str = "full", log: Callable[[
         run.stage("drafter-data", lambda: _drafter_data(run))
         run.stage("drafter", lambda: _train_drafter(run, DRAFTER, "plain"))
         run.stage("drafter-cascade", lambda: _train_drafter(run, DRAFTER_CASCADE, "cascade"))
+        run.stage("drafter-data-eagle3", lambda: _drafter_data(run, "eagle3"))
+        run.stage("drafter-eagle3", lambda: _train_drafter(run, DRAFTER_EAGLE3, "plain", "eagle3"))
     if evaluate:
         run.stage("quality", lambda: _evaluate(run))
     files = {}
-    for name in (TOKENIZER, TARGET, CLASSIFIER, DRAFTER, DRAFTER_CASCADE):
+    for name in (TOKENIZER, TARGET, CLASSIFIER, DRAFTER, DRAFTER_CASCADE, DRAFTER_EAGLE3):
         if os.path.exists(run.file(name)):
             files[name] = os.path.getsize(run.file(name))
     run.manifest["files"] = files

@@ -7,11 +7,17 @@ rows, row 0 conditional and row 1 unconditional (LlamaGen's order), and returns 
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol, Union, runtime_checkable
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple, Protocol, Union, runtime_checkable
 
 import attrs
 import torch
 from torch import Tensor
+
+from specimg.errors import SpecimgError
+
+if TYPE_CHECKING:
+    from specimg.step import Scores
 
 
 @attrs.frozen(eq=False)
@@ -33,11 +39,14 @@ def takes_text(target: object) -> bool:
 
 
 class TargetOutput(NamedTuple):
-    """Per row and node: raw next-token logits [rows, n, V] (float32) and the last hidden
-    state after the final norm [rows, n, D]."""
+    """Per row and node: raw next-token logits [rows, n, V] (float32), the last hidden
+    state after the final norm [rows, n, D] and, when the target was asked for them
+    (``expose_layers``: an EAGLE-3 drafter's features), the inputs of those layers side by
+    side [rows, n, k * D] (None otherwise, so that an EAGLE-1 run pays nothing for them)."""
 
     logits: Tensor
     hidden: Tensor
+    layers: Tensor | None = None
 
 
 @runtime_checkable
@@ -97,6 +106,26 @@ class Drafter(Protocol):
     def expand(self, parents: Tensor, tokens: Tensor) -> Tensor:
         """Feed nodes with tokens [f], children of drafter nodes ``parents`` [f] (0 = root,
         i = the i-th node fed since ``start``, counting from 1).  Returns logits [rows, f, V]."""
+
+
+def exposed_layers(layers: Sequence[int], num_layers: int) -> tuple[int, ...]:
+    """``layers`` checked against a target of ``num_layers`` layers: layer i's input is the
+    state after i layers (0: the token embeddings)."""
+    layers = tuple(int(i) for i in layers)
+    bad = [i for i in layers if not 0 <= i < num_layers]
+    if bad:
+        raise SpecimgError(f"layer {bad[0]} is not among this target's {num_layers} layers [0, {num_layers})")
+    return layers
+
+
+def draft_features(drafter: object, out: TargetOutput | Scores) -> Tensor:
+    """What ``drafter.start`` takes from a target's output: its last hidden states, or the
+    exposed layers' states for a drafter that names ``feature_layers`` (EAGLE-3)."""
+    if not getattr(drafter, "feature_layers", None):
+        return out.hidden
+    if out.layers is None:
+        raise SpecimgError("this drafter reads the target's layers, which the target did not expose (expose_layers)")
+    return out.layers
 
 
 def cfg_rows(cfg: bool) -> int:

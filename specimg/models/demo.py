@@ -1,5 +1,5 @@
 """The embedded demo: a small class-conditional LlamaGen (10 digit classes over photo
-backgrounds, 16x16 tokens, 64x64 pixels) with its VQ tokenizer and EAGLE-1 drafters,
+backgrounds, 16x16 tokens, 64x64 pixels) with its VQ tokenizer and EAGLE drafters,
 trained by ``specimg train-demo`` and shipped as package data in ``specimg/demo/bundle``."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from specimg.errors import SpecimgError
 from specimg.files import atomic_path
 from specimg.models.loading import Models
 
-DRAFTERS = {"plain": "drafter.safetensors", "cascade": "drafter-cascade.safetensors"}
+DRAFTERS = {"plain": "drafter.safetensors", "cascade": "drafter-cascade.safetensors", "eagle3": "drafter-eagle3.safetensors"}
 TARGET_CONFIG_KEY = "specimg.gpt_config"
 """The bundle's target is one safetensors file with its GPTConfig as JSON under this header key."""
 
@@ -62,7 +62,8 @@ def demo_manifest(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
 
 def load_demo(path: str | os.PathLike[str] | None = None, drafter: str = "plain", max_tree_nodes: int = 128) -> Models:
     """The demo models (name "demo") from ``path`` (default: the shipped bundle).
-    ``drafter``: "plain" (EAGLE-1 loss) or "cascade" (trained with CASCADE's reweighting)."""
+    ``drafter``: "plain" (EAGLE-1 loss), "cascade" (EAGLE-1 trained with CASCADE's
+    reweighting) or "eagle3" (an EAGLE-3 drafter, in bundles made since it joined the recipe)."""
     from specimg.models.eagle import build_drafter, load_drafter
     from specimg.models.vq import load_tokenizer
 
@@ -73,6 +74,8 @@ def load_demo(path: str | os.PathLike[str] | None = None, drafter: str = "plain"
         raise SpecimgError(f"unknown demo drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
     target = load_target_file(os.path.join(root, "target.safetensors"), max_tree_nodes=max_tree_nodes)
     draft_path = os.path.join(root, DRAFTERS[drafter])
+    if drafter == "eagle3" and not os.path.isfile(draft_path):
+        raise SpecimgError(f"the demo bundle in {root} has no EAGLE-3 drafter ({DRAFTERS[drafter]}): re-create it with `specimg train-demo`")
     draft = load_drafter(target, draft_path, max_tree_nodes=max_tree_nodes) if os.path.isfile(draft_path) else build_drafter(target)
     return Models(target, draft, load_tokenizer(os.path.join(root, "tokenizer.safetensors")), "demo")
 

@@ -1,4 +1,6 @@
-"""EAGLE-1 drafter for any target that lends it its pieces (:class:`EagleTarget`).
+"""EAGLE drafters for any target that lends them its pieces (:class:`EagleTarget`): the
+tree machinery they share (:class:`TreeDrafter`), EAGLE-1 (below) and EAGLE-3
+(:mod:`specimg.models.eagle3`), and their files.
 
 As in EAGLE-1 (SafeAILab/EAGLE, ``eagle/model/cnets1.py``): ``fc`` (with bias) maps
 concat[token embedding, target feature] to the width of the target, ONE decoder layer
@@ -16,8 +18,11 @@ features (row 1 holds the unconditional ones).
 
 from __future__ import annotations
 
+import abc
+import json
 import os
-from typing import Protocol, runtime_checkable
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -51,23 +56,38 @@ class EagleTarget(Target, Protocol):
     def code_logits(self, hidden: Tensor) -> Tensor:
         """Image-token logits [..., V] from last hidden states [..., D] (after the final norm)."""
 
+    num_layers: int
+    """Decoder layers (EAGLE-3 picks its low, middle and high ones among them)."""
 
-class EagleDrafter(nn.Module):
-    """The :class:`~specimg.models.base.Drafter` interface over an EAGLE-1 head.
+    def expose_layers(self, layers: Sequence[int]) -> None:
+        """From now on, outputs carry the inputs of these layers side by side
+        (``TargetOutput.layers``; layer i's input is the state after i layers)."""
+
+
+DRAFTER_TYPES = ("eagle1", "eagle3")
+
+
+class TreeDrafter(nn.Module, abc.ABC):
+    """The :class:`~specimg.models.base.Drafter` interface over a one-layer EAGLE head with a
+    static KV cache: a subclass says how a target feature becomes its state (``_lift``), how
+    a (state, token) pair runs through its ``layers`` (``_forward``, after ``fc``'s weights
+    in device and dtype) and how a state gives logits (``_logits``).
 
     Cache slot s holds the pair that consumes image token s; speculative nodes of the
-    current step follow the committed slots and are forgotten by the next ``start``.
+    current step follow the committed slots and are forgotten by the next ``start``.  A
+    node's input state is its parent's output state (the drafter's own prediction).
     """
 
+    kind = ""
     target: EagleTarget
+    fc: nn.Linear
+    layers: nn.ModuleList
 
     def __init__(self, target: EagleTarget, max_tree_nodes: int = 128) -> None:
         super().__init__()
         config = target.draft_config()
         object.__setattr__(self, "target", target)  # shared, not a submodule: kept out of state_dict
         self.layer_config = config
-        self.fc = nn.Linear(2 * config.dim, config.dim, bias=True)
-        self.layers = nn.ModuleList([TransformerBlock(config, input_norm=False)])
         self.max_tree_nodes = max_tree_nodes
         self.capacity = config.block_size + max_tree_nodes
         self._full_kv: list[KVSlot] = []
@@ -112,10 +132,10 @@ class EagleDrafter(nn.Module):
         mask = None
         if m > 1:
             mask = torch.ones(m, s0 + m, dtype=torch.bool, device=self.fc.weight.device).tril(s0)
-        h = self._forward(hidden, tokens, self.target.draft_rope()[s0 : s0 + m], mask, s0)
+        h = self._forward(self._lift(hidden), tokens, self.target.draft_rope()[s0 : s0 + m], mask, s0)
         self._len, self._count, self._root_pos = s0 + m, 0, s0 + m - 1
         self._feat[: self._rows, 0] = h[:, -1]
-        return self.target.code_logits(h[:, -1]).float()
+        return self._logits(h[:, -1]).float()
 
     @torch.no_grad()
     def expand(self, parents: Tensor, tokens: Tensor) -> Tensor:
@@ -135,9 +155,43 @@ class EagleDrafter(nn.Module):
         h = self._forward(self._feat[: self._rows, parents], tokens, rope[positions], mask, s0 + c)
         self._feat[: self._rows, new] = h
         self._count = c + f
-        return self.target.code_logits(h).float()
+        return self._logits(h).float()
 
-    # -- training
+    def settings(self) -> dict[str, Any]:
+        """What a file must record besides the weights to build this drafter again."""
+        return {}
+
+    @abc.abstractmethod
+    def _lift(self, hidden: Tensor) -> Tensor:
+        """The state [rows, m, D] of target features [rows, m, ...] (what ``start`` is given)."""
+
+    @abc.abstractmethod
+    def _forward(self, states: Tensor, tokens: Tensor, rope: Tensor, mask: Tensor | None, start: int) -> Tensor:
+        """Output states [rows, m, D] of pairs (input states [rows, m, D], tokens [m]) written
+        to cache slots from ``start``."""
+
+    @abc.abstractmethod
+    def _logits(self, h: Tensor) -> Tensor:
+        """Image-token logits [..., V] of states [..., D]."""
+
+
+class EagleDrafter(TreeDrafter):
+    """EAGLE-1: its state is a prediction of the target's last hidden state, so a target
+    feature is a state as it is, and the target's own head scores it."""
+
+    kind = "eagle1"
+
+    def __init__(self, target: EagleTarget, max_tree_nodes: int = 128) -> None:
+        super().__init__(target, max_tree_nodes)
+        config = self.layer_config
+        self.fc = nn.Linear(2 * config.dim, config.dim, bias=True)
+        self.layers = nn.ModuleList([TransformerBlock(config, input_norm=False)])
+
+    def _lift(self, hidden: Tensor) -> Tensor:
+        return hidden
+
+    def _logits(self, h: Tensor) -> Tensor:
+        return self.target.code_logits(h)
 
     def forward_train(self, features: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """Teacher-forced causal pass: features [B, T, D] (the target's states before
@@ -159,36 +213,73 @@ class EagleDrafter(nn.Module):
         return h
 
 
-def build_drafter(target: EagleTarget, *, seed: int = 0, max_tree_nodes: int = 128) -> EagleDrafter:
-    """A randomly initialised drafter on the target's device and dtype.  The target is
-    frozen (requires_grad off): only the drafter's own weights train."""
+def drafter_class(kind: str) -> type[TreeDrafter]:
+    if kind == "eagle1":
+        return EagleDrafter
+    if kind == "eagle3":
+        from specimg.models.eagle3 import Eagle3Drafter
+
+        return Eagle3Drafter
+    raise SpecimgError(f"unknown drafter type {kind!r}; choose one of {', '.join(DRAFTER_TYPES)}")
+
+
+def build_drafter(target: EagleTarget, *, seed: int = 0, max_tree_nodes: int = 128, kind: str = "eagle1", **settings: Any) -> TreeDrafter:
+    """A randomly initialised drafter of type ``kind`` (with its ``settings``) on the
+    target's device and dtype.  The target is frozen (requires_grad off): only the
+    drafter's own weights train."""
     if not isinstance(target, EagleTarget) or not isinstance(target, nn.Module):
         raise SpecimgError(f"an EAGLE drafter needs a target that lends it its pieces (EagleTarget); {type(target).__name__} does not")
+    cls = drafter_class(kind)
     target.requires_grad_(False)
     w = target.input_embeddings()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        drafter = EagleDrafter(target, max_tree_nodes)
+        drafter = cls(target, max_tree_nodes, **settings)
         init_weights(drafter, drafter.layer_config.initializer_range)
     return drafter.to(device=w.device, dtype=w.dtype).eval()
 
 
-def save_drafter(drafter: EagleDrafter, path: str | os.PathLike[str]) -> None:
+DRAFTER_KEY = "specimg.drafter"
+"""A drafter file's header key: its type and settings as JSON (absent in EAGLE-1 files of old)."""
+
+
+def save_drafter(drafter: TreeDrafter, path: str | os.PathLike[str]) -> None:
     """Write the drafter's own weights (not the shared embedding and head) as safetensors,
-    atomically."""
+    atomically, with its type and settings in the header."""
     from safetensors.torch import save_file
 
     path = os.fspath(path)
     if not path.endswith(".safetensors"):
         raise SpecimgError(f"drafter files are safetensors: name it *.safetensors, not {path}")
+    meta = {"format": f"specimg-{drafter.kind}", DRAFTER_KEY: json.dumps({"type": drafter.kind, **drafter.settings()})}
     with atomic_path(path, ".safetensors") as tmp:
-        save_file({k: v.detach().contiguous() for k, v in drafter.state_dict().items()}, tmp, metadata={"format": "specimg-eagle1"})
+        save_file({k: v.detach().contiguous() for k, v in drafter.state_dict().items()}, tmp, metadata=meta)
 
 
-def load_drafter(target: EagleTarget, path: str | os.PathLike[str], *, max_tree_nodes: int = 128) -> EagleDrafter:
-    """A drafter for ``target`` with weights from ``path``; a missing, extra or misshapen key
-    (a drafter trained for another target) is a SpecimgError naming it."""
-    drafter = build_drafter(target, max_tree_nodes=max_tree_nodes)
+def drafter_settings(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A drafter file's type and settings (``{"type": "eagle1"}`` for a file without them)."""
+    path = os.fspath(path)
+    if not path.endswith(".safetensors") or not os.path.isfile(path):
+        return {"type": "eagle1"}
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            text = (f.metadata() or {}).get(DRAFTER_KEY)
+        settings = json.loads(text) if text else {"type": "eagle1"}
+    except Exception as err:  # safetensors and json raise several types for a bad file
+        raise SpecimgError(f"cannot read drafter file {path}: {err}") from None
+    if not isinstance(settings, dict) or settings.get("type") not in DRAFTER_TYPES:
+        raise SpecimgError(f"{path}: its header names no drafter type of {', '.join(DRAFTER_TYPES)}")
+    return settings
+
+
+def load_drafter(target: EagleTarget, path: str | os.PathLike[str], *, max_tree_nodes: int = 128) -> TreeDrafter:
+    """A drafter for ``target`` with weights from ``path``, of the type its header records;
+    a missing, extra or misshapen key (a drafter trained for another target) is a
+    SpecimgError naming it."""
+    settings = drafter_settings(path)
+    drafter = build_drafter(target, max_tree_nodes=max_tree_nodes, kind=settings.pop("type"), **settings)
     w = target.input_embeddings()
     state = {k: v.to(w.dtype) for k, v in load_state_dict(path).items()}
     load_into(drafter, state, origin=os.fspath(path))

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from specimg.config import Sampling
 from specimg.errors import SpecimgError
-from specimg.models.base import TargetOutput, cfg_rows
+from specimg.models.base import TargetOutput, cfg_rows, exposed_layers
 from specimg.models.hf import HFOptions, additive_mask, draft_config, draft_rope, keep_slots, load_folder, parse_options
 from specimg.models.llamagen import GPTConfig
 
@@ -87,6 +87,8 @@ class JanusTarget(nn.Module):
         self.vocab_size = int(config.vq_config.num_embeddings)
         self.num_tokens = int(config.vision_config.num_image_tokens)
         self.hidden_size = int(config.text_config.hidden_size)
+        self.num_layers = int(config.text_config.num_hidden_layers)
+        self.exposed: tuple[int, ...] = ()
         side = model.model.vqmodel.quantize.quant_state_dims[0]
         if side * side != self.num_tokens:
             raise SpecimgError(f"Janus config: {self.num_tokens} image tokens do not fill the VQ model's {side}x{side} grid")
@@ -132,10 +134,10 @@ class JanusTarget(nn.Module):
             rows[1] = torch.where((ids == self.bos_id) | (ids == self.boi_id), ids, torch.full_like(ids, self.pad_id))
         self._cache = DynamicCache()
         out = self.model.model.language_model(
-            inputs_embeds=self.model.get_input_embeddings()(rows), past_key_values=self._cache, use_cache=True
+            inputs_embeds=self.model.get_input_embeddings()(rows), past_key_values=self._cache, use_cache=True, output_hidden_states=bool(self.exposed)
         )
         self._rows, self._len, self._pending = rows.shape[0], ids.shape[0], 0
-        return self._head(out.last_hidden_state[:, -1:])
+        return self._head(out, slice(-1, None))
 
     @torch.no_grad()
     def forward_tree(self, tokens: Tensor, depths: Tensor, mask: Tensor) -> TargetOutput:
@@ -155,10 +157,10 @@ class JanusTarget(nn.Module):
             position_ids=(depths.to(device) + start)[None].expand(self._rows, n),
             cache_position=torch.arange(start, start + n, device=device),
             past_key_values=self._cache,
-            use_cache=True,
+            use_cache=True, output_hidden_states=bool(self.exposed),
         )
         self._pending = n
-        return self._head(out.last_hidden_state)
+        return self._head(out, slice(None))
 
     @torch.no_grad()
     def commit(self, nodes: Tensor) -> None:
@@ -183,6 +185,9 @@ class JanusTarget(nn.Module):
 
     def embed_codes(self, tokens: Tensor) -> Tensor:
         return self.model.prepare_embeddings_for_image_generation(tokens)
+
+    def expose_layers(self, layers: Sequence[int]) -> None:
+        self.exposed = exposed_layers(layers, self.num_layers)
 
     def code_logits(self, hidden: Tensor) -> Tensor:
         return self.model.model.generation_head(hidden)
@@ -215,8 +220,11 @@ class JanusTarget(nn.Module):
     def _device(self) -> torch.device:
         return self.model.model.generation_head.vision_head.weight.device
 
-    def _head(self, hidden: Tensor) -> TargetOutput:
-        return TargetOutput(self.code_logits(hidden).float(), hidden)
+    def _head(self, out: Any, index: Any) -> TargetOutput:
+        """The outputs at sequence slots ``index`` (the exposed layers' inputs too, if any)."""
+        hidden = out.last_hidden_state[:, index]
+        layers = torch.cat([out.hidden_states[i][:, index] for i in self.exposed], dim=-1) if self.exposed else None
+        return TargetOutput(self.code_logits(hidden).float(), hidden, layers)
 
 
 def load_janus_target(path: str | os.PathLike[str], **overrides: Any) -> JanusTarget:

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from specimg.config import LLAMAGEN_SAMPLING, LLAMAGEN_T2I_SAMPLING, Sampling
 from specimg.errors import SpecimgError
-from specimg.models.base import Caption, Condition, TargetOutput, cfg_rows
+from specimg.models.base import Caption, Condition, TargetOutput, cfg_rows, exposed_layers
 from specimg.models.checkpoint import Checkpoint, Described, agree, load_into, read_checkpoint, settle
 from specimg.sampling import cfg_active_at, probabilities
 
@@ -194,10 +194,13 @@ def cache_is_stale(cache: Tensor, weight: Tensor) -> bool:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
+    """Multi-head attention; ``in_dim`` (default the width) is the width of its input (EAGLE-3's
+    draft layer reads a token embedding and a state side by side)."""
+
+    def __init__(self, config: GPTConfig, in_dim: int | None = None) -> None:
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.kv_heads, config.head_dim
-        self.wqkv = nn.Linear(config.dim, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=False)
+        self.wqkv = nn.Linear(in_dim or config.dim, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=False)
         self.wo = nn.Linear(config.dim, config.dim, bias=False)
 
     def project(self, x: Tensor, rope: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -213,18 +216,22 @@ class Attention(nn.Module):
         """x [B, S, D] at positions given by rope [S, ...]; with a cache, the new keys go to
         slots [start, start + S) and the queries see slots [0, start + S) under ``mask``
         (bool, True = attend, broadcast to [B, H, S, keys]; None = see all)."""
-        b, s, _ = x.shape
+        s = x.shape[1]
         q, k, v = self.project(x, rope)
         if cache is not None:
             k_cache, v_cache = cache
             k_cache[:, :, start : start + s] = k
             v_cache[:, :, start : start + s] = v
             k, v = k_cache[:, :, : start + s], v_cache[:, :, : start + s]
+        return self.attend(q, k, v, mask)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        """The output [B, S, D] of queries [B, H, S, hd] over keys and values [B, KV, keys, hd]."""
         if self.n_kv_head != self.n_head:
             k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
             v = v.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+        return self.wo(out.transpose(1, 2).flatten(2))
 
 
 class TransformerBlock(nn.Module):
@@ -287,6 +294,8 @@ class LlamaGenTarget(nn.Module):
         self.num_tokens = config.block_size
         self.hidden_size = config.dim
         self.max_tree_nodes = max_tree_nodes
+        self.num_layers = config.n_layer
+        self.exposed: tuple[int, ...] = ()
         self.cls_embedding: nn.Module = LabelEmbedder(config) if config.model_type == "c2i" else CaptionEmbedder(config)
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
@@ -329,9 +338,9 @@ class LlamaGenTarget(nn.Module):
         if caption_mask is not None:
             self._valid[0, :cls] = caption_mask
             mask = self.condition_mask(caption_mask[None])[0]
-        h = self._run(x, self.rope[:cls], mask, 0)
+        h, fused = self._run(x, self.rope[:cls], mask, 0)
         self._len, self._pending = cls, 0
-        return self._head(h[:, -1:])
+        return self._head(h[:, -1:], fused if fused is None else fused[:, -1:])
 
     @torch.no_grad()
     def forward_tree(self, tokens: Tensor, depths: Tensor, mask: Tensor) -> TargetOutput:
@@ -348,9 +357,9 @@ class LlamaGenTarget(nn.Module):
             positions = (depths.to(self.rope.device) + start).clamp_(max=self.rope.shape[0] - 1)
             rope = self.rope[positions]  # nodes past the image end reuse the last cell; never accepted
             attn = torch.cat([self._valid[:, :start].expand(n, start), mask.to(self._valid.device)], dim=1)
-        h = self._run(x, rope, attn, start)
+        h, fused = self._run(x, rope, attn, start)
         self._pending = n
-        return self._head(h)
+        return self._head(h, fused)
 
     @torch.no_grad()
     def commit(self, nodes: Tensor) -> None:
@@ -374,6 +383,9 @@ class LlamaGenTarget(nn.Module):
 
     def embed_codes(self, tokens: Tensor) -> Tensor:
         return self.tok_embeddings(tokens)
+
+    def expose_layers(self, layers: Sequence[int]) -> None:
+        self.exposed = exposed_layers(layers, self.num_layers)
 
     def code_logits(self, hidden: Tensor) -> Tensor:
         return self.output(hidden)
@@ -401,10 +413,8 @@ class LlamaGenTarget(nn.Module):
         mask = torch.ones(s, s, dtype=torch.bool, device=device).tril()
         if caption_mask is not None:
             mask = self.condition_mask(caption_mask, s)[:, None]
-        h = x
-        for layer in self.layers:
-            h = layer(h, self.rope[:s], mask)
-        return self._head(h[:, cls - 1 :])
+        h, fused = self._run(x, self.rope[:s], mask, 0, [None] * len(self.layers))
+        return self._head(h[:, cls - 1 :], fused if fused is None else fused[:, cls - 1 :])
 
     # -- batched sampling
 
@@ -502,14 +512,18 @@ class LlamaGenTarget(nn.Module):
         valid[:, :cls] = caption_mask
         return (causal & valid[:, None, :]) | torch.eye(s, dtype=torch.bool, device=caption_mask.device)
 
-    def _run(self, x: Tensor, rope: Tensor, mask: Tensor | None, start: int) -> Tensor:
-        for layer, cache in zip(self.layers, self._kv):
+    def _run(self, x: Tensor, rope: Tensor, mask: Tensor | None, start: int, caches: Sequence[KVSlot | None] | None = None) -> tuple[Tensor, Tensor | None]:
+        """The last layer's output and the exposed layers' inputs side by side (None: none exposed)."""
+        taps: dict[int, Tensor] = {}
+        for i, (layer, cache) in enumerate(zip(self.layers, self._kv if caches is None else caches)):
+            if i in self.exposed:
+                taps[i] = x
             x = layer(x, rope, mask, cache, start)
-        return x
+        return x, torch.cat([taps[i] for i in self.exposed], dim=-1) if taps else None
 
-    def _head(self, h: Tensor) -> TargetOutput:
+    def _head(self, h: Tensor, layers: Tensor | None) -> TargetOutput:
         h = self.norm(h)
-        return TargetOutput(self.output(h).float(), h)
+        return TargetOutput(self.output(h).float(), h, layers)
 
 
 # ----------------------------------------------------------------------------- construction

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from specimg.config import Sampling
 from specimg.errors import SpecimgError
-from specimg.models.base import TargetOutput, cfg_rows
+from specimg.models.base import TargetOutput, cfg_rows, exposed_layers
 from specimg.models.hf import HFOptions, additive_mask, draft_config, draft_rope, keep_slots, load_folder, parse_options
 from specimg.models.llamagen import GPTConfig
 
@@ -81,6 +81,8 @@ class LuminaTarget(nn.Module):
         self.side = image_size // 16
         self.num_tokens = self.side * self.side
         self.hidden_size = int(model.config.hidden_size)
+        self.num_layers = int(model.config.num_hidden_layers)
+        self.exposed: tuple[int, ...] = ()
         vocab = model.config.vocabulary_map or {}
         names = [IMAGE_START, NEW_LINE, size_token(image_size // PIXELS_PER_SIZE_UNIT)]
         missing = [name for name in names if name not in vocab]
@@ -133,11 +135,11 @@ class LuminaTarget(nn.Module):
         self._cache = DynamicCache()
         out = self.model.model(
             input_ids=ids, attention_mask=additive_mask(allowed, self._dtype), position_ids=positions.clamp(min=0),
-            past_key_values=self._cache, use_cache=True,
+            past_key_values=self._cache, use_cache=True, output_hidden_states=bool(self.exposed),
         )
         self._rows, self._len, self._codes, self._pending = rows, length, 0, None
         self._base = positions[:, -1] + 1
-        return self._head(out.last_hidden_state[:, -1:])
+        return self._head(out, slice(-1, None))
 
     @torch.no_grad()
     def forward_tree(self, tokens: Tensor, depths: Tensor, mask: Tensor) -> TargetOutput:
@@ -170,10 +172,10 @@ class LuminaTarget(nn.Module):
             position_ids=self._base[:, None] + offset[None],
             cache_position=torch.arange(start, start + total, device=device),
             past_key_values=self._cache,
-            use_cache=True,
+            use_cache=True, output_hidden_states=bool(self.exposed),
         )
         self._pending = (slot, nl_slot)
-        return self._head(out.last_hidden_state[:, torch.where(newline, nl_slot, slot)])
+        return self._head(out, torch.where(newline, nl_slot, slot))
 
     @torch.no_grad()
     def commit(self, nodes: Tensor) -> None:
@@ -203,6 +205,9 @@ class LuminaTarget(nn.Module):
 
     def embed_codes(self, tokens: Tensor) -> Tensor:
         return self.model.model.embed_tokens(self._code_bpe[tokens])
+
+    def expose_layers(self, layers: Sequence[int]) -> None:
+        self.exposed = exposed_layers(layers, self.num_layers)
 
     def code_logits(self, hidden: Tensor) -> Tensor:
         return self.model.lm_head(hidden)[..., self._code_bpe]
@@ -238,8 +243,11 @@ class LuminaTarget(nn.Module):
     def _dtype(self) -> torch.dtype:
         return self.model.lm_head.weight.dtype
 
-    def _head(self, hidden: Tensor) -> TargetOutput:
-        return TargetOutput(self.code_logits(hidden).float(), hidden)
+    def _head(self, out: Any, index: Any) -> TargetOutput:
+        """The outputs at sequence slots ``index`` (the exposed layers' inputs too, if any)."""
+        hidden = out.last_hidden_state[:, index]
+        layers = torch.cat([out.hidden_states[i][:, index] for i in self.exposed], dim=-1) if self.exposed else None
+        return TargetOutput(self.code_logits(hidden).float(), hidden, layers)
 
 
 def load_lumina_target(path: str | os.PathLike[str], **overrides: Any) -> LuminaTarget:

@@ -25,6 +25,11 @@ tokenizes prompt texts itself (Janus, Lumina-mGPT: any :class:`~specimg.models.e
 with ``prompt_ids``) takes the prompts as they are; it is sampled by the engine's AR loop
 and teacher-forced through the Target contract (:func:`chain_features`).
 
+EAGLE-3 data (``drafter_type`` "eagle3") also stores ``layers`` [N, kD]: the inputs of the
+target's EAGLE-3 layers (:func:`~specimg.models.eagle3.eagle3_layers`, recorded in the
+settings) at the same positions, the drafter's input; ``features`` still give the target's
+distributions.
+
 With ``uncond`` (the default when the target has a null condition) every sequence is also
 teacher-forced under the null condition and stored as a second example with ``label =
 num_classes`` (c2i) or ``-1`` (t2i: LlamaGen's ``uncond_embedding`` with the sample's
@@ -34,7 +39,7 @@ unconditional row too.
 Layout of a data folder::
 
     meta.json                   format, settings, counts, the target's fingerprint
-    shard-00000.safetensors     features [n, N, D], tokens [n, N], labels [n], sample [n]
+    shard-00000.safetensors     features [n, N, D], tokens [n, N], labels [n], sample [n] (and layers [n, N, kD])
     ...
 
 Shard k holds samples [k * shard_size, (k + 1) * shard_size) and is written atomically,
@@ -58,7 +63,8 @@ from specimg.config import Sampling
 from specimg.errors import SpecimgError
 from specimg.files import atomic_path
 from specimg.models.base import Caption, causal_tree_mask, takes_text
-from specimg.models.eagle import EagleTarget
+from specimg.models.eagle import DRAFTER_TYPES, EagleTarget
+from specimg.models.eagle3 import eagle3_layers
 from specimg.models.llamagen import LlamaGenTarget
 
 FORMAT = "specimg-drafter-data/1"
@@ -112,26 +118,31 @@ def sample_tokens(target: EagleTarget, conditions: Sequence[Any], seeds: Sequenc
 
 
 @torch.inference_mode()
-def teacher_features(target: LlamaGenTarget, conditions: Tensor | Sequence[Caption], tokens: Tensor) -> Tensor:
+def teacher_features(target: LlamaGenTarget, conditions: Tensor | Sequence[Caption], tokens: Tensor) -> tuple[Tensor, Tensor | None]:
     """The target's last hidden states [B, N, D] teacher-forced on ``tokens`` [B, N] under
-    ``conditions`` (class ids [B] or one caption per row)."""
+    ``conditions`` (class ids [B] or one caption per row), and its exposed layers' [B, N, kD]
+    (None when it exposes none)."""
     device = target.tok_embeddings.weight.device
-    return target.forward_sequence(conditions.to(device) if isinstance(conditions, Tensor) else conditions, tokens.to(device)).hidden
+    out = target.forward_sequence(conditions.to(device) if isinstance(conditions, Tensor) else conditions, tokens.to(device))
+    return out.hidden, out.layers
 
 
 @torch.inference_mode()
-def chain_features(target: EagleTarget, conditions: Sequence[Any], tokens: Tensor, cfg: bool) -> Tensor:
+def chain_features(target: EagleTarget, conditions: Sequence[Any], tokens: Tensor, cfg: bool) -> tuple[Tensor, Tensor | None]:
     """Any target's last hidden states [rows, B, N, D] teacher-forced on ``tokens`` [B, N],
     one condition per image, through the Target contract: the prefill's state, then the
-    states of the first N - 1 tokens verified as one chain.  With ``cfg`` row 1 holds the
-    target's unconditional row."""
+    states of the first N - 1 tokens verified as one chain; and its exposed layers' [rows,
+    B, N, kD] alike (None when it exposes none).  With ``cfg`` row 1 holds the target's
+    unconditional row."""
     n = tokens.shape[1]
-    out = []
+    hidden, layers = [], []
     for condition, seq in zip(conditions, tokens):
-        first = target.prefill(condition, cfg).hidden
-        rest = target.forward_tree(seq[:-1], torch.arange(n - 1), causal_tree_mask(n - 1)).hidden
-        out.append(torch.cat([first, rest], dim=1))
-    return torch.stack(out, dim=1)
+        first = target.prefill(condition, cfg)
+        rest = target.forward_tree(seq[:-1], torch.arange(n - 1), causal_tree_mask(n - 1))
+        hidden.append(torch.cat([first.hidden, rest.hidden], dim=1))
+        if first.layers is not None:
+            layers.append(torch.cat([first.layers, rest.layers], dim=1))
+    return torch.stack(hidden, dim=1), torch.stack(layers, dim=1) if layers else None
 
 
 def read_tokens_file(path: str | os.PathLike[str], target: LlamaGenTarget) -> tuple[Tensor, Tensor | None]:
@@ -203,6 +214,7 @@ class DataSpec:
     dtype: str = attrs.field(default="float32", validator=attrs.validators.in_(tuple(DTYPES)))
     shard_size: int = attrs.field(default=256, validator=attrs.validators.ge(1))
     batch_size: int = attrs.field(default=16, validator=attrs.validators.ge(1))
+    drafter_type: str = attrs.field(default="eagle1", validator=attrs.validators.in_(DRAFTER_TYPES))
 
 
 def make_drafter_data(
@@ -272,6 +284,11 @@ def make_drafter_data(
         "source": source, "num_samples": num, "labels": labels.tolist(), "uncond": uncond,
         "dtype": spec.dtype, "shard_size": spec.shard_size,
     }
+    eagle3 = spec.drafter_type == "eagle3"
+    if eagle3:  # EAGLE-1 folders keep the settings they always had, so they still resume
+        layers = eagle3_layers(target.num_layers)
+        target.expose_layers(layers)
+        settings.update(drafter_type="eagle3", feature_layers=list(layers))
     if t2i:
         settings.update(prompts=list(spec.prompts))
     if t2i and not text:
@@ -303,7 +320,7 @@ def make_drafter_data(
             continue
         # conditional examples of the shard's samples first, then their null-class twins:
         # the layout does not depend on the batch size
-        parts = [{"features": [], "tokens": [], "labels": [], "sample": []} for _ in range(1 + uncond)]
+        parts = [{"features": [], "tokens": [], "labels": [], "sample": [], **({"layers": []} if eagle3 else {})} for _ in range(1 + uncond)]
         for start in range(lo, hi, spec.batch_size):
             idx = torch.arange(start, min(hi, start + spec.batch_size))
             lab = labels[idx]
@@ -312,8 +329,8 @@ def make_drafter_data(
             if text:
                 prompts = [spec.prompts[int(i)] for i in idx]
                 tok = sample_tokens(target, prompts, seeds, spec.sampling)
-                rows = chain_features(target, prompts, tok, uncond)
-                variants = [(lab, rows[0]), (null_labels, rows[-1])][: 1 + uncond]
+                rows, layer_rows = chain_features(target, prompts, tok, uncond)
+                variants = [(lab, (rows[0], layer_rows[0] if eagle3 else None)), (null_labels, (rows[-1], layer_rows[-1] if eagle3 else None))][: 1 + uncond]
             else:
                 captions = [spec.captions[int(i)] for i in idx] if t2i else []
                 conditions: Tensor | list[Caption] = captions if t2i else lab
@@ -322,8 +339,10 @@ def make_drafter_data(
                 if uncond:
                     given.append((null_labels, [Caption(target.cls_embedding.uncond_embedding, x.mask) for x in captions] if t2i else null_labels))
                 variants = [(variant, teacher_features(target, g, tok)) for variant, g in given]
-            for part, (variant, features) in zip(parts, variants):
+            for part, (variant, (features, layer_states)) in zip(parts, variants):
                 part["features"].append(features.to("cpu", dtype))
+                if eagle3:
+                    part["layers"].append(layer_states.to("cpu", dtype))
                 part["tokens"].append(tok)
                 part["labels"].append(variant)
                 part["sample"].append(idx)
@@ -385,6 +404,15 @@ class DrafterData:
     def num_tokens(self) -> int:
         return int(self.meta["num_tokens"])
 
+    @property
+    def drafter_type(self) -> str:
+        """The drafter type the data is for (EAGLE-3 data serves EAGLE-1 too: it holds both)."""
+        return self.meta["settings"].get("drafter_type", "eagle1")
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return tuple(self.meta["settings"].get("feature_layers", ()))
+
     def check_target(self, target: EagleTarget) -> None:
         """Refuse a target other than the one that made the data."""
         mine = target_fingerprint(target)
@@ -396,12 +424,15 @@ class DrafterData:
             raise SpecimgError(f"{self.path} was made with another target checkpoint (output heads differ)")
 
     def get(self, indices: Sequence[int]) -> dict[str, Tensor]:
-        """Examples ``indices`` stacked: features [b, N, D] float32, tokens [b, N], labels [b]."""
-        out: dict[str, list[Tensor]] = {"features": [], "tokens": [], "labels": []}
+        """Examples ``indices`` stacked: features [b, N, D] float32, tokens [b, N], labels [b]
+        (and layers [b, N, kD] float32 in EAGLE-3 data)."""
+        out: dict[str, list[Tensor]] = {"features": [], "tokens": [], "labels": [], **({"layers": []} if self.drafter_type == "eagle3" else {})}
         for i in indices:
             k, j = self._locate[int(i)]
             for key in out:
                 out[key].append(self._files[k].get_slice(key)[j : j + 1])
         batch = {k: torch.cat(v) for k, v in out.items()}
-        batch["features"] = batch["features"].float()
+        for key in ("features", "layers"):
+            if key in batch:
+                batch[key] = batch[key].float()
         return batch

@@ -1,4 +1,4 @@
-"""EAGLE-1 drafter training with accelerate: one CPU, one GPU or many processes, same code.
+"""EAGLE drafter training with accelerate: one CPU, one GPU or many processes, same code.
 
 Loss (EAGLE-1, ``eagle/train/main.py``), per position [B, T]:
 
@@ -16,6 +16,20 @@ weights, ``features`` = F [B, T, D] (``features[:, t]`` is the state produced by
 ``tokens[:, t]``), ``tokens`` [B, T] and ``mask`` [B, T].  Finally the masked mean over the
 *global* batch.
 
+EAGLE-3 (``drafter_type="eagle3"``, :func:`eagle3_terms`) drops the regression and trains
+with training-time test: K = ``ttt_steps`` unrolled steps, step i feeding the drafter its
+own output states of step i - 1, and
+
+    loss[b, t] = sum_i 0.8^i * w_cls * soft_CE_i(p_target, q_drafter)[b, t]
+
+(EAGLE-3's decay: a deeper step's error matters less, as its node is reached less often).
+Entry t of step i consumes token t + i and matches the target's distribution for token
+t + i + 1; entries whose tokens lie past the image are masked.  The hooks get the parts per
+step, [K, B, T] (regression zero), with ``features`` [K, B, T, D], ``tokens`` and ``mask``
+[K, B, T] aligned to them as above: an elementwise reweighting over the last axis fits
+both types.  The masked mean divides by the step-0 positions, so the steps' weights stay
+0.8^i.
+
 ``batch_size`` is the global batch: each of P processes takes its own B / P examples of
 the same global batch, the local loss is scaled so that DDP's gradient average is the
 gradient of the global masked mean, and data order depends only on (seed, step) — so a
@@ -28,6 +42,7 @@ Output folder::
     state.json                  {step, epoch, checkpoint, done}: written last, the commit point
     checkpoints/step-000500/    accelerator.save_state (drafter, optimizer, RNG states)
     log.jsonl                   one line per logged step: loss, ce, kl, reg, acc, lr, grad_norm, seconds
+                                (EAGLE-3: ce, kl and acc of step 0, and acc1, acc2, ... of the later steps)
     drafter.safetensors         the final drafter (save_drafter)
 
 A run started again on a folder with a state resumes from its last checkpoint; log lines
@@ -52,22 +67,26 @@ from torch import Tensor, nn
 
 from specimg.errors import SpecimgError
 from specimg.files import atomic_path
-from specimg.models.eagle import EagleDrafter, EagleTarget, build_drafter, load_drafter, save_drafter
+from specimg.models.eagle import DRAFTER_TYPES, EagleTarget, TreeDrafter, build_drafter, load_drafter, save_drafter
 from specimg.plugins import PluginManager, get_plugin_manager
 from specimg.stackhooks import MemberHook, StackHooks
 from specimg.train.data import DrafterData, _atomic_write_json
 from specimg.train.schedule import WarmupCosine
 
-DRAFTER_TYPES = ("eagle1", "eagle3")
+TTT_DECAY = 0.8
+"""EAGLE-3's weight ratio between consecutive unrolled steps."""
 RUN, STATE, LOG, FINAL = "run.json", "state.json", "log.jsonl", "drafter.safetensors"
 
 
 @attrs.frozen
 class TrainConfig:
-    """Hyper-parameters.  Defaults follow EAGLE-1 where it has one (lr 3e-5, AdamW betas
+    """Hyper-parameters.  Defaults follow EAGLE-1 (EAGLE-3 for its own fields) where it has one (lr 3e-5, AdamW betas
     (0.9, 0.95), p_w 0.1, v_w 1.0, gradient values clipped at 0.5); EAGLE decays linearly,
     here warmup + cosine."""
 
+    drafter_type: str = attrs.field(default="eagle1", validator=v.in_(DRAFTER_TYPES))
+    ttt_steps: int = attrs.field(default=3, validator=[v.ge(1), v.le(16)])
+    """EAGLE-3's unrolled training-time-test steps (ignored by EAGLE-1)."""
     steps: int = attrs.field(default=1000, validator=v.ge(1))
     batch_size: int = attrs.field(default=8, validator=v.ge(1))
     """Global batch (all processes together), in examples (images)."""
@@ -78,7 +97,8 @@ class TrainConfig:
     """Linear warmup; None: 5% of the steps."""
     min_lr_ratio: float = attrs.field(default=0.0, validator=[v.ge(0.0), v.le(1.0)])
     """The cosine decays to lr * min_lr_ratio at the last step."""
-    w_cls: float = attrs.field(default=0.1, validator=v.ge(0.0))
+    w_cls: float = attrs.field(default=attrs.Factory(lambda c: 1.0 if c.drafter_type == "eagle3" else 0.1, takes_self=True), validator=v.ge(0.0))
+    """EAGLE-1's p_w 0.1 (against the regression's 1.0); EAGLE-3, which has no regression: 1.0."""
     w_reg: float = attrs.field(default=1.0, validator=v.ge(0.0))
     clip_value: float | None = 0.5
     """Clip each gradient element to [-clip_value, clip_value] (EAGLE); None: off."""
@@ -92,7 +112,6 @@ class TrainConfig:
     log_every: int = attrs.field(default=10, validator=v.ge(1))
     seed: int = 0
     mixed_precision: str = attrs.field(default="no", validator=v.in_(("no", "fp16", "bf16")))
-    drafter_type: str = attrs.field(default="eagle1", validator=v.in_(DRAFTER_TYPES))
 
     @property
     def warmup(self) -> int:
@@ -112,7 +131,7 @@ class StepInfo:
 
 @attrs.frozen(eq=False)
 class TrainResult:
-    drafter: EagleDrafter
+    drafter: TreeDrafter
     steps: int
     path: str
     """The final drafter file."""
@@ -150,6 +169,51 @@ def eagle_loss(
     return {"ce": ce, "kl": ce.detach() - entropy, "reg": reg, "correct": correct, "target": target}
 
 
+def eagle3_terms(
+    drafter: Callable[[Tensor, Tensor, int], list[Tensor]],
+    head: Callable[[Tensor], Tensor],
+    layers: Tensor,
+    features: Tensor,
+    tokens: Tensor,
+    steps: int,
+    noise: Tensor | None = None,
+) -> dict[str, Tensor]:
+    """Per-step EAGLE-3 terms for whole images: ``layers`` [B, N, kD] (the drafter's input)
+    and ``features`` [B, N, D] (the target's distributions) as ``forward_sequence`` returns
+    them, ``tokens`` [B, N].  Returns ``ce``, ``kl``, ``reg`` (zero), ``correct`` and ``mask``
+    [K, B, N - 1], and what the hooks read, ``target`` [K, B, N - 1, D] and ``tokens`` [K, B,
+    N - 1]: entry t of step i consumes token t + i and matches the target's distribution
+    for token t + i + 1, ``softmax(head(features[:, t + i + 1]))``."""
+    inputs = layers[:, :-1] if noise is None else layers[:, :-1] + noise
+    consumed, after = tokens[:, :-1], features[:, 1:]
+    t = consumed.shape[1]
+    with torch.no_grad():
+        target_logits = head(after).float()
+        log_p = target_logits.log_softmax(dim=-1)
+        p = log_p.exp()
+        entropy = -(p * log_p).sum(dim=-1)
+        best = target_logits.argmax(dim=-1)
+    terms: dict[str, list[Tensor]] = {k: [] for k in ("ce", "kl", "correct", "mask", "target", "tokens")}
+    for i, logits in enumerate(drafter(inputs, consumed, steps)):
+        log_q = logits[:, : t - i].float().log_softmax(dim=-1)  # entries with a token to consume
+        ce = -(p[:, i:] * log_q).sum(dim=-1)
+        for key, value in (
+            ("ce", ce), ("kl", ce.detach() - entropy[:, i:]), ("correct", (log_q.argmax(dim=-1) == best[:, i:]).float()),
+            ("mask", torch.ones_like(ce, dtype=torch.bool)), ("target", after[:, i:]), ("tokens", consumed[:, i:]),
+        ):
+            terms[key].append(torch.cat([value, value.new_zeros(value.shape[0], min(i, t), *value.shape[2:])], dim=1))
+    out = {k: torch.stack(v) for k, v in terms.items()}
+    out["reg"] = torch.zeros_like(out["ce"])
+    return out
+
+
+def ttt_fold(loss: Tensor, mask: Tensor) -> Tensor:
+    """EAGLE-3's per-position loss [B, T] from its steps' [K, B, T]: sum_i 0.8^i loss_i over
+    the valid entries."""
+    decay = TTT_DECAY ** torch.arange(loss.shape[0], device=loss.device, dtype=loss.dtype)
+    return (loss * mask * decay[:, None, None]).sum(dim=0)
+
+
 def loss_hooks(plugins: PluginManager, method: str | None, options: Mapping[str, Mapping[str, Any]] | None) -> tuple[tuple[MemberHook, ...], dict[str, Any]]:
     """The ``train_loss`` hooks of the stack's members that implement it, in method-string
     order; and the stack's options (for the run record)."""
@@ -181,12 +245,12 @@ def apply_loss_hooks(
 class _Trainable(nn.Module):
     """Routes ``forward`` to the drafter's teacher-forced pass, so DDP syncs its gradients."""
 
-    def __init__(self, drafter: EagleDrafter):
+    def __init__(self, drafter: TreeDrafter):
         super().__init__()
         self.drafter = drafter
 
-    def forward(self, features: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        return self.drafter.forward_train(features, tokens)
+    def forward(self, *args: Any) -> Any:
+        return self.drafter.forward_train(*args)
 
 
 # ----------------------------------------------------------------------------- run folder
@@ -247,29 +311,34 @@ def train_drafter(
     on_step: Callable[[StepInfo], None] | None = None,
     progress: bool = True,
 ) -> TrainResult:
-    """Train an EAGLE-1 drafter for ``target`` on a data folder; resume if ``out`` holds a
-    state of the same run.  ``init`` starts from a drafter file.  The target is moved to the
+    """Train an EAGLE drafter of ``config.drafter_type`` for ``target`` on a data folder
+    (EAGLE-3 needs data made for it); resume if ``out`` holds a state of the same run.
+    ``init`` starts from a drafter file of that type.  The target is moved to the
     accelerator's device in float32 and stays frozen.  Call it in every process
     (``accelerate launch`` or ``accelerate.debug_launcher``); each returns the drafter,
     identical in all of them.  ``on_step`` is called after every optimizer step."""
-    if config.drafter_type == "eagle3":
-        raise SpecimgError("EAGLE-3 drafter training is not implemented yet; use --drafter-type eagle1")
     from accelerate import Accelerator
 
     hooks, stack_record = loss_hooks(plugins or get_plugin_manager(), method, options)
     data = data if isinstance(data, DrafterData) else DrafterData(data)
     data.check_target(target)
+    if config.drafter_type == "eagle3" and data.drafter_type != "eagle3":
+        raise SpecimgError(
+            f"{data.path} holds EAGLE-1 data (the target's last hidden states); an EAGLE-3 drafter reads three of its layers: "
+            "make its data with `specimg make-drafter-data --drafter-type eagle3`"
+        )
     if data.num_tokens < 2:
         raise SpecimgError("drafter training needs images of at least 2 tokens")
     accelerator = accelerator or Accelerator(mixed_precision=config.mixed_precision)
     batches = _Batches(data, config, accelerator.num_processes, accelerator.process_index)
     out = os.fspath(out)
+    kept = attrs.asdict(config, filter=lambda a, _: a.name != "ttt_steps" or config.drafter_type == "eagle3")  # EAGLE-1 runs resume as before
     settings = {
-        "config": attrs.asdict(config), **stack_record, "data": data.meta["settings"], "target": data.meta["target"],
+        "config": kept, **stack_record, "data": data.meta["settings"], "target": data.meta["target"],
         "init": os.path.abspath(init) if init else None, "processes": accelerator.num_processes,
     }
     state = _open_run(out, settings, config.keep_checkpoints, accelerator)
-    training = _Training.build(target, init, config, hooks, accelerator)
+    training = _Training.build(target, init, config, hooks, accelerator, data.feature_layers)
     step = _resume(out, state, accelerator)
     if state is not None and state.get("done") and os.path.exists(os.path.join(out, FINAL)):
         return TrainResult(training.drafter().eval(), step, os.path.join(out, FINAL))
@@ -281,7 +350,7 @@ def train_drafter(
     while step < config.steps:
         epoch, indices = batches.at(step)
         batch = data.get(indices)
-        metrics = training.step(batch, _noise(config, step, indices, batch["features"].shape[1:]))
+        metrics = training.step(batch, _noise(config, step, indices, batch["layers" if "layers" in batch else "features"].shape[1:]))
         step += 1
         now = time.perf_counter()
         metrics["seconds"], tick = now - tick, now
@@ -389,11 +458,17 @@ class _Training:
     schedule: WarmupCosine | None = None
 
     @classmethod
-    def build(cls, target: EagleTarget, init: str | os.PathLike[str] | None, config: TrainConfig, hooks: Sequence[MemberHook], accelerator: Any) -> _Training:
-        # frozen (build_drafter turns its gradients off); the drafter shares its embeddings and head,
+    def build(
+        cls, target: EagleTarget, init: str | os.PathLike[str] | None, config: TrainConfig, hooks: Sequence[MemberHook], accelerator: Any,
+        feature_layers: Sequence[int],
+    ) -> _Training:
+        # frozen (build_drafter turns its gradients off); the drafter shares its embeddings (EAGLE-1: and head),
         # and trains in float32 (mixed precision comes from the accelerator's autocast)
         target.to(device=accelerator.device, dtype=torch.float32).eval()
-        drafter = load_drafter(target, init) if init else build_drafter(target, seed=config.seed)
+        settings = {"feature_layers": tuple(feature_layers)} if config.drafter_type == "eagle3" else {}
+        drafter = load_drafter(target, init) if init else build_drafter(target, seed=config.seed, kind=config.drafter_type, **settings)
+        if drafter.kind != config.drafter_type or drafter.settings() != {k: list(v) for k, v in settings.items()}:
+            raise SpecimgError(f"--init {init} holds an {drafter.kind} drafter {drafter.settings() or ''}, not the {config.drafter_type} drafter of this data {settings or ''}")
         drafter.float().train()
         if any(p.requires_grad for p in target.parameters()):
             raise AssertionError("the target must be frozen")
@@ -402,7 +477,7 @@ class _Training:
         params = [p for p in drafter.parameters() if p.requires_grad]
         return cls(accelerator, model, optimizer, params, target.code_logits, hooks, config)
 
-    def drafter(self) -> EagleDrafter:
+    def drafter(self) -> TreeDrafter:
         return self.accelerator.unwrap_model(self.model).drafter
 
     def start_schedule(self, step: int) -> None:
@@ -417,12 +492,20 @@ class _Training:
         accelerator, config = self.accelerator, self.config
         device = accelerator.device
         features, tokens = batch["features"].to(device), batch["tokens"].to(device)
+        noise = None if noise is None else noise.to(device)
         lr = self.schedule.get_last_lr()[0]
+        eagle3 = config.drafter_type == "eagle3"
         with accelerator.autocast():
-            terms = eagle_loss(self.model, self.head, features, tokens, None if noise is None else noise.to(device))
-        mask = torch.ones_like(terms["ce"], dtype=torch.bool)
-        loss = apply_loss_hooks(self.hooks, terms["ce"], terms["reg"], config.w_cls, config.w_reg, terms["target"], tokens[:, :-1], mask)
-        m = mask.float()
+            if eagle3:
+                terms = eagle3_terms(self.model, self.head, batch["layers"].to(device), features, tokens, config.ttt_steps, noise)
+            else:
+                terms = eagle_loss(self.model, self.head, features, tokens, noise)
+                terms.update(tokens=tokens[:, :-1], mask=torch.ones_like(terms["ce"], dtype=torch.bool))
+        loss = apply_loss_hooks(self.hooks, terms["ce"], terms["reg"], config.w_cls, config.w_reg, terms["target"], terms["tokens"], terms["mask"])
+        m = terms["mask"].float()
+        if eagle3:  # over the positions of step 0
+            loss, m, steps_m = ttt_fold(loss, m), m[0], m
+            terms = {k: terms[k][0] if k in ("ce", "kl", "reg") else terms[k] for k in terms}
         count = accelerator.reduce(m.sum().detach().reshape(1), "sum").clamp(min=1)
         # scaled so that DDP's gradient average is the gradient of the global masked mean
         accelerator.backward((loss * m).sum() * accelerator.num_processes / count[0])
@@ -433,11 +516,17 @@ class _Training:
         self.optimizer.step()
         self.schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
-        sums = torch.stack([(terms[k] * m).sum() if k != "loss" else (loss * m).sum() for k in ("loss", "ce", "kl", "reg", "correct")]).detach()
+        correct = terms["correct"]
+        step_acc = []
+        if eagle3:  # top-1 agreement per unrolled step, over its own positions
+            hits = accelerator.reduce(torch.stack([(correct * steps_m).sum(dim=(1, 2)), steps_m.sum(dim=(1, 2))]).detach(), "sum")
+            step_acc = (hits[0] / hits[1].clamp(min=1)).tolist()
+            correct = correct[0]
+        sums = torch.stack([(loss * m).sum(), *((terms[k] * m).sum() for k in ("ce", "kl", "reg")), (correct * m).sum()]).detach()
         sums = accelerator.reduce(sums, "sum") / count
         return {
             "loss": float(sums[0]), "ce": float(sums[1]), "kl": float(sums[2]), "reg": float(sums[3]), "acc": float(sums[4]),
-            "lr": lr, "grad_norm": float(grad_norm),
+            **{f"acc{i}": float(a) for i, a in enumerate(step_acc) if i > 0}, "lr": lr, "grad_norm": float(grad_norm),
         }
 
 
