@@ -15,13 +15,13 @@ from specimg import costs, relax
 from specimg.config import Sampling, TreeConfig
 from specimg.errors import SpecimgError
 from specimg.methods import AR, Stack
-from specimg.models.base import Condition, Drafter, Target, draft_features, placed
+from specimg.models.base import Condition, Drafter, Target, TargetOutput, draft_features, placed
 from specimg.planner import Plan, TreePlanner
 from specimg.plugins import PluginManager, get_plugin_manager
 from specimg.sampling import cfg_active_at, probabilities
 from specimg.stackhooks import StackHooks
 from specimg.stats import ImageStats, RunStats
-from specimg.step import Acceptance, Scores
+from specimg.step import Acceptance, Scores, Step
 from specimg.tree import DraftSession, DraftTree
 
 
@@ -76,9 +76,11 @@ class Engine:
                 raise SpecimgError("method 'ar' takes no options")
             return
         self.stack = self.plugins.stack(method, options, delta)
-        if drafter is None:
+        if drafter is None and not self.drafter_free:
             raise SpecimgError(f"method {self.stack.name!r} drafts tokens and needs a drafter")
         self.hooks = StackHooks.bind(self.plugins, self.stack)
+        if self.drafter_free and self.hooks.propose.owner != self.stack.drafter_free:
+            raise SpecimgError(f"method {self.stack.drafter_free!r} drafts without a drafter but does not implement propose_tree")
 
     @property
     def method(self) -> str:
@@ -112,10 +114,17 @@ class Engine:
         return Generation(torch.stack(rows) if rows else torch.empty(0, self.target.num_tokens, dtype=torch.long), RunStats(tuple(stats)))
 
     @property
+    def drafter_free(self) -> bool:
+        """Whether the stack drafts without a drafter (sjd): then the drafter, if one is
+        given, is not used, and no planner sizes the trees."""
+        return self.stack is not None and self.stack.drafter_free is not None
+
+    @property
     def auto_tree(self) -> bool:
         """Whether the planner shapes the trees (an auto config); a method that brings its
-        own tree (lantern++) gets the planner's tree config and may take its size."""
-        return self.hooks is not None and self.tree_config.kind == "auto"
+        own tree (lantern++) gets the planner's tree config and may take its size.  A
+        drafter-free method sizes its own trees."""
+        return self.hooks is not None and self.tree_config.kind == "auto" and not self.drafter_free
 
     @property
     def own_tree(self) -> bool:
@@ -129,7 +138,7 @@ class Engine:
         if self.hooks is None:
             return "-"
         if self.own_tree:
-            return f"{self.hooks.propose.owner}'s own" + (", auto-sized" if config.kind == "auto" else "")
+            return f"{self.hooks.propose.owner}'s own" + (", auto-sized" if self.auto_tree else "")
         if config.kind == "auto":
             return "auto"
         if config.kind == "dynamic":
@@ -159,7 +168,7 @@ class Engine:
         if self.stack is None:
             self._decode_ar(tokens, generator, stats, progress)
         else:
-            self._decode_speculative(condition, draft_features(self.drafter, prefill), tokens, generator, stats, progress)
+            self._decode_speculative(condition, prefill, tokens, generator, stats, progress)
         stats.tokens = len(tokens)
         return tokens
 
@@ -203,16 +212,22 @@ class Engine:
     def _decode_speculative(
         self,
         condition: Condition,
-        hidden: Tensor,
+        prefill: TargetOutput,
         tokens: list[int],
         generator: torch.Generator,
         stats: ImageStats,
         progress: Callable[[int], None] | None,
     ) -> None:
-        assert self.hooks is not None and self.drafter is not None
-        target, drafter, sampling, device = self.target, self.drafter, self.sampling, self.device
+        assert self.hooks is not None
+        target, sampling, device = self.target, self.sampling, self.device
+        drafter = None if self.drafter_free else self.drafter
         planner = self.planner() if self.auto_tree else None
-        drafter.prefill(condition, sampling.cfg)
+        if drafter is not None:
+            drafter.prefill(condition, sampling.cfg)
+            hidden = draft_features(drafter, prefill)
+        root = DraftTree.from_tensors(torch.tensor(tokens[-1:], device=device), torch.tensor([-1], device=device),
+                                      torch.zeros(1, dtype=torch.long, device=device), torch.zeros(1, device=device), width=0, height=0)
+        previous = Step(root, Scores(probabilities(prefill.logits, sampling), prefill.hidden, prefill.logits, prefill.layers), Acceptance([0], tokens[-1]))
         new_tokens = tokens[-1:]
         spent = torch.zeros((), dtype=torch.float64, device=device)  # TVD(q_R, p) over the walked paths' nodes
         while len(tokens) < target.num_tokens:
@@ -221,11 +236,13 @@ class Engine:
                 break
             tree_config = planner.tree if planner else self.tree_config
             with self._timed(stats, "draft"):
-                root_logits = drafter.start(hidden, torch.tensor(new_tokens, dtype=torch.long, device=device))
-                session = DraftSession(drafter, sampling, root_logits, len(tokens) - 1, filtered=tree_config.sample)
+                session = None
+                if drafter is not None:
+                    root_logits = drafter.start(hidden, torch.tensor(new_tokens, dtype=torch.long, device=device))
+                    session = DraftSession(drafter, sampling, root_logits, len(tokens) - 1, filtered=tree_config.sample)
                 tree = self.hooks.propose(
                     session=session, root_token=tokens[-1], tree_config=tree_config,
-                    max_depth=target.num_tokens - len(tokens) - 1, generator=generator,
+                    max_depth=target.num_tokens - len(tokens) - 1, previous=previous, sampling=sampling, generator=generator,
                 )
             with self._timed(stats, "verify"):
                 scores = self.hooks.score(target=target, tree=tree, sampling=sampling, token_index=len(tokens))
@@ -237,8 +254,10 @@ class Engine:
                 path = torch.tensor(result.path, dtype=torch.long, device=device)
                 target.commit(path)
                 new_tokens = tree.tokens[path[1:]].tolist() + [result.next_token]
-                hidden = draft_features(drafter, scores)[:, path]
+                if drafter is not None:
+                    hidden = draft_features(drafter, scores)[:, path]
                 tokens.extend(new_tokens)
+                previous = Step(tree, scores, result)
             if dist is not scores.probs:
                 spent += relax.tvd(dist[path], scores.probs[path]).sum()
             if planner:

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from specimg.config import Sampling, TreeConfig
     from specimg.methods import MethodSpec
     from specimg.models.base import Target
-    from specimg.step import Acceptance, Scores
+    from specimg.step import Acceptance, Scores, Step
     from specimg.tree import DraftSession, DraftTree
 
 hookspec = pluggy.HookspecMarker("specimg")
@@ -42,15 +42,21 @@ def register_methods(register: Callable[[MethodSpec], None]) -> None:
 
 @hookspec(firstresult=True)
 def propose_tree(
-    session: DraftSession,
+    session: DraftSession | None,
     root_token: int,
     tree_config: TreeConfig,
     max_depth: int,
+    previous: Step,
+    sampling: Sampling,
     generator: torch.Generator,
     options: Any,
 ) -> DraftTree | None:
     """Grow this step's draft tree from the drafter's ``session``, rooted at ``root_token``
     and no deeper than ``max_depth``.
+
+    ``previous`` is the image's last step (before the first, the prefill as a one-node
+    step): what a drafter-free method (``MethodSpec(drafter=False)``, whose ``session`` is
+    None) drafts from; ``sampling`` the run's sampling settings (greedy or not).
 
     ``tree_config`` is this step's shape: the user's, or with auto trees the EAGLE-2 tree
     the planner chose for this step (a method with its own tree may take its size).

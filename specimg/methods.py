@@ -24,12 +24,15 @@ class NoOptions:
 class MethodSpec:
     """A method a plugin provides: its name, its attrs options class (every field with a
     default; a ``delta`` field is the method's total-variation budget per node, unless the
-    class also has a ``node_delta`` property, which then is), a one-line description, and
-    the plugin object that implements its hooks (set by the manager)."""
+    class also has a ``node_delta`` property, which then is), a one-line description,
+    whether it drafts with a drafter (``drafter=False``: its ``propose_tree`` makes every
+    tree from the target's own previous outputs, as Jacobi decoding does), and the plugin
+    object that implements its hooks (set by the manager)."""
 
     name: str
     options: type = NoOptions
     description: str = ""
+    drafter: bool = True
     plugin: object = attrs.field(default=None, eq=False, repr=False)
 
     @property
@@ -59,6 +62,11 @@ class Stack:
     @property
     def name(self) -> str:
         return "+".join(m.spec.name for m in self.members)
+
+    @property
+    def drafter_free(self) -> str | None:
+        """The member that drafts without a drafter, if any (its trees come from the target)."""
+        return next((m.spec.name for m in self.members if not m.spec.drafter), None)
 
     def options_dict(self) -> dict[str, dict[str, Any]]:
         return {m.spec.name: attrs.asdict(m.options) for m in self.members}

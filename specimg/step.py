@@ -6,6 +6,8 @@ from typing import NamedTuple
 
 from torch import Tensor
 
+from specimg.tree import DraftTree
+
 
 class Scores(NamedTuple):
     """The target's verdict on a tree, per node: the processed next-token distribution
@@ -26,3 +28,13 @@ class Acceptance(NamedTuple):
 
     path: list[int]
     next_token: int
+
+
+class Step(NamedTuple):
+    """One finished step of an image: its tree, the target's scores on it and what was
+    accepted.  Before an image's first step, the prefill as a one-node step (the root, with
+    the prefill's distribution, whose draw was image token 0)."""
+
+    tree: DraftTree
+    scores: Scores
+    acceptance: Acceptance
