@@ -1,0 +1,74 @@
+"""sjd: Speculative Jacobi Decoding (Teng et al., 2024), draft-free.
+
+The target drafts for itself.  A window of L tokens follows the accepted prefix; each
+step feeds the window to the target as a chain (one forward, causal), which gives p at
+every window position, and walks it left to right:
+
+    accept x_i with probability min(1, p_i(x_i) / q_i(x_i))
+    at the first rejection, emit a draw of norm(max(0, p_i - q_i)) and stop
+    (the whole window accepted: emit a draw of the last node's p, the bonus token)
+
+q_i is the distribution x_i was drawn from, so this is speculative sampling and exact.
+The next window is drawn, as its drafts, from this step's p at the positions that were
+not emitted (computed under the then-prefix, so q = that p), and topped up to L with
+tokens drawn uniformly (q = 1/V).  The tree is a sampled chain that carries q as its
+draft distributions; the core's recursive rejection on a one-child-per-node tree is the
+rule above, and at temperature 0 the core's greedy walk reproduces AR's tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+import torch
+from attrs import validators as v
+
+from specimg import DraftTree, MethodSpec, hookimpl
+from specimg.config import Sampling
+from specimg.step import Step
+
+
+@attrs.frozen
+class SJDOptions:
+    """window: L, the draft tokens after the accepted prefix (each step's chain)."""
+
+    window: int = attrs.field(default=16, validator=v.ge(1))
+
+
+@hookimpl
+def register_methods(register: Callable[[MethodSpec], None]) -> None:
+    register(MethodSpec("sjd", SJDOptions, "SJD: draft-free speculative Jacobi decoding over a window of L tokens", drafter=False))
+
+
+@hookimpl
+def propose_tree(
+    root_token: int, max_depth: int, previous: Step, sampling: Sampling, generator: torch.Generator, options: SJDOptions
+) -> DraftTree:
+    return jacobi_window(previous, root_token, min(options.window, max_depth), generator, sampling.greedy)
+
+
+def window_drafts(previous: Step, length: int) -> torch.Tensor:
+    """q [length, V] for the next window: the previous step's p at the nodes past its walk
+    (its chain's nodes hold ids equal to their depths), then uniform rows."""
+    probs = previous.scores.probs
+    carried = probs[len(previous.acceptance.path) : len(previous.acceptance.path) + length]
+    fresh = torch.full((length - carried.shape[0], probs.shape[-1]), 1.0 / probs.shape[-1], device=probs.device)
+    return torch.cat([carried, fresh])
+
+
+def jacobi_window(previous: Step, root_token: int, length: int, generator: torch.Generator, greedy: bool) -> DraftTree:
+    """The chain root -> x_1 -> ... -> x_length with x_i ~ q_i (argmax q_i when greedy)."""
+    device = previous.scores.probs.device
+    q = window_drafts(previous, length)
+    if length == 0:
+        drafts = torch.empty(0, dtype=torch.long, device=device)
+    elif greedy:
+        drafts = q.argmax(dim=-1)
+    else:
+        drafts = torch.multinomial(q, 1, generator=generator).squeeze(1)
+    tokens = torch.cat([torch.tensor([root_token], device=device), drafts])
+    depths = torch.arange(length + 1, device=device)
+    draft_probs = torch.cat([q, torch.zeros(1, q.shape[-1], device=device)])  # row u: what u's child was drawn from
+    logprobs = torch.cat([torch.zeros(1, device=device), q.gather(1, drafts[:, None]).squeeze(1).log()])
+    return DraftTree.from_tensors(tokens, depths - 1, depths, logprobs, draft_probs, sampled=True, width=1 if length else 0, height=length)

@@ -1,0 +1,100 @@
+"""sjd and sjd+gsd: the conformance kit, the joint law of sjd's images against the
+enumerated AR law (chi-square at ``statistics.ALPHA``, with a wrong rejection rule on the
+same windows failing the same test: the test has power), greedy AR tokens, and the
+command line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specimg import Engine, MethodSpec, Sampling, SpecimgError, hookimpl
+from specimg.plugins import PluginManager
+from specimg.step import Acceptance
+from specimg.testing import statistics
+from specimg.testing.conformance import make_conformance_tests
+from specimg_plugins import sjd
+from tests.cli_runner import run
+
+TestSJDConformance = make_conformance_tests("sjd", "sjd+gsd")
+SAMPLINGS = {"cfg": statistics.SAMPLING, "cfg-topk2": Sampling(cfg_scale=2.0, top_k=2, temperature=0.8)}
+PROBLEM = 10
+"""The Markov problem: one where the wrong rule below shifts the law by a chi-square
+noncentrality of about 950 at 2000 images (measured on 6000), against a critical value of
+61.7 (df 26, alpha 1e-4): the test rejects it surely."""
+
+
+def _sjd(problem: statistics.MarkovProblem, method: str = "sjd", window: int = 2, plugins: PluginManager | None = None, **kwargs) -> Engine:
+    return Engine(problem.target, None, method, {method: {"window": window}}, tokenizer=problem.tokenizer, plugins=plugins, **kwargs)
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS.values(), ids=SAMPLINGS)
+@pytest.mark.parametrize("window", [1, 2])
+def test_joint_law_is_the_ar_law(sampling: Sampling, window: int):
+    statistics.check_exact_law(_sjd(statistics.markov_problem(PROBLEM), window=window, sampling=sampling), seed=100)
+
+
+class WrongJacobi:
+    """sjd's windows, but a rejection draws the correction from p instead of the residual
+    norm(max(p - q, 0)): the classic bug."""
+
+    @hookimpl
+    def register_methods(self, register):
+        register(MethodSpec("wrong-sjd", sjd.SJDOptions, "a wrong acceptance rule", drafter=False))
+
+    @hookimpl
+    def propose_tree(self, root_token, max_depth, previous, generator, options):
+        return sjd.jacobi_window(previous, root_token, min(options.window, max_depth), generator, greedy=False)
+
+    @hookimpl
+    def accept(self, tree, scores, generator):
+        p, path, node = scores.probs, [0], 0
+        while tree.children[node]:
+            child = tree.children[node][0]
+            if torch.rand((), generator=generator) * tree.logprobs[child].exp() > p[node, tree.tokens[child]]:
+                break
+            path.append(child)
+            node = child
+        return Acceptance(path, int(torch.multinomial(p[node], 1, generator=generator)))
+
+
+def test_a_wrong_rejection_rule_fails_the_chi_square_test():
+    plugins = PluginManager(autoload=False)
+    plugins.register(WrongJacobi(), name="wrong-sjd")
+    engine = _sjd(statistics.markov_problem(PROBLEM), "wrong-sjd", plugins=plugins, sampling=statistics.SAMPLING)
+    assert statistics.exact_law_pvalue(engine, seed=100) < statistics.ALPHA
+
+
+@pytest.mark.parametrize("method", ["sjd", "sjd+gsd"])
+def test_greedy_tokens_are_ar_tokens_with_a_long_window(method: str):
+    greedy = Sampling(temperature=0.0, cfg_scale=3.0, cfg_interval=1)
+    for seed in range(20):
+        problem = statistics.markov_problem(seed=seed, num_tokens=8)
+        ar = Engine(problem.target, method="ar", sampling=greedy).generate([0, 1, 2], seed=seed).tokens
+        ours = Engine(problem.target, None, method, {"sjd": {"window": 4}}, sampling=greedy, tokenizer=problem.tokenizer, delta=0.0)
+        assert torch.equal(ours.generate([0, 1, 2], seed=seed).tokens, ar), f"seed {seed}"
+
+
+def test_windows_carry_the_last_step_and_accept_more_than_one_token():
+    problem = statistics.markov_problem(PROBLEM, num_tokens=12)
+    engine = _sjd(problem, window=4, sampling=statistics.SAMPLING)
+    run = engine.generate([0] * 10, seed=0).stats
+    assert sum(s.target_forwards for s in run.images) < 10 * 12 and max(run.images[0].tree_sizes) == 5
+    assert engine.tree_label == "sjd's own"
+
+
+def test_a_drafter_free_method_must_bring_its_tree():
+    class NoTree:
+        @hookimpl
+        def register_methods(self, register):
+            register(MethodSpec("notree", drafter=False))
+
+    plugins = PluginManager(autoload=False)
+    plugins.register(NoTree(), name="notree")
+    with pytest.raises(SpecimgError, match="does not implement propose_tree"):
+        Engine(statistics.markov_problem(0).target, None, "notree", plugins=plugins)
+
+
+def test_cli_generates_with_sjd(tmp_path, capsys):
+    assert run("generate", "--model", "tiny-random", "--method", "sjd", "-n", "1", "--out", str(tmp_path / "o")) == 0
+    assert "sjd's own" in capsys.readouterr().out
