@@ -98,3 +98,10 @@ def test_a_drafter_free_method_must_bring_its_tree():
 def test_cli_generates_with_sjd(tmp_path, capsys):
     assert run("generate", "--model", "tiny-random", "--method", "sjd", "-n", "1", "--out", str(tmp_path / "o")) == 0
     assert "sjd's own" in capsys.readouterr().out
+
+
+def test_sjd_gsd_without_grouping_is_sjd_seed_for_seed():
+    problem = statistics.markov_problem(PROBLEM, num_tokens=8)
+    runs = [Engine(problem.target, None, m, {"sjd": {"window": 3}}, statistics.SAMPLING, delta=0.0, tokenizer=problem.tokenizer)
+            for m in ("sjd", "sjd+gsd")]
+    assert torch.equal(*(e.generate([0] * 20, seed=4).tokens for e in runs))
