@@ -475,7 +475,7 @@ def _drafter_data(run: _Run, drafter_type: str = "eagle1") -> dict[str, Any]:
         meta = make_drafter_data(target, run.work_file(_data_folder(drafter_type)), spec, progress=bar.update)
     flag = "" if drafter_type == "eagle1" else f" --drafter-type {drafter_type}"
     return {"images": m, "examples": meta["num_examples"], "tool": "specimg.train.data.make_drafter_data",
-            "command": f"specimg make-drafter-data --target demo --tokens TOKENS --num-samples {m} --uncond --dtype bfloat16{flag} --out DATA"}
+            "command": f"specimg make-drafter-data --target demo --tokens TOKENS --num-samples {m} --uncond --feature-dtype bfloat16{flag} --out DATA"}
 
 
 def _data_folder(drafter_type: str) -> str:
