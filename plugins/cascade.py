@@ -37,12 +37,12 @@ from specimg.step import Scores
 
 @attrs.frozen
 class CascadeOptions:
-    """tau_pos, tau_seq: cosine thresholds for I(c) and C(c) (provisional, to be calibrated
-    on the demo); delta: TVD budget per node; beta: extra weight of the drafter's soft
+    """tau_pos, tau_seq: cosine thresholds for I(c) and C(c) (calibrated on the demo:
+    docs/methods.md); delta: TVD budget per node; beta: extra weight of the drafter's soft
     cross-entropy at convergent positions."""
 
-    tau_pos: float = attrs.field(default=0.9, validator=[v.ge(-1.0), v.le(1.0)])
-    tau_seq: float = attrs.field(default=0.9, validator=[v.ge(-1.0), v.le(1.0)])
+    tau_pos: float = attrs.field(default=0.5, validator=[v.ge(-1.0), v.le(1.0)])
+    tau_seq: float = attrs.field(default=0.5, validator=[v.ge(-1.0), v.le(1.0)])
     delta: float = 0.5
     beta: float = attrs.field(default=1.0, validator=v.ge(0.0))
 
