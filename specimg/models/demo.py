@@ -61,7 +61,8 @@ def demo_manifest(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
 
 
 def load_demo(path: str | os.PathLike[str] | None = None, drafter: str = "plain", max_tree_nodes: int = 128) -> Models:
-    """The demo models (name "demo") from ``path`` (default: the shipped bundle).
+    """The demo models (named "demo", or "demo-cascade" / "demo-eagle3" with those drafters)
+    from ``path`` (default: the shipped bundle).
     ``drafter``: "plain" (EAGLE-1 loss), "cascade" (EAGLE-1 trained with CASCADE's
     reweighting) or "eagle3" (an EAGLE-3 drafter, in bundles made since it joined the recipe)."""
     from specimg.models.eagle import build_drafter, load_drafter
@@ -77,7 +78,8 @@ def load_demo(path: str | os.PathLike[str] | None = None, drafter: str = "plain"
     if drafter == "eagle3" and not os.path.isfile(draft_path):
         raise SpecimgError(f"the demo bundle in {root} has no EAGLE-3 drafter ({DRAFTERS[drafter]}): re-create it with `specimg train-demo`")
     draft = load_drafter(target, draft_path, max_tree_nodes=max_tree_nodes) if os.path.isfile(draft_path) else build_drafter(target)
-    return Models(target, draft, load_tokenizer(os.path.join(root, "tokenizer.safetensors")), "demo")
+    name = "demo" if drafter == "plain" else f"demo-{drafter}"  # what manifests and bench records name
+    return Models(target, draft, load_tokenizer(os.path.join(root, "tokenizer.safetensors")), name)
 
 
 def demo_defaults(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
