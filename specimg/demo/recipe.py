@@ -508,7 +508,7 @@ def _train_drafter(run: _Run, name: str, method: str, drafter_type: str = "eagle
 
 
 def _evaluate(run: _Run) -> dict[str, Any]:
-    """The quality stage: a sampling sweep chooses the default (CFG, top-k), then the
+    """The quality stage: a sampling sweep chooses the default (CFG, temperature, top-k), then the
     engine's own samples at that default are judged against real test images, and the
     target's uncertainty where it sampled them is recorded."""
     from specimg.eval.classifier import load_classifier
