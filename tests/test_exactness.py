@@ -11,8 +11,8 @@ import torch
 
 from specimg import Engine, MethodSpec, Sampling, TreeConfig, hookimpl
 from specimg.plugins import PluginManager
-from specimg.step import Acceptance
 from specimg.testing import statistics
+from specimg.testing.statistics import accept_resampling_from_p
 
 TREES = {
     "topk-tree": statistics.TREE,
@@ -60,14 +60,7 @@ class ResampleFromP:
 
     @hookimpl
     def accept(self, tree, scores, generator):
-        p, path, node = scores.probs, [0], 0
-        while tree.children[node]:
-            child = tree.children[node][0]
-            if torch.rand((), generator=generator) * tree.logprobs[child].exp() > p[node, tree.tokens[child]]:
-                break
-            path.append(child)
-            node = child
-        return Acceptance(path, int(torch.multinomial(p[node], 1, generator=generator)))
+        return accept_resampling_from_p(tree, scores, generator)
 
 
 @pytest.mark.parametrize("tree", TREES.values(), ids=TREES)

@@ -10,8 +10,8 @@ import torch
 
 from specimg import Engine, MethodSpec, Sampling, SpecimgError, hookimpl
 from specimg.plugins import PluginManager
-from specimg.step import Acceptance
 from specimg.testing import statistics
+from specimg.testing.statistics import accept_resampling_from_p
 from specimg.testing.conformance import make_conformance_tests
 from specimg_plugins import sjd
 from tests.cli_runner import run
@@ -48,14 +48,7 @@ class WrongJacobi:
 
     @hookimpl
     def accept(self, tree, scores, generator):
-        p, path, node = scores.probs, [0], 0
-        while tree.children[node]:
-            child = tree.children[node][0]
-            if torch.rand((), generator=generator) * tree.logprobs[child].exp() > p[node, tree.tokens[child]]:
-                break
-            path.append(child)
-            node = child
-        return Acceptance(path, int(torch.multinomial(p[node], 1, generator=generator)))
+        return accept_resampling_from_p(tree, scores, generator)
 
 
 def test_a_wrong_rejection_rule_fails_the_chi_square_test():

@@ -18,8 +18,10 @@ from specimg.costs import CostModel
 from specimg.engine import Engine
 from specimg.relax import tvd
 from specimg.sampling import cfg_active_at, probabilities
+from specimg.step import Acceptance, Scores
 from specimg.testing.markov import MarkovDrafter, MarkovTarget
 from specimg.testing.strategies import CodebookTokenizer
+from specimg.tree import DraftTree
 
 IMAGES = 2000
 """Images per statistical check: 3 tokens each, a few seconds on one CPU thread."""
@@ -151,3 +153,17 @@ def flat_costs(nodes: int = 8) -> CostModel:
     table = tuple((n, 1.0 if n <= nodes else 100.0 * n) for n in (1, nodes, nodes + 1, 128))
     widths = tuple((k, 0.01) for k in (1, 10))
     return CostModel("flat", "a made-up machine", table, widths, widths, 0.01, 0.0, 1.0)
+
+
+def accept_resampling_from_p(tree: DraftTree, scores: Scores, generator: torch.Generator) -> Acceptance:
+    """A known-wrong acceptance rule for power tests: a chain of sampled drafts accepted with
+    min(1, p / q), but the correction drawn from p instead of the residual norm(max(p - q, 0))
+    (the classic bug).  An exactness test must reject its law."""
+    p, path, node = scores.probs, [0], 0
+    while tree.children[node]:
+        child = tree.children[node][0]
+        if torch.rand((), generator=generator) * tree.logprobs[child].exp() > p[node, tree.tokens[child]]:
+            break
+        path.append(child)
+        node = child
+    return Acceptance(path, int(torch.multinomial(p[node], 1, generator=generator)))
