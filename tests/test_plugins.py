@@ -161,7 +161,7 @@ def test_a_stack_binds_each_hook_to_its_members_in_method_string_order(manager):
     assert (hooks.score.owner, hooks.accept.owner, hooks.accept.options) == (None, None, None)
     assert [(h.method, h.delta, h.options) for h in hooks.relaxers] == [(m.spec.name, m.delta, m.options) for m in stack.members]
     assert [h.method for h in hooks.train_losses] == ["halving", "cascade"]
-    ce, reg = hooks.train_losses[0](soft_ce=torch.ones(3), regression=torch.ones(3), features=None, tokens=None, mask=None)
+    ce, reg = hooks.train_losses[0](soft_ce=torch.ones(3), regression=torch.ones(3), w_cls=0.1, w_reg=1.0, features=None, tokens=None, mask=None)
     assert (ce.tolist(), reg.tolist()) == ([0.5, 0.5, 0.5], [1.0, 1.0, 1.0])
     step = dict(target_dist=None, budget=None, tree=None, scores=None, target=None, tokenizer=None)
     assert hooks.relaxers[0](dist=torch.ones(1, 2), **step) is None
