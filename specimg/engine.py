@@ -162,13 +162,14 @@ class Engine:
         target, sampling = self.target, self.sampling
         prefill = target.prefill(condition, sampling.cfg)
         stats.target_forwards = 1
-        tokens = [self._draw(probabilities(prefill.logits, sampling)[0], generator)]
+        first = probabilities(prefill.logits, sampling)
+        tokens = [self._draw(first[0], generator)]
         if progress:
             progress(1)
         if self.stack is None:
             self._decode_ar(tokens, generator, stats, progress)
         else:
-            self._decode_speculative(condition, prefill, tokens, generator, stats, progress)
+            self._decode_speculative(condition, prefill, first, tokens, generator, stats, progress)
         stats.tokens = len(tokens)
         return tokens
 
@@ -213,6 +214,7 @@ class Engine:
         self,
         condition: Condition,
         prefill: TargetOutput,
+        first: Tensor,
         tokens: list[int],
         generator: torch.Generator,
         stats: ImageStats,
@@ -227,7 +229,7 @@ class Engine:
             hidden = draft_features(drafter, prefill)
         root = DraftTree.from_tensors(torch.tensor(tokens[-1:], device=device), torch.tensor([-1], device=device),
                                       torch.zeros(1, dtype=torch.long, device=device), torch.zeros(1, device=device), width=0, height=0)
-        previous = Step(root, Scores(probabilities(prefill.logits, sampling), prefill.hidden, prefill.logits, prefill.layers), Acceptance([0], tokens[-1]))
+        previous = Step(root, Scores(first, prefill.hidden, prefill.logits, prefill.layers), Acceptance([0], tokens[-1]))  # the prefill as a step
         new_tokens = tokens[-1:]
         spent = torch.zeros((), dtype=torch.float64, device=device)  # TVD(q_R, p) over the walked paths' nodes
         while len(tokens) < target.num_tokens:

@@ -8,6 +8,7 @@ sampled tokens, which is the distribution its AR loop drew each token from.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import attrs
@@ -38,7 +39,7 @@ class Uncertainty:
         """Quantiles, the share of flat positions, and histograms, JSON-ready."""
         q = torch.tensor([0.1, 0.5, 0.9])
         top1_q = self.top1.quantile(q).tolist()
-        log_v = float(torch.tensor(float(self.vocab_size)).log())
+        log_v = math.log(self.vocab_size)
         return {
             "positions": int(self.top1.numel()),
             "top1_p10_median_p90": [round(x, 4) for x in top1_q],

@@ -1,11 +1,13 @@
 """What the targets over transformers models share: loading a local Hugging Face folder
 (never a download), the 4-D attention mask a draft tree needs, keeping a tree path in a
-``DynamicCache``, and the shape and positions of their EAGLE draft layer."""
+``DynamicCache``, the shape and positions of their EAGLE draft layer, and their outputs
+as a TargetOutput."""
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -14,6 +16,7 @@ import torch
 from torch import Tensor
 
 from specimg.errors import SpecimgError
+from specimg.models.base import TargetOutput
 from specimg.models.llamagen import GPTConfig, rope_1d
 
 try:
@@ -102,3 +105,13 @@ def draft_rope(config: GPTConfig, positions: Tensor) -> Tensor:
     """The draft layer's 1-D RoPE at the image tokens' sequence positions (any offset: RoPE
     scores see only differences)."""
     return rope_1d(positions, config.head_dim, config.rope_base)
+
+
+def target_output(out: Any, index: Any, code_logits: Callable[[Tensor], Tensor], exposed: Sequence[int]) -> TargetOutput:
+    """A transformers language model's output at sequence slots ``index`` as a TargetOutput:
+    logits and last hidden states, and the ``exposed`` layers' inputs side by side (EAGLE-3;
+    ``hidden_states[i]`` is layer i's input) when there are any."""
+    hidden = out.last_hidden_state[:, index]
+    layers = torch.cat([out.hidden_states[i][:, index] for i in exposed], dim=-1) if exposed else None
+    return TargetOutput(code_logits(hidden).float(), hidden, layers)
+

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from specimg.config import Sampling
 from specimg.errors import SpecimgError
 from specimg.models.base import TargetOutput, cfg_rows, exposed_layers
-from specimg.models.hf import HFOptions, additive_mask, draft_config, draft_rope, keep_slots, load_folder, parse_options
+from specimg.models.hf import HFOptions, additive_mask, draft_config, draft_rope, keep_slots, load_folder, parse_options, target_output
 from specimg.models.llamagen import GPTConfig
 
 from transformers import DynamicCache, JanusForConditionalGeneration  # isort: skip (hf explains a missing extra)
@@ -221,10 +221,7 @@ class JanusTarget(nn.Module):
         return self.model.model.generation_head.vision_head.weight.device
 
     def _head(self, out: Any, index: Any) -> TargetOutput:
-        """The outputs at sequence slots ``index`` (the exposed layers' inputs too, if any)."""
-        hidden = out.last_hidden_state[:, index]
-        layers = torch.cat([out.hidden_states[i][:, index] for i in self.exposed], dim=-1) if self.exposed else None
-        return TargetOutput(self.code_logits(hidden).float(), hidden, layers)
+        return target_output(out, index, self.code_logits, self.exposed)
 
 
 def load_janus_target(path: str | os.PathLike[str], **overrides: Any) -> JanusTarget:
