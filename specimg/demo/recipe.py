@@ -47,6 +47,9 @@ class TokenizerScale:
     steps: int
     batch: int
     crop: int
+    split: int = 1
+    """Each trained code becomes ``split`` near-duplicates (:func:`split_codebook`)."""
+    split_angle_deg: float = 0.0
 
 
 @attrs.frozen
@@ -117,8 +120,9 @@ class Scale:
             "drafter_images": d.images, "drafter_steps": d.steps, "drafter_batch": d.batch, "drafter_lr": d.lr,
             "eval_real": q.real, "eval_per_class": q.per_class, "cfg_sweep": q.cfg_sweep, "temperature_sweep": q.temperature_sweep,
             "sweep_per_class": q.sweep_per_class, "seed": self.seed,
-            # a top-k sweep joined the recipe after the shipped bundle: recorded when there is one
+            # a top-k sweep and the codebook split joined the recipe later: recorded when used
             **({"top_k_sweep": q.top_k_sweep} if q.top_k_sweep != (0,) else {}),
+            **({"vq_split": v.split, "vq_split_angle_deg": v.split_angle_deg} if v.split > 1 else {}),
         }
 
 
@@ -148,6 +152,17 @@ DIFFUSE = attrs.evolve(
 )
 """A LlamaGen-dense codebook at LlamaGen's temperature 1: tried for a less confident target
 and not shipped; it does not follow its class (docs/demo.md, "A 4096-code target")."""
+NEAR_DUPLICATE = attrs.evolve(
+    FULL,
+    name="near-duplicate",
+    tokenizer=attrs.evolve(FULL.tokenizer, split=8, split_angle_deg=3.0),
+    target=attrs.evolve(FULL.target, config={**FULL.target.config, "vocab_size": 4096}, steps=4500),
+    drafter=attrs.evolve(FULL.drafter, images=1600, steps=2000),
+    quality=attrs.evolve(FULL.quality, temperature_sweep=(1.0,), top_k_sweep=(0, 1000, 200)),
+)
+"""4096 codes as 512 clusters of 8 near-duplicates at LlamaGen's temperature 1: the
+encoder picks within a cluster by fine texture, which the target cannot predict from the
+context, so its mass spreads over interchangeable codes as a real image model's does."""
 TOY = Scale(
     name="toy",
     tokenizer=TokenizerScale(
@@ -164,7 +179,7 @@ TOY = Scale(
     drafter=DrafterScale(images=8, steps=2, batch=4, lr=1e-3),
     quality=QualityScale(real=20, per_class=1, cfg_sweep=(4.0,), temperature_sweep=(1.0,), sweep_per_class=1, top_k_sweep=(0, 8)),
 )
-SCALES = {"full": FULL, "diffuse": DIFFUSE, "toy": TOY}
+SCALES = {"full": FULL, "near-duplicate": NEAR_DUPLICATE, "diffuse": DIFFUSE, "toy": TOY}
 
 
 def autocast() -> Any:
@@ -286,14 +301,75 @@ def _train_vq(run: _Run) -> dict[str, Any]:
                     tok.quantize.embedding.weight[dead] = z[pick] + 0.01 * torch.randn(dead.numel(), z.shape[1], generator=g)
             used.zero_()
     tok.eval()
+    test, _ = make_dataset(min(256, s.quality.real), seed=s.seed + 2, split="test")
+    result = {"final_rec_loss": history[-1]["rec"], **_reconstruction(tok, test), "log": history}
+    if s.tokenizer.split > 1:
+        trained = tok
+        tok = split_codebook(trained, s.tokenizer.split, s.tokenizer.split_angle_deg, seed=s.seed + 12)
+        result = {"trained": {k: v for k, v in result.items() if k != "log"}, **result,
+                  **_reconstruction(tok, test), **_split_structure(trained, tok, test, s.tokenizer.split)}
     save_tokenizer(tok, run.file(TOKENIZER))
+    return result
+
+
+def _reconstruction(tok: Any, test: Tensor) -> dict[str, float]:
     with torch.no_grad():
-        test, _ = make_dataset(min(256, s.quality.real), seed=s.seed + 2, split="test")
-        recon = tok.decode(tok.encode(test))
         codes = tok.encode(test)
-    return {"final_rec_loss": history[-1]["rec"], "test_l1": round((recon - test).abs().mean().item(), 4),
-            "test_mse": round(F.mse_loss(recon, test).item(), 4),
-            "codebook_usage_test": round(codes.unique().numel() / k, 3), "log": history}
+        recon = tok.decode(codes)
+    return {"test_l1": round((recon - test).abs().mean().item(), 4), "test_mse": round(F.mse_loss(recon, test).item(), 4),
+            "codebook_usage_test": round(codes.unique().numel() / tok.vocab_size, 3)}
+
+
+def split_codebook(tok: Any, split: int, angle_deg: float, seed: int) -> Any:
+    """A tokenizer whose code ``i * split + j`` is the ``j``-th of ``split`` near-duplicates of
+    code ``i``: the vertices of a regular simplex in a random plane through the tangent space
+    at the code, ``angle_deg`` away from it (so all siblings are equally far apart).  The
+    encoder then picks among siblings by the direction of its output's small residual, fine
+    texture the decoder barely shows and a target cannot predict; encoder and decoder are
+    unchanged.  L2-normalised codebooks only."""
+    from specimg.models.vq import build_tokenizer
+
+    book = tok.quantize.codebook().detach().float()
+    size, dim = book.shape
+    if not tok.config.codebook_l2_norm or not 1 < split <= dim:
+        raise SpecimgError(f"a split needs an L2-normalised codebook and 1 < split <= its width {dim}, got {split}")
+    centred = torch.eye(split) - 1.0 / split  # a regular simplex about the origin, in R^split
+    basis = torch.linalg.svd(centred).Vh[: split - 1]  # its (split - 1)-dim span
+    simplex = F.normalize(centred @ basis.T, dim=1)  # [split, split - 1], unit vectors
+    g = torch.Generator().manual_seed(seed)
+    frames = torch.linalg.qr(torch.cat([book[:, :, None], torch.randn(size, dim, dim - 1, generator=g)], dim=2)).Q
+    directions = torch.einsum("sk,ndk->nsd", simplex, frames[:, :, 1:split])  # orthonormal tangents at each code
+    theta = torch.tensor(angle_deg).deg2rad()
+    children = F.normalize(theta.cos() * book[:, None] + theta.sin() * directions, dim=-1).reshape(size * split, dim)
+    config = attrs.evolve(tok.config, codebook_size=size * split)
+    new = build_tokenizer(config, seed=seed)
+    state = {k: v for k, v in tok.state_dict().items() if k != "quantize.embedding.weight"}
+    new.load_state_dict({**state, "quantize.embedding.weight": children}, strict=True)
+    return new.eval()
+
+
+def _split_structure(trained: Any, split: Any, test: Tensor, per: int) -> dict[str, float]:
+    """How the split codebook behaves on test images: how often the encoder stays in the code
+    it chose before the split, how evenly it uses the siblings, and whether a code's nearest
+    other code is a sibling (what LANTERN's neighbours will find)."""
+    with torch.no_grad():
+        before, after = trained.encode(test).flatten(), split.encode(test).flatten()
+        book = split.codebook_vectors()
+        cos = book @ book.T
+        cos.fill_diagonal_(-2.0)
+        nearest = cos.argmax(1)
+    siblings = torch.arange(book.shape[0]) // per
+
+    def entropy(codes: Tensor) -> float:
+        p = torch.bincount(codes).float()
+        p = p[p > 0] / p.sum()
+        return -(p * p.log()).sum().item()
+
+    return {"split": per, "same_cluster_as_trained_code": round((after // per == before).float().mean().item(), 4),
+            # H(code | its cluster), against ln(split) for siblings used evenly
+            "sibling_entropy_nats": round(entropy(after) - entropy(after // per), 3),
+            "nearest_code_is_sibling": round((siblings[nearest] == siblings).float().mean().item(), 4),
+            "sibling_cosine": round(cos[0, 1].item(), 4)}
 
 
 def _encode(tok: Any, images: Tensor, batch: int = 128) -> Tensor:
