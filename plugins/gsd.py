@@ -9,6 +9,13 @@ child c of u in draft-rank order:
               |p_u(t) - p_u(c)| < p_thr  and  cos(E_t, E_c) >= emb_thr
               (E = the target's input embeddings), closest in rank first
     q_R(c) += mass of G(c) under p_u, while the node's budget delta lasts
+
+The paper's own rule (``acceptance="group"``) verifies a chain of drafts x_i ~ q_i (SJD's
+windows) with no budget:
+
+    accept x_i with probability min(1, p_i({x_i} + G(x_i)) / q_i({x_i} + G(x_i)))
+    at the first rejection, emit y ~ norm(max(0, p_i - q_i)) and stop
+    (the whole chain accepted: emit y ~ p at its last node)
 """
 
 from __future__ import annotations
@@ -21,21 +28,25 @@ import torch.nn.functional as F
 from attrs import validators as v
 from torch import Tensor
 
-from specimg import DraftTree, MethodSpec, hookimpl
+from specimg import DraftTree, MethodSpec, Sampling, SpecimgError, hookimpl
 from specimg.models.base import Target
 from specimg.relax import transfer
+from specimg.step import Acceptance
 
 
 @attrs.frozen
 class GSDOptions:
     """w: rank window; p_thr: largest probability gap to c; emb_thr: smallest cosine
     similarity of input embeddings to c (scale-free, unlike the paper's squared L2 < 0.5,
-    which is tied to Lumina-mGPT's embedding scale); delta: TVD budget per node."""
+    which is tied to Lumina-mGPT's embedding scale); delta: TVD budget per node.
+    acceptance: "budget" moves G(c)'s mass onto c within delta (any tree); "group" is the
+    paper's group acceptance on sampled chains, unbounded (delta 0 turns grouping off)."""
 
     w: int = attrs.field(default=7, validator=v.ge(1))
     p_thr: float = 0.15
     emb_thr: float = 0.5
     delta: float = 0.5
+    acceptance: str = attrs.field(default="budget", validator=v.in_(("budget", "group")))
 
 
 @hookimpl
@@ -46,7 +57,9 @@ def register_methods(register: Callable[[MethodSpec], None]) -> None:
 @hookimpl
 def build_relaxed_dist(
     dist: Tensor, target_dist: Tensor, budget: Tensor, tree: DraftTree, target: Target, options: GSDOptions
-) -> Tensor:
+) -> Tensor | None:
+    if options.acceptance == "group":  # the groups act in the acceptance, not on q_R
+        return None
     candidates = tree.candidates()[0].to(dist.device)
     donors = group_donors(target_dist, candidates, target.input_embeddings(), options)
     return transfer(dist, target_dist, candidates, donors, budget.to(dist.device), distinct=True)[0]
@@ -79,3 +92,44 @@ def group_donors(probs: Tensor, candidates: Tensor, embeddings: Tensor, options:
     keep = inside & p_close & e_close & (cand >= 0)[..., None]
     donors[rows] = torch.where(keep, tokens, torch.full_like(tokens, -1))
     return donors
+
+
+@hookimpl
+def accept(
+    tree: DraftTree, dist: Tensor, sampling: Sampling, generator: torch.Generator, exact: bool, target: Target, options: GSDOptions
+) -> Acceptance | None:
+    if options.acceptance != "group" or sampling.greedy:
+        return None
+    return group_acceptance(tree, dist, target.input_embeddings(), generator, options, grouping=not exact)
+
+
+def group_acceptance(
+    tree: DraftTree, probs: Tensor, embeddings: Tensor, generator: torch.Generator, options: GSDOptions, grouping: bool = True
+) -> Acceptance:
+    """GSD's acceptance along a chain of sampled drafts (module docstring).  Without
+    ``grouping`` every group is the draft alone: speculative sampling, exact.  Every node's
+    uniform is drawn at once; the host reads the walk's end and then the correction."""
+    if tree.draft_probs is None or tree.child_ids.shape[1] > 1:
+        raise SpecimgError("gsd's group acceptance verifies a chain of sampled drafts (sjd's windows): use it as sjd+gsd")
+    candidates, ids = tree.candidates()
+    group = candidates[..., None]
+    if grouping:
+        group = torch.cat([group, group_donors(probs, candidates, embeddings, options)], dim=-1)
+    members = group[:, 0].clamp(min=0)
+    inside = (group[:, 0] >= 0).to(probs.dtype)
+    draft = tree.draft_probs.to(probs.device)
+    p_group = (probs.gather(1, members) * inside).sum(1)
+    q_group = (draft.gather(1, members) * inside).sum(1)
+    ratio = torch.where(candidates[:, 0] >= 0, p_group / q_group.clamp(min=torch.finfo(q_group.dtype).tiny), 0.0)
+    uniforms = torch.rand(ratio.shape, generator=generator, dtype=torch.float64, device=probs.device)
+    accepted = (uniforms < ratio.double()).tolist()
+    path, node, next_ids = [0], 0, ids[:, 0].tolist()
+    while accepted[node]:
+        node = next_ids[node]
+        path.append(node)
+    if next_ids[node] < 0:  # the chain's last node: the bonus token
+        correction = probs[node]
+    else:
+        left = (probs[node] - draft[node]).clamp(min=0)
+        correction = left if bool(left.sum() > 0) else probs[node]  # p == q: rejection had probability 0
+    return Acceptance(path, int(torch.multinomial(correction.float(), 1, generator=generator)))

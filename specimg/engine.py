@@ -202,7 +202,8 @@ class Engine:
     def accept(self, tree: DraftTree, dist: Tensor, scores: Scores, generator: torch.Generator) -> Acceptance:
         """One step's acceptance by the stack's accept hook or the core's default."""
         assert self.stack is not None and self.hooks is not None
-        return self.hooks.accept(tree=tree, dist=dist, scores=scores, sampling=self.sampling, generator=generator, exact=self.stack.delta == 0.0)
+        return self.hooks.accept(tree=tree, dist=dist, scores=scores, sampling=self.sampling, generator=generator, exact=self.stack.delta == 0.0,
+                                 target=self.target)
 
     @contextmanager
     def _timed(self, stats: ImageStats, phase: str):

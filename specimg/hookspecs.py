@@ -99,7 +99,8 @@ def build_relaxed_dist(
 
 @hookspec(firstresult=True)
 def accept(
-    tree: DraftTree, dist: Tensor, scores: Scores, sampling: Sampling, generator: torch.Generator, exact: bool, options: Any
+    tree: DraftTree, dist: Tensor, scores: Scores, sampling: Sampling, generator: torch.Generator, exact: bool, target: Target,
+    options: Any,
 ) -> Acceptance | None:
     """Walk ``tree`` with the relaxed per-node distributions ``dist`` [n, V] and return the
     accepted path and the next token.

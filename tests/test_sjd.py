@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specimg import Engine, MethodSpec, Sampling, SpecimgError, hookimpl
+from specimg import DraftTree, Engine, MethodSpec, Sampling, SpecimgError, hookimpl
 from specimg.plugins import PluginManager
 from specimg.testing import statistics
 from specimg.testing.statistics import accept_resampling_from_p
-from specimg.testing.conformance import make_conformance_tests
-from specimg_plugins import sjd
+from specimg.testing.conformance import emission, make_conformance_tests
+from specimg_plugins import gsd, sjd
 from tests.cli_runner import run
 
 TestSJDConformance = make_conformance_tests("sjd", "sjd+gsd")
@@ -98,3 +98,80 @@ def test_sjd_gsd_without_grouping_is_sjd_seed_for_seed():
     runs = [Engine(problem.target, None, m, {"sjd": {"window": 3}}, statistics.SAMPLING, delta=0.0, tokenizer=problem.tokenizer)
             for m in ("sjd", "sjd+gsd")]
     assert torch.equal(*(e.generate([0] * 20, seed=4).tokens for e in runs))
+
+
+# --- sjd+gsd with GSD's own group acceptance (gsd.acceptance=group) -----------------------
+
+GROUP = {"acceptance": "group"}
+
+
+def _chain(first: int, q: torch.Tensor) -> DraftTree:
+    """root -> first, drawn from q; the root's row of draft_probs is q."""
+    return DraftTree.from_parents([0, first], [-1, 0], draft_probs=torch.stack([q, torch.zeros_like(q)]), sampled=True)
+
+
+def _emitted_at_root(p: torch.Tensor, q: torch.Tensor, grouping: bool, options: gsd.GSDOptions) -> torch.Tensor:
+    """The law of the token emitted after the root, enumerated over the draft x ~ q and
+    accept's draws."""
+    law = torch.zeros(p.shape[0], dtype=torch.float64)
+    probs = torch.stack([p, p])
+    for x in q.nonzero().flatten().tolist():
+        tree = _chain(x, q)
+        _, joint = emission(lambda g: gsd.group_acceptance(tree, probs, EMBEDDINGS, g, options, grouping), tree, p.shape[0])
+        law += float(q[x]) * joint[0]
+    return law
+
+
+EMBEDDINGS = torch.tensor([[1.0, 0.0], [1.0, 0.1], [0.9, 0.2], [0.0, 1.0], [-1.0, 0.0]])
+P = torch.tensor([0.30, 0.25, 0.20, 0.15, 0.10])
+Q = torch.tensor([0.40, 0.30, 0.05, 0.05, 0.20])
+
+
+def test_group_acceptance_without_grouping_is_speculative_sampling():
+    """Enumerated over the draft and every draw: the emitted token follows p exactly."""
+    law = _emitted_at_root(P, Q, grouping=False, options=gsd.GSDOptions(**GROUP))
+    assert torch.allclose(law, P.double(), atol=1e-12)
+
+
+def test_group_acceptance_accepts_with_the_group_ratio():
+    """x is accepted with min(1, p(G) / q(G)), G = x and its group (by the same rule as the
+    budgeted gsd), and a rejection emits norm(max(0, p - q)); here the groups change what
+    is accepted, so the law moves off p (the paper's rule has no budget)."""
+    options = gsd.GSDOptions(**GROUP)
+    probs = torch.stack([P, P])
+    grouped = 0
+    for x in range(5):
+        donors = gsd.group_donors(probs[:1], torch.tensor([[x]]), EMBEDDINGS, options)[0, 0]
+        group = [x] + [t for t in donors.tolist() if t >= 0]
+        ratio = min(1.0, float(P[group].sum() / Q[group].sum()))
+        grouped += ratio != min(1.0, float(P[x] / Q[x]))
+        tree = _chain(x, Q)
+        _, joint = emission(lambda g: gsd.group_acceptance(tree, probs, EMBEDDINGS, g, options), tree, 5)
+        residual = (P - Q).clamp(min=0).double()
+        want = (1 - ratio) * residual / residual.sum()
+        want[x] += ratio
+        assert torch.allclose(joint[0], want, atol=1e-12), (x, group)
+    assert grouped >= 2  # the example has groups that change the ratio
+    law = _emitted_at_root(P, Q, grouping=True, options=options)
+    assert not torch.allclose(law, P.double(), atol=1e-3)
+
+
+def test_group_acceptance_at_delta_0_follows_the_ar_law():
+    problem = statistics.markov_problem(PROBLEM)
+    engine = Engine(problem.target, None, "sjd+gsd", {"sjd": {"window": 2}, "gsd": GROUP}, statistics.SAMPLING, delta=0.0,
+                    tokenizer=problem.tokenizer)
+    statistics.check_exact_law(engine, seed=100)
+
+
+def test_group_acceptance_needs_a_chain():
+    q = torch.tensor([0.5, 0.5, 0.0])
+    tree = DraftTree.from_parents([0, 0, 1], [-1, 0, 0], draft_probs=torch.stack([q, torch.zeros(3), torch.zeros(3)]), sampled=True)
+    with pytest.raises(SpecimgError, match="chain of sampled drafts"):
+        gsd.group_acceptance(tree, torch.full((3, 3), 1 / 3), torch.eye(3), torch.Generator(), gsd.GSDOptions(**GROUP))
+
+
+def test_group_acceptance_runs_in_the_engine():
+    problem = statistics.markov_problem(PROBLEM, num_tokens=8)
+    engine = Engine(problem.target, None, "sjd+gsd", {"sjd": {"window": 3}, "gsd": GROUP}, statistics.SAMPLING, tokenizer=problem.tokenizer)
+    out = engine.generate([0] * 4, seed=1)
+    assert out.tokens.shape == (4, 8) and torch.equal(out.tokens, engine.generate([0] * 4, seed=1).tokens)
