@@ -113,3 +113,30 @@ def test_shipped_bundle_loads_and_generates() -> None:
     with torch.inference_mode():
         img = models.tokenizer.decode(out.tokens)
     assert img.shape == (1, 3, 64, 64)
+
+
+def test_split_codebook_makes_equiangular_siblings_around_each_code() -> None:
+    import math
+
+    from specimg.demo.recipe import split_codebook
+    from specimg.models.vq import build_tokenizer
+
+    tok = build_tokenizer(seed=1, codebook_size=16, codebook_embed_dim=4, ch=8, encoder_ch_mult=(1, 2), decoder_ch_mult=(1, 2),
+                          z_channels=8, num_res_blocks=1, norm_groups=4)
+    split = split_codebook(tok, 4, 5.0, seed=2)
+    assert split.vocab_size == 64
+    parents, children = tok.codebook_vectors(), split.codebook_vectors().view(16, 4, 4)
+    theta = math.radians(5.0)
+    # every child sits theta from its code, and siblings sit equally far apart (a regular simplex)
+    assert torch.allclose(torch.einsum("nd,nkd->nk", parents, children), torch.full((16, 4), math.cos(theta)), atol=1e-5)
+    sibling = math.cos(theta) ** 2 - math.sin(theta) ** 2 / 3
+    cos = torch.einsum("nkd,njd->nkj", children, children)
+    off = ~torch.eye(4, dtype=torch.bool).expand(16, 4, 4)
+    assert torch.allclose(cos[off], torch.full_like(cos[off], sibling), atol=1e-5)
+    # encoder and decoder untouched; the encoder mostly stays in the code it chose before
+    state, new = tok.state_dict(), split.state_dict()
+    assert all(torch.equal(state[k], new[k]) for k in state if k != "quantize.embedding.weight")
+    images, _ = make_dataset(4, seed=0)
+    assert (split.encode(images) // 4 == tok.encode(images)).float().mean() >= 0.8
+    with pytest.raises(SpecimgError, match="1 < split <= its width 4"):
+        split_codebook(tok, 5, 5.0, seed=2)
