@@ -12,6 +12,10 @@ draft-rank order:
               while the node's budget delta lasts
 
 c's siblings are excluded from I(c): their tokens are candidates of u and never donate.
+
+Beyond the tree (``beyond_tree`` = k > 0; specimg's extension, not the paper's rule): after
+I(c) and C(c), the k tokens whose input embeddings are nearest to c's donate too, a cheap
+proxy of state similarity for the mass that lies off the tree, within the same budget.
 Drafter training (CASCADE, arXiv 2605.07230): the soft cross-entropy at position t is
 scaled by (1 + beta) where the sequence converges as C(c) sees it along a branch, cos(F_t,
 F_{t-1}) >= tau_seq (a node and its parent are consecutive positions), with F_t the same
@@ -31,6 +35,8 @@ from attrs import validators as v
 from torch import Tensor
 
 from specimg import DraftTree, MethodSpec, hookimpl
+from specimg.models.base import Target
+from specimg.neighbours import embedding_donors
 from specimg.relax import transfer
 from specimg.step import Scores
 
@@ -39,12 +45,14 @@ from specimg.step import Scores
 class CascadeOptions:
     """tau_pos, tau_seq: cosine thresholds for I(c) and C(c) (calibrated on the demo:
     docs/methods.md); delta: TVD budget per node; beta: extra weight of the drafter's soft
-    cross-entropy at convergent positions."""
+    cross-entropy at convergent positions; beyond_tree: donors from outside the tree, the k
+    tokens nearest c by input embedding (0: the paper's rule, tree tokens only)."""
 
     tau_pos: float = attrs.field(default=0.5, validator=[v.ge(-1.0), v.le(1.0)])
     tau_seq: float = attrs.field(default=0.5, validator=[v.ge(-1.0), v.le(1.0)])
     delta: float = 0.5
     beta: float = attrs.field(default=1.0, validator=v.ge(0.0))
+    beyond_tree: int = attrs.field(default=0, validator=v.ge(0))
 
 
 @hookimpl
@@ -53,9 +61,13 @@ def register_methods(register: Callable[[MethodSpec], None]) -> None:
 
 
 @hookimpl
-def build_relaxed_dist(dist: Tensor, target_dist: Tensor, budget: Tensor, tree: DraftTree, scores: Scores, options: CascadeOptions) -> Tensor:
+def build_relaxed_dist(
+    dist: Tensor, target_dist: Tensor, budget: Tensor, tree: DraftTree, scores: Scores, target: Target, options: CascadeOptions
+) -> Tensor:
     candidates, ids = (t.to(dist.device) for t in tree.candidates())
     donors = context_donors(tree, scores.hidden[0].to(dist.device), ids, options.tau_pos, options.tau_seq)
+    if options.beyond_tree:
+        donors = torch.cat([donors, embedding_donors(target, candidates, options.beyond_tree)], dim=-1)
     return transfer(dist, target_dist, candidates, donors, budget.to(dist.device))[0]
 
 

@@ -22,13 +22,14 @@ from specimg.cache import CACHE_ENV, cache_dir
 from specimg.errors import SpecimgError
 from specimg.files import atomic_path
 
-__all__ = ["CACHE_ENV", "CODEBOOKS", "codebook_donors", "codebook_key", "nearest_codes", "neighbour_table"]
+__all__ = ["CACHE_ENV", "CODEBOOKS", "codebook_donors", "codebook_key", "embedding_donors", "nearest_codes", "neighbour_table"]
 
 CODEBOOKS = ("normalised", "raw")
 """Which vectors neighbours are measured in: the ones the decoder sees, or the codebook as stored."""
 _CHUNK_ROWS = 512
 _memory: dict[tuple[str, int, str], Tensor] = {}
 _by_codebook: dict[int, tuple[weakref.ref[Tensor], dict[tuple[int, str], Tensor]]] = {}
+_by_target: weakref.WeakKeyDictionary[Any, dict[tuple[int, str], Tensor]] = weakref.WeakKeyDictionary()
 
 
 def codebook_key(codebook: Tensor) -> str:
@@ -101,6 +102,19 @@ def codebook_donors(tokenizer: Any, candidates: Tensor, k: int, vocab_size: int,
         raise SpecimgError(f"method {method!r} with codebook=raw needs the tokenizer's raw_codebook_vectors(), which {type(tokenizer).__name__} lacks")
     table = _tokenizer_table(tokenizer, k, candidates.device, vocab_size, method, raw)
     near = table[candidates.clamp(min=0)].long()
+    return torch.where(candidates[..., None] >= 0, near, torch.full_like(near, -1))
+
+
+def embedding_donors(target: Any, candidates: Tensor, k: int) -> Tensor:
+    """Each candidate's k nearest tokens by cosine of the target's input embeddings as
+    donors [n, C, k] (-1 where no candidate).  A target's embeddings are fixed while it
+    decodes, so its table is built once per target, k and device."""
+    per_target = _by_target.setdefault(target, {})
+    key = (k, str(candidates.device))
+    if key not in per_target:
+        unit = torch.nn.functional.normalize(target.input_embeddings().float(), dim=-1)
+        per_target[key] = neighbour_table(unit, k, candidates.device)
+    near = per_target[key][candidates.clamp(min=0)].long()
     return torch.where(candidates[..., None] >= 0, near, torch.full_like(near, -1))
 
 

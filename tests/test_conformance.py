@@ -33,6 +33,8 @@ TestConformance = make_conformance_tests(*sorted(PLUGINS.methods()), *pair_stack
 # the papers' modes (docs/methods.md): LANTERN's raw codebook and budget per candidate,
 # LANTERN++'s cap-only rule (delta 1) on the raw codebook
 TestLanternPaperMode = make_conformance_tests("lantern", "cascade+lantern", options={"lantern": {"codebook": "raw", "budget": "candidate"}})
+# cascade's own extension: donors from outside the tree, nearest by input embedding
+TestCascadeBeyondTree = make_conformance_tests("cascade", "cascade+lantern", options={"cascade": {"beyond_tree": 3}})
 TestLanternPPPaperMode = make_conformance_tests("lantern++", "cascade+lantern++", options={"lantern++": {"codebook": "raw", "delta": 1.0}})
 
 

@@ -17,6 +17,7 @@ from specimg.methods import Member, make_options
 from specimg.models.vq import build_tokenizer as build_vq
 from specimg.plugins import PluginManager
 from specimg.relax import transfer, tvd
+from specimg.step import Scores
 from specimg.testing.conformance import relaxed, step_engine
 from specimg.testing.markov import MarkovDrafter, MarkovTarget
 from specimg.testing.strategies import CodebookTokenizer, RelaxCase
@@ -287,6 +288,24 @@ def test_cascade_donors_come_from_other_branches_and_adjacent_depths():
     assert [t for t in donors[1, c_col].tolist() if t >= 0] == [11, 15, 16]
     only_pos = cascade.context_donors(tree, hidden, ids, tau_pos=0.9, tau_seq=1.0)
     assert [t for t in only_pos[1, c_col].tolist() if t >= 0] == [15]
+
+
+def test_cascade_beyond_the_tree_adds_embedding_neighbours_after_the_tree_donors():
+    """A chain root -> c: c has no tree donor but its parent (state unrelated here), so only
+    the extension gives it mass, from the token nearest c by input embedding."""
+
+    class Target:
+        def input_embeddings(self):
+            return torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.1, 1.0], [-1.0, -0.2]])
+
+    tree = DraftTree.from_parents([0, 1], [-1, 0])
+    p = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]])
+    scores = Scores(p, hidden=torch.tensor([[[1.0, 0.0], [0.0, 1.0]]]), logits=torch.zeros(1, 2, 4))
+    budget = torch.tensor([0.5, 0.5])
+    relax = lambda k: cascade.build_relaxed_dist(p, p, budget, tree, scores, Target(), cascade.CascadeOptions(beyond_tree=k))  # noqa: E731
+    assert torch.equal(relax(0), p)
+    assert torch.allclose(relax(1)[0], torch.tensor([0.1, 0.5, 0.0, 0.4]))  # token 2, nearest 1, gives its 0.3
+    assert torch.allclose(relax(2)[0], torch.tensor([0.0, 0.6, 0.0, 0.4]))  # then token 0, within the budget
 
 
 def test_cascade_train_loss_boosts_the_cross_entropy_at_convergent_positions():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specimg import SpecimgError, neighbours
-from specimg.neighbours import codebook_donors, nearest_codes, neighbour_table
+from specimg.neighbours import codebook_donors, embedding_donors, nearest_codes, neighbour_table
 
 
 @pytest.fixture(autouse=True)
@@ -76,3 +76,23 @@ def test_donors_are_the_candidates_neighbours():
         codebook_donors(None, candidates, 3, 40, "lantern")
     with pytest.raises(SpecimgError, match="40 codes, the target's vocabulary 64"):
         codebook_donors(Tokenizer(book), candidates, 3, 64, "lantern")
+
+
+class EmbeddingTarget:
+    def __init__(self, table: torch.Tensor):
+        self.table = table
+
+    def input_embeddings(self) -> torch.Tensor:
+        return self.table
+
+
+def test_embedding_donors_are_the_nearest_by_cosine(fresh_cache):
+    emb = codebook() * torch.linspace(0.5, 3.0, 40)[:, None]  # lengths vary: only directions count
+    unit = torch.nn.functional.normalize(emb, dim=-1)
+    cos = unit @ unit.T
+    cos.fill_diagonal_(-2.0)
+    candidates = torch.tensor([[5, 9], [2, -1]])
+    donors = embedding_donors(EmbeddingTarget(emb), candidates, 4)
+    for row, col in ((0, 0), (0, 1), (1, 0)):
+        assert torch.equal(donors[row, col], cos[candidates[row, col]].topk(4).indices)
+    assert bool((donors[1, 1] == -1).all())
