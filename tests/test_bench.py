@@ -18,7 +18,8 @@ from specimg.engine import Engine
 from specimg.errors import SpecimgError
 from specimg.eval import metrics, prompts
 from specimg.eval.bench import BenchSpec, csv_text, markdown_table, plan_variants, run_bench, stack_members, summarise, write_outputs
-from specimg.eval.quality import Quality
+from specimg.eval.metrics import frechet_distance
+from specimg.eval.quality import AR_FLOOR_SEED, Quality
 from specimg.models import loading
 from specimg.models.base import Caption
 from specimg.sampling import probabilities
@@ -341,6 +342,13 @@ def test_quality_with_a_classifier_and_outputs(models, tmp_path):
     assert naive_q["accuracy"] == pytest.approx((predicted == torch.tensor(spec.conditions)).float().mean().item())
     assert naive_q["loglik"] < 0
     assert summary["floors"]["frechet_real"]["n_a"] == 4
+    # the AR floor: AR on other seeds against the run's AR samples, what an exact sampler scores
+    ar_tokens = torch.tensor([r["tokens"] for r in run.records if r["label"] == "ar"])
+    again = models.target.sample_batch(list(spec.conditions), [AR_FLOOR_SEED + i for i in range(4)], SAMPLING)
+    with torch.no_grad():
+        features = [classifier.all_features(models.tokenizer.decode(t).clamp(-1, 1)) for t in (again, ar_tokens)]
+    assert summary["floors"]["frechet_ar"]["value"] == pytest.approx(frechet_distance(*features).value, rel=1e-5)
+    assert summary["floors"]["frechet_ar"]["value"] > 0
     paths = write_outputs(summary, spec, tmp_path, {"model": models.name})
     doc = json.loads(open(paths["json"]).read())
     assert doc["plot_metric"] == "frechet_real" and doc["settings"]["num_images"] == 4

@@ -125,8 +125,9 @@ def bench_command(
         echo(f"note: {note}")
     if "png" not in paths:
         echo(f"note: {MISSING_PLOT}")
-    floor = summary["floors"].get("frechet_real")
-    if floor is not None:
-        echo(f"Frechet floor (real vs real at n={floor['n_a']} vs {floor['n_b']}): {floor['value']:.2f}")
+    for key, what in (("frechet_real", "real vs real"), ("frechet_ar", "AR vs AR on other seeds")):
+        floor = summary["floors"].get(key)
+        if floor is not None:
+            echo(f"Frechet floor ({what} at n={floor['n_a']} vs {floor['n_b']}): {floor['value']:.2f}")
     echo(f"{summary['images']} images per method, {len(variants)} methods, {time.perf_counter() - start:.0f}s -> {', '.join(paths.values())}")
     return summary

@@ -13,8 +13,9 @@ conditions and seeds for every method) with what is available:
 - with ``--clip-model`` and captions: ``clip``.
 
 Fréchet numbers carry their sample counts.  ``floors`` holds what an ideal sampler would
-score at the same counts (a second real set against the reference), because with few
-samples the estimate is biased upwards.
+score at the same counts, because with few samples the estimate is biased upwards: a
+second real set against the real reference, and AR samples on other seeds (the target's
+batched sampler) against the run's AR samples.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ PRIMARY_ORDER = ("fid", "frechet_real", "frechet_ar", "loglik")
 
 DEMO_REAL_SEED = 7_000
 """Seed of the demo's real reference images (held-out digit instances, ``split="test"``)."""
+AR_FLOOR_SEED = 900_000
+"""Image i of the AR floor's second sample set draws with seed AR_FLOOR_SEED + i."""
 
 
 class Quality:
@@ -115,6 +118,10 @@ class Quality:
         n = next(iter(samples.values())).shape[0] if samples else 0
         if real is not None and self.real_images is not None and n >= 2:
             floors["frechet_real"] = frechet_distance(self._features(self.real_images(n, DEMO_REAL_SEED + 1)), real)
+        if baseline in feats and n >= 2 and hasattr(self.target, "sample_batch"):
+            self.log(f"AR floor: {n} AR samples on other seeds")
+            again = self.target.sample_batch(self.conditions, [AR_FLOOR_SEED + i for i in range(n)], self.sampling)
+            floors["frechet_ar"] = frechet_distance(self._features(self.decode(again)), feats[baseline])
         return out, floors
 
 
