@@ -16,6 +16,7 @@ c's siblings are excluded from I(c): their tokens are candidates of u and never 
 Beyond the tree (``beyond_tree`` = k > 0; specimg's extension, not the paper's rule): after
 I(c) and C(c), the k tokens whose input embeddings are nearest to c's donate too, a cheap
 proxy of state similarity for the mass that lies off the tree, within the same budget.
+
 Drafter training (CASCADE, arXiv 2605.07230): the soft cross-entropy at position t is
 scaled by (1 + beta) where the sequence converges as C(c) sees it along a branch, cos(F_t,
 F_{t-1}) >= tau_seq (a node and its parent are consecutive positions), with F_t the same

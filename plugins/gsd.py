@@ -111,7 +111,7 @@ def group_acceptance(
     uniform is drawn at once; the host reads the walk's end and then the correction."""
     if tree.draft_probs is None or tree.child_ids.shape[1] > 1:
         raise SpecimgError("gsd's group acceptance verifies a chain of sampled drafts (sjd's windows): use it as sjd+gsd")
-    candidates, ids = tree.candidates()
+    candidates, ids = (t.to(probs.device) for t in tree.candidates())
     group = candidates[..., None]
     if grouping:
         group = torch.cat([group, group_donors(probs, candidates, embeddings, options)], dim=-1)
