@@ -281,7 +281,8 @@ def tune(**kw: Any) -> None:
 
 @cli.command("train-demo")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="folder for the bundle (resumed if it holds a partial run)")
-@click.option("--scale", type=click.Choice(["full", "near-duplicate", "diffuse", "toy"]), default="full", show_default=True, help="toy: the same recipe at toy size, in seconds; diffuse: a 4096-code variant at temperature 1 (see docs/demo.md)")
+@click.option("--scale", type=click.Choice(["near-duplicate", "compact", "diffuse", "toy"]), default="near-duplicate", show_default=True,
+              help="near-duplicate: the shipped demo; compact: the earlier 512-code one; diffuse: a 4096-code variant not shipped; toy: the same recipe at toy size, in seconds (see docs/demo.md)")
 @click.option("--threads", type=THREADS, default=None, help="torch CPU threads [default: torch's choice]")
 @click.option("--keep-work", is_flag=True, help="keep the intermediate token sets and samples in OUT/work")
 def train_demo(out: str, scale: str, threads: int | None, keep_work: bool) -> None:

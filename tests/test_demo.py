@@ -78,24 +78,28 @@ def test_toy_recipe_end_to_end(tmp_path) -> None:
     assert gen.tokens.shape == (1, 256)
 
 
-def test_the_full_scale_records_itself_as_the_shipped_bundle_did() -> None:
-    """The scale is grouped by stage; the manifest keeps the flat record it always had."""
+def test_the_default_scale_records_itself_as_the_shipped_bundle_did() -> None:
+    """The shipped bundle is what ``specimg train-demo`` with no --scale makes, recorded the same way."""
+    import inspect
+
     import specimg.demo
-    from specimg.demo.recipe import FULL
+    from specimg.demo.recipe import SCALES, train_demo
 
     with open(os.path.join(os.path.dirname(specimg.demo.__file__), "bundle", "manifest.json")) as fh:
         shipped = json.load(fh)["scale"]
-    assert json.dumps(FULL.record()) == json.dumps(shipped)
+    default = inspect.signature(train_demo).parameters["scale"].default
+    assert shipped["name"] == default
+    assert json.dumps(SCALES[default].record()) == json.dumps(shipped)
 
 
 def test_wrong_scale_on_existing_folder_is_a_user_error(tmp_path, capsys) -> None:
     from specimg.cli import main
 
-    (tmp_path / "manifest.json").write_text(json.dumps({"scale": {"name": "full"}, "stages": {}}))
+    (tmp_path / "manifest.json").write_text(json.dumps({"scale": {"name": "compact"}, "stages": {}}))
     with pytest.raises(SystemExit) as stop:
         main(["train-demo", "--out", str(tmp_path), "--scale", "toy"])
     assert stop.value.code == 2
-    assert capsys.readouterr().err == f"specimg: error: {tmp_path} holds a bundle of scale full, not toy; give another --out or --scale full\n"
+    assert capsys.readouterr().err == f"specimg: error: {tmp_path} holds a bundle of scale compact, not toy; give another --out or --scale compact\n"
 
 
 def test_shipped_bundle_loads_and_generates() -> None:
