@@ -162,9 +162,10 @@ NEAR_DUPLICATE = attrs.evolve(
     drafter=attrs.evolve(COMPACT.drafter, images=1600, steps=2000),
     quality=attrs.evolve(COMPACT.quality, temperature_sweep=(1.0,), top_k_sweep=(0, 1000, 200)),
 )
-"""4096 codes as 512 clusters of 8 near-duplicates at LlamaGen's temperature 1: the
-encoder picks within a cluster by fine texture, which the target cannot predict from the
-context, so its mass spreads over interchangeable codes as a real image model's does."""
+"""The shipped demo: 4096 codes as 512 clusters of 8 near-duplicates at LlamaGen's
+temperature 1.  The encoder picks within a cluster by fine texture, which the target can
+only partly predict from the context, so its mass spreads over interchangeable codes as a
+real image model's does (docs/demo.md)."""
 TOY = Scale(
     name="toy",
     tokenizer=TokenizerScale(
