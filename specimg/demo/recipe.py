@@ -142,7 +142,7 @@ COMPACT = Scale(
     drafter=DrafterScale(images=800, steps=1000, batch=8, lr=1e-3),
     quality=QualityScale(real=500, per_class=20, cfg_sweep=(2.0, 3.0, 4.0, 5.0), temperature_sweep=(1.0, 0.8, 0.6), sweep_per_class=10),
 )
-"""512 codes: the demo shipped until 2026-12-04, confident (median top-1 0.94 at its
+"""512 codes: the demo shipped before 2026-12-04, confident (median top-1 0.94 at its
 default temperature 0.6); the base the other full-size scales change."""
 DIFFUSE = attrs.evolve(
     COMPACT,
