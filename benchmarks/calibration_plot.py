@@ -34,7 +34,7 @@ def points(paths: list[str]) -> tuple[list[dict], list[float]]:
             if v["label"] in ("ar", "naive") or not v.get("tvd"):
                 continue
             if v["images"] not in naive:
-                raise SystemExit(f"{path}: no naive run of {v['images']} images among the given runs")
+                raise ValueError(f"{path}: no naive run of {v['images']} images among the given runs")
             found.append({"label": f"{v['label']} (n={v['images']})", "tvd": v["tvd"], "gain": v["tau"] / naive[v["images"]],
                           "fd_ar": v["quality"]["frechet_ar"]["value"], "n": v["images"]})
     return found, floors
@@ -45,7 +45,10 @@ def main() -> None:
     parser.add_argument("runs", nargs="+", help="bench.json files")
     parser.add_argument("--plot", help="PNG to write (needs matplotlib)")
     args = parser.parse_args()
-    found, floors = points(args.runs)
+    try:
+        found, floors = points(args.runs)
+    except (OSError, ValueError, KeyError) as err:
+        parser.error(str(err))
     print("| variant | n | tvd | tau / naive | FD vs AR |\n|---|---:|---:|---:|---:|")
     for p in sorted(found, key=lambda p: p["tvd"]):
         print(f"| {p['label']} | {p['n']} | {p['tvd']:.3f} | {p['gain']:.2f} | {p['fd_ar']:.2f} |")
