@@ -35,7 +35,7 @@ def points(paths: list[str]) -> tuple[list[dict], list[float]]:
                 continue
             if v["images"] not in naive:
                 raise ValueError(f"{path}: no naive run of {v['images']} images among the given runs")
-            found.append({"label": f"{v['label']} (n={v['images']})", "tvd": v["tvd"], "gain": v["tau"] / naive[v["images"]],
+            found.append({"label": f"{v['label']} (n={v['images']})", "stack": v["method"], "tvd": v["tvd"], "gain": v["tau"] / naive[v["images"]],
                           "fd_ar": v["quality"]["frechet_ar"]["value"], "n": v["images"]})
     return found, floors
 
@@ -57,16 +57,15 @@ def main() -> None:
 
         fig = Figure(figsize=(11, 4.2), dpi=100, layout="constrained")
         gain_ax, fd_ax = fig.subplots(1, 2)
-        stacks = sorted({p["label"].split()[0] for p in found})
-        colours = {stack: f"C{i}" for i, stack in enumerate(stacks)}
-        sizes = sorted({p["n"] for p in found})
+        colours = {stack: f"C{i}" for i, stack in enumerate(sorted({p["stack"] for p in found}))}
+        markers = {n: "o*sD"[i % 4] for i, n in enumerate(sorted({p["n"] for p in found}))}
         for p in found:  # colour: the stack; marker: the number of images
             for ax, y in ((gain_ax, p["gain"]), (fd_ax, p["fd_ar"])):
-                ax.scatter(p["tvd"], y, s=28, color=colours[p["label"].split()[0]], marker="o*sD"[sizes.index(p["n"]) % 4])
-        for stack in stacks:
-            gain_ax.scatter([], [], color=colours[stack], label=stack)
-        for i, n in enumerate(sizes):
-            gain_ax.scatter([], [], color="0.4", marker="o*sD"[i % 4], label=f"n = {n}")
+                ax.scatter(p["tvd"], y, s=28, color=colours[p["stack"]], marker=markers[p["n"]])
+        for stack, colour in colours.items():
+            gain_ax.scatter([], [], color=colour, label=stack)
+        for n, marker in markers.items():
+            gain_ax.scatter([], [], color="0.4", marker=marker, label=f"n = {n}")
         gain_ax.legend(fontsize=8)
         for floor in sorted(set(floors)):
             fd_ax.axhline(floor, linestyle="--", color="0.55", linewidth=1)

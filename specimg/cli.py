@@ -20,6 +20,8 @@ from specimg.cliopts import (
     model_options, prompt_options, sampling_from, sampling_options, tree_from, tree_options,
 )
 from specimg.config import LLAMAGEN_SAMPLING, Sampling, TreeConfig
+from specimg.demo.recipe import DEFAULT_SCALE as DEFAULT_DEMO_SCALE
+from specimg.demo.recipe import SCALES as DEMO_SCALES
 from specimg.engine import Engine
 from specimg.errors import SpecimgError
 from specimg.eval.bench import DEFAULT_IMAGES as BENCH_IMAGES
@@ -281,7 +283,7 @@ def tune(**kw: Any) -> None:
 
 @cli.command("train-demo")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="folder for the bundle (resumed if it holds a partial run)")
-@click.option("--scale", type=click.Choice(["near-duplicate", "compact", "diffuse", "toy"]), default="near-duplicate", show_default=True,
+@click.option("--scale", type=click.Choice(list(DEMO_SCALES)), default=DEFAULT_DEMO_SCALE, show_default=True,
               help="near-duplicate: the shipped demo; compact: the earlier 512-code one; diffuse: a 4096-code variant not shipped; toy: the same recipe at toy size, in seconds (see docs/demo.md)")
 @click.option("--threads", type=THREADS, default=None, help="torch CPU threads [default: torch's choice]")
 @click.option("--keep-work", is_flag=True, help="keep the intermediate token sets and samples in OUT/work")

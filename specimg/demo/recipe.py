@@ -183,6 +183,8 @@ TOY = Scale(
     quality=QualityScale(real=20, per_class=1, cfg_sweep=(4.0,), temperature_sweep=(1.0,), sweep_per_class=1, top_k_sweep=(0, 8)),
 )
 SCALES = {"near-duplicate": NEAR_DUPLICATE, "compact": COMPACT, "diffuse": DIFFUSE, "toy": TOY}
+DEFAULT_SCALE = NEAR_DUPLICATE.name
+"""What ``specimg train-demo`` makes when no scale is given: the bundle that ships."""
 
 
 def autocast() -> Any:
@@ -687,7 +689,7 @@ def _save_grid(run: _Run, imgs: Tensor, wanted: list[int], pred: Tensor) -> None
     save_png_atomic(grid, run.file("samples.png"))
 
 
-def train_demo(out: str | os.PathLike[str], scale: str = "near-duplicate", log: Callable[[str], None] = print,
+def train_demo(out: str | os.PathLike[str], scale: str = DEFAULT_SCALE, log: Callable[[str], None] = print,
                drafters: bool = True, evaluate: bool = True, keep_work: bool = False) -> dict[str, Any]:
     """Run (or resume) the whole recipe into ``out``; returns the manifest."""
     if scale not in SCALES:
@@ -723,4 +725,4 @@ def train_demo(out: str | os.PathLike[str], scale: str = "near-duplicate", log: 
 
 if __name__ == "__main__":  # python -m specimg.demo.recipe OUT [scale]
     torch.set_num_threads(min(2, torch.get_num_threads()))
-    train_demo(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "near-duplicate")
+    train_demo(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else DEFAULT_SCALE)
