@@ -1,27 +1,38 @@
-"""The engine on a GPU: AR speed, the verify cost curve, the tree auto mode picks, and the
-engine's ceiling, for LlamaGen-shaped random-weight targets with an EAGLE-1 drafter.
+"""The engine on a GPU: AR speed eager and graphed, the verify cost curve, the default bench
+on the demo, and the engine's ceiling, for the demo and LlamaGen-shaped random-weight targets.
 
-Per preset (GPT-B and GPT-XL shapes by default, bf16, 256 image tokens, CFG 4):
+Per model (the demo; GPT-B and GPT-XL shapes, 256 image tokens, CFG 4, bf16 unless said):
 
-- AR tokens/s (batch 1, one image at a time, as the engine decodes);
-- the cost model: verify time of trees of 1..128 nodes, drafting time per level, and the
-  tree the planner picks for a typical image profile (rank-r child accepted with
-  0.6 * 0.45**r at every depth, about what the demo's EAGLE-1 drafter reaches);
-- naive with an oracle drafter that drafts the target's own greedy tokens, on auto trees:
-  every draft is accepted, so its speedup is the most this engine can give on this
-  machine, and its gap to the cost model's prediction is the engine's own overhead.
+- AR ms/token, one image at a time as the engine decodes, with eager step forwards and
+  with CUDA graphs (``--cuda-graphs off`` / ``on``), and the graphs' capture time;
+- the cost model in both step modes: verify time of trees of 1..128 nodes, the drafter's
+  start and levels, the AR step;
+- (demo) the default ``specimg bench`` (every method, quality on) and its wall time;
+- naive with an oracle drafter that drafts AR's own greedy tokens, on auto trees, in
+  float32 (so the tree forward and the one-token forward agree to the last bit but for
+  rare ties, which are counted, not fatal): its speedup over graphed AR is the most this
+  engine gives here, and its ratio to the cost model's prediction is the engine's own
+  overhead.
 
-    python benchmarks/gpu.py                       # cuda, bfloat16, GPT-B and GPT-XL
-    python benchmarks/gpu.py --device cpu --dtype float32 --presets GPT-B --tokens 64 --images 1   # a smoke run
+    python benchmarks/gpu.py --quick --out gpu.json    # one H200: a few minutes
+    python benchmarks/gpu.py --device cpu --dtype float32 --presets GPT-B --tokens 16 --images 1 --no-bench   # a smoke run
 
 Random weights: the timings are those of real checkpoints of the same shape; the
-acceptance is not (see the oracle).  Prints everything; writes nothing.
+acceptance is not (see the oracle).  Every section's numbers go to one JSON (``--out``),
+rewritten after each section, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,17 +44,18 @@ from specimg.models.eagle import build_drafter
 from specimg.models.llamagen import build_target
 
 TYPICAL = np.array([[0.6 * 0.45**r for r in range(planner.MAX_TOPK)]] * planner.MAX_DEPTH)
+"""A typical acceptance profile: rank-r child accepted with 0.6 * 0.45**r at every depth."""
 
 
 class GreedyOracle:
     """A drafter that knows the target's greedy tokens for the image being decoded: its
-    logits put all mass on the token the target will pick at each position."""
+    logits put all mass on the token AR picked at each position."""
 
     def __init__(self, vocab_size: int, tokens: torch.Tensor):
         self.vocab_size, self.tokens = vocab_size, tokens
         self.max_tree_nodes = 128
 
-    def prefill(self, condition, cfg: bool) -> None:
+    def prefill(self, condition: Any, cfg: bool) -> None:
         self.rows, self.committed = cfg_rows(cfg), 0
 
     def _logits(self, depths: torch.Tensor) -> torch.Tensor:
@@ -63,7 +75,21 @@ class GreedyOracle:
         return self._logits(depths)
 
 
-def timed(device: torch.device, run) -> tuple[object, float]:
+class Report:
+    """The run's tables, written to ``path`` after every section."""
+
+    def __init__(self, path: str | None, header: dict[str, Any]):
+        self.path, self.data = path, {**header, "sections": {}}
+
+    def add(self, section: str, values: dict[str, Any]) -> None:
+        self.data["sections"][section] = values
+        if self.path:
+            with open(self.path + ".tmp", "w") as f:
+                json.dump(self.data, f, indent=1)
+            os.replace(self.path + ".tmp", self.path)
+
+
+def timed(device: torch.device, run: Callable[[], Any]) -> tuple[Any, float]:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
@@ -73,42 +99,124 @@ def timed(device: torch.device, run) -> tuple[object, float]:
     return out, time.perf_counter() - start
 
 
-def bench_preset(preset: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> None:
-    target = build_target(preset, block_size=args.tokens, seed=0).to(device=device, dtype=dtype)
-    drafter = build_drafter(target, seed=1)
-    sampling = specimg.Sampling(cfg_scale=4.0)
-    labels = list(range(args.images))
-    print(f"\n== {preset}: {args.tokens} tokens/image, CFG 4, {dtype}, {device}")
+def step_modes(device: torch.device) -> list[str]:
+    return ["off", "on"] if device.type == "cuda" else ["off"]
 
-    ar = specimg.Engine(target, method="ar", sampling=sampling)
-    ar.generate([0], seed=99)
-    out, wall = timed(device, lambda: ar.generate(labels, seed=0))
-    ar_rate = out.stats.tokens / wall
-    print(f"AR: {ar_rate:.1f} tokens/s ({1000 / ar_rate:.2f} ms/token)")
 
-    cost = costs.measure(target, drafter, sampling, 0, "gpu-bench", preset)
-    print("verify ms by nodes: " + "  ".join(f"{n}: {ms:.2f}" for n, ms in cost.verify_ms))
-    print("draft level ms by top-k: " + "  ".join(f"{k}: {ms:.2f}" for k, ms in cost.draft_level_ms))
-    print(f"AR step {cost.ar_ms:.2f} ms, drafter start {cost.draft_start_ms:.2f} ms, step overhead {cost.overhead_ms:.2f} ms")
-    plan = planner.choose(cost, TYPICAL, target.max_tree_nodes, max_fed=drafter.max_tree_nodes)
-    print(f"auto tree for a typical profile: {plan}, {plan.tokens_per_step:.2f} tokens/step, predicted {plan.speedup:.2f}x")
+def ar_speed(target: Any, sampling: specimg.Sampling, conditions: list[Any], device: torch.device) -> dict[str, Any]:
+    """AR ms/token per step mode (a warm-up image first: it captures the graphs)."""
+    out = {}
+    for graphs in step_modes(device):
+        engine = specimg.Engine(target, method="ar", sampling=sampling, cuda_graphs=graphs)
+        _, warm = timed(device, lambda: engine.generate(conditions[:1], seed=99))
+        result, wall = timed(device, lambda: engine.generate(conditions, seed=0))
+        out[graphs] = {"ms_per_token": 1000 * wall / result.stats.tokens, "warmup_image_s": warm}
+    out["capture_s"] = getattr(getattr(target, "graphs", None), "capture_seconds", 0.0)
+    return out
 
+
+def cost_curves(target: Any, drafter: Any, sampling: specimg.Sampling, condition: Any, device: torch.device) -> dict[str, Any]:
+    out = {}
+    for graphs in step_modes(device):
+        specimg.Engine(target, method="ar", sampling=sampling, cuda_graphs=graphs)  # sets the step mode
+        cost = costs.measure(target, drafter, sampling, condition)
+        plan = planner.choose(cost, TYPICAL, target.max_tree_nodes, max_fed=drafter.max_tree_nodes)
+        out[graphs] = {
+            "ar_ms": cost.ar_ms, "verify_ms": dict(cost.verify_ms), "draft_start_ms": cost.draft_start_ms,
+            "draft_level_ms": dict(cost.draft_level_ms), "overhead_ms": cost.overhead_ms,
+            "typical_plan": str(plan), "typical_predicted_speedup": plan.speedup,
+        }
+        print(f"  cuda graphs {graphs}: AR step {cost.ar_ms:.2f} ms, verify " + "  ".join(f"{n}: {ms:.2f}" for n, ms in cost.verify_ms))
+        print(f"    drafter start {cost.draft_start_ms:.2f} ms, level by top-k " + "  ".join(f"{k}: {ms:.2f}" for k, ms in cost.draft_level_ms)
+              + f", overhead {cost.overhead_ms:.2f} ms; typical profile: {plan} predicted {plan.speedup:.2f}x")
+    return out
+
+
+def oracle(target: Any, conditions: list[Any], device: torch.device) -> dict[str, Any]:
+    """naive with the greedy oracle over AR, float32, the engine's default step mode."""
     greedy = specimg.Sampling(cfg_scale=4.0, temperature=0.0)
-    ar_greedy = specimg.Engine(target, method="ar", sampling=greedy)
-    reference, ar_wall = timed(device, lambda: ar_greedy.generate(labels, seed=0))
-    spec_wall, tau, predicted = 0.0, [], []
-    for i, label in enumerate(labels):
-        oracle = GreedyOracle(target.vocab_size, reference.tokens[i].to(device))
-        engine = specimg.Engine(target, oracle, "naive", sampling=greedy, cost_model=cost)
-        result, wall = timed(device, lambda: engine.generate([label], seed=i))
-        assert torch.equal(result.tokens[0], reference.tokens[i].cpu()), "the oracle's tokens must be AR's"
+    ar = specimg.Engine(target, method="ar", sampling=greedy)
+    ar.generate(conditions[:1], seed=99)
+    reference, ar_wall = timed(device, lambda: ar.generate(conditions, seed=0))
+    cost = costs.measure(target, GreedyOracle(target.vocab_size, reference.tokens[0].to(device)), greedy, conditions[0])
+    spec_wall, tau, predicted, differ = 0.0, [], [], 0
+    for i, condition in enumerate(conditions):
+        drafter = GreedyOracle(target.vocab_size, reference.tokens[i].to(device))
+        engine = specimg.Engine(target, drafter, "naive", sampling=greedy, cost_model=cost)
+        result, wall = timed(device, lambda: engine.generate([condition], seed=i))
+        differ += int((result.tokens[0] != reference.tokens[i].cpu()).sum())
         spec_wall += wall
         tau.append(result.stats.tau)
         predicted.append(result.stats.predicted_speedup or 0.0)
-    print(
-        f"naive + greedy oracle on auto trees: tau {np.mean(tau):.2f}, speedup {ar_wall / spec_wall:.2f}x "
-        f"(cost model predicted {np.mean(predicted):.2f}x): the engine's ceiling here"
-    )
+    speedup = ar_wall / spec_wall
+    out = {"tau": float(np.mean(tau)), "speedup": speedup, "predicted": float(np.mean(predicted)),
+           "speedup_over_predicted": speedup / max(1e-9, float(np.mean(predicted))), "tokens_differing_from_ar": differ,
+           "ar_ms_per_token": 1000 * ar_wall / reference.stats.tokens}
+    print(f"  oracle naive (float32): tau {out['tau']:.2f}, {speedup:.2f}x over AR (predicted {out['predicted']:.2f}x), "
+          f"{differ} tokens differ from AR (rounding ties)")
+    return out
+
+
+def bench_preset(preset: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype, report: Report) -> None:
+    print(f"\n== {preset}: {args.tokens} tokens/image, CFG 4, {dtype}, {device}")
+    with torch.device(device):  # built in place: no host copy of a large model
+        target = build_target(preset, block_size=args.tokens, seed=0).to(dtype=dtype)
+    drafter = build_drafter(target, seed=1)
+    sampling = specimg.Sampling(cfg_scale=4.0)
+    labels = list(range(args.images))
+    speed = ar_speed(target, sampling, labels, device)
+    print("  AR ms/token: " + ", ".join(f"cuda graphs {g} {speed[g]['ms_per_token']:.2f}" for g in step_modes(device))
+          + f" (capture {speed['capture_s']:.2f} s)")
+    result: dict[str, Any] = {"ar": speed, "costs": cost_curves(target, drafter, sampling, 0, device)}
+    del drafter
+    target = target.float()
+    result["oracle_float32"] = oracle(target, labels, device)
+    report.add(preset, result)
+    del target
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def demo_speed(args: argparse.Namespace, device: torch.device, report: Report) -> bool:
+    """The demo's AR speed and cost curves; False when this checkout has no bundle."""
+    from specimg.models.demo import bundle_exists, demo_sampling, load_demo
+
+    if not bundle_exists():
+        print("\n== demo: no bundle in this checkout, skipped")
+        return False
+    print(f"\n== demo (float32, {device})")
+    models = load_demo()
+    target, drafter = models.target.to(device), models.drafter.to(device)
+    sampling = demo_sampling()
+    labels = list(range(min(args.images, 10)))
+    speed = ar_speed(target, sampling, labels, device)
+    print("  AR ms/token: " + ", ".join(f"cuda graphs {g} {speed[g]['ms_per_token']:.2f}" for g in step_modes(device))
+          + f" (capture {speed['capture_s']:.2f} s)")
+    report.add("demo", {"ar": speed, "costs": cost_curves(target, drafter, sampling, 0, device)})
+    return True
+
+
+def demo_bench(args: argparse.Namespace, device: torch.device, report: Report) -> None:
+    """The default ``specimg bench`` on the demo (every method, quality on), timed whole."""
+    with tempfile.TemporaryDirectory() as out:
+        command = [sys.executable, "-m", "specimg.cli", "bench", "-n", str(args.bench_images), "--device", str(device), "--out", out]
+        print(f"\n== demo: specimg bench -n {args.bench_images} --device {device}")
+        start = time.perf_counter()
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=args.bench_timeout)
+        except subprocess.TimeoutExpired:
+            print(f"  did not finish in {args.bench_timeout} s")
+            report.add("demo_bench", {"command": " ".join(command[2:]), "wall_s": None, "timeout_s": args.bench_timeout})
+            return
+        wall = time.perf_counter() - start
+        print(done.stdout[-4000:] if done.returncode == 0 else done.stderr[-4000:])
+        bench: dict[str, Any] = {"command": " ".join(command[2:]), "wall_s": wall, "returncode": done.returncode}
+        if done.returncode == 0:
+            with open(os.path.join(out, "bench.json")) as f:
+                doc = json.load(f)
+            bench.update(variants=doc["variants"], step=doc.get("step"), runtime_s=doc.get("runtime_s"))
+        print(f"  {wall:.0f} s")
+        report.add("demo_bench", bench)
 
 
 def main() -> None:
@@ -118,15 +226,27 @@ def main() -> None:
     parser.add_argument("--presets", default="GPT-B,GPT-XL")
     parser.add_argument("--tokens", type=int, default=256, help="image tokens (a square)")
     parser.add_argument("--images", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="one image per measurement (a short device lease)")
+    parser.add_argument("--bench-images", type=int, default=16, help="images per method in the demo's default bench")
+    parser.add_argument("--bench-timeout", type=int, default=150, help="seconds the demo's bench may take")
+    parser.add_argument("--no-bench", dest="bench", action="store_false", help="skip the demo's default bench")
+    parser.add_argument("--no-demo", dest="demo", action="store_false", help="skip the demo")
+    parser.add_argument("--out", default=None, help="JSON file for every table")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (CPU runs)")
     args = parser.parse_args()
+    if args.quick:
+        args.images = 1
     if args.threads:
         torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"specimg GPU benchmark on {name}, torch {torch.__version__}")
-    for preset in args.presets.split(","):
-        bench_preset(preset.strip(), args, device, dtype)
+    report = Report(args.out, {"device": name, "torch": torch.__version__, "dtype": args.dtype, "tokens": args.tokens})
+    demo = args.demo and demo_speed(args, device, report)
+    for preset in filter(None, args.presets.split(",")):
+        bench_preset(preset.strip(), args, device, dtype, report)
+    if demo and args.bench:
+        demo_bench(args, device, report)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,8 @@ from tqdm import tqdm
 
 from specimg import costs
 from specimg.cliopts import (
-    DTYPES, IMAGES, SEED, THREADS, FiniteFloat, check_tree_fits, condition_options, device_from, device_options, method_options,
-    model_options, prompt_options, sampling_from, sampling_options, tree_from, tree_options,
+    DTYPES, IMAGES, SEED, THREADS, FiniteFloat, check_tree_fits, condition_options, cuda_graphs_option, device_from, device_options,
+    method_options, model_options, prompt_options, sampling_from, sampling_options, tree_from, tree_options,
 )
 from specimg.config import LLAMAGEN_SAMPLING, Sampling, TreeConfig
 from specimg.demo.recipe import DEFAULT_SCALE as DEFAULT_DEMO_SCALE
@@ -178,6 +178,7 @@ def _base_sampling(model: str, path: str | None, target: Any) -> Sampling:
 @sampling_options
 @tree_options
 @device_options
+@cuda_graphs_option
 @click.option("--out", type=click.Path(file_okay=False), default="out", show_default=True)
 @click.option("--threads", type=THREADS, default=None, help="torch CPU threads [default: 1 for the built-in models, which one thread runs fastest; torch's choice for --target]")
 def generate(**kw: Any) -> None:
@@ -202,7 +203,7 @@ def generate(**kw: Any) -> None:
     engine = Engine(
         models.target, models.drafter, kw["method"], parse_options(kw["options"]),
         sampling_from(kw, _base_sampling(model, kw["target"], models.target)), tree,
-        delta=kw["delta"], tokenizer=models.tokenizer, device=device, dtype=dtype,
+        delta=kw["delta"], tokenizer=models.tokenizer, device=device, dtype=dtype, cuda_graphs=kw["cuda_graphs"],
     )
     _write_run(engine, models, conditions, kw["seed"], kw["out"], state)
 
@@ -216,6 +217,7 @@ def generate(**kw: Any) -> None:
 @sampling_options
 @tree_options
 @device_options
+@cuda_graphs_option
 @prompt_options
 @click.option("--classifier", type=click.Path(dir_okay=False), help="demo-format classifier for accuracy and Frechet distances [default: the demo bundle's]")
 @click.option("--num-real", type=click.IntRange(2, 10**6), default=1000, show_default=True, help="reference images for Frechet distance / FID")
@@ -257,6 +259,7 @@ def bench(**kw: Any) -> None:
 @prompt_options
 @sampling_options
 @device_options
+@cuda_graphs_option
 @click.option("--remeasure", is_flag=True, help="measure the cost model again instead of reading the cached one")
 @click.option("--threads", type=THREADS, default=None, help="torch CPU threads [default: 1 for the built-in models; torch's choice for --target]")
 @click.option("--out", type=click.Path(file_okay=False), default="tune", show_default=True, help="folder for tune.json and tune.png")
@@ -276,7 +279,7 @@ def tune(**kw: Any) -> None:
     writable_folder(kw["out"])
     engine = Engine(
         models.target, models.drafter, kw["method"], parse_options(kw["options"]), sampling_from(kw, _base_sampling(model, kw["target"], models.target)),
-        TreeConfig(), delta=kw["delta"], tokenizer=models.tokenizer, device=device, dtype=dtype,
+        TreeConfig(), delta=kw["delta"], tokenizer=models.tokenizer, device=device, dtype=dtype, cuda_graphs=kw["cuda_graphs"],
     )
     run_tune(engine, conditions_for(models.target, kw).values, kw["seed"], kw["out"], click.echo, remeasure=kw["remeasure"])
 

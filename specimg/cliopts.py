@@ -13,6 +13,7 @@ import torch
 
 from specimg.config import DYNAMIC_DEFAULTS, Sampling, TreeConfig
 from specimg.errors import SpecimgError
+from specimg.graphs import CUDA_GRAPHS
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -133,6 +134,14 @@ def device_options(fn: F) -> F:
         click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto (a GPU when there is one)"),
         click.option("--dtype", type=click.Choice(list(DTYPES)), default="float32", show_default=True, help="the models' floating type (probabilities stay float32)"),
     ])(fn)
+
+
+def cuda_graphs_option(fn: F) -> F:
+    """How the target's step forwards run on a GPU."""
+    return click.option(
+        "--cuda-graphs", type=click.Choice(list(CUDA_GRAPHS)), default="auto", show_default=True,
+        help="replay the target's step forwards as CUDA graphs: auto = on a GPU, for targets with a fixed-shape step (LlamaGen)",
+    )(fn)
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -6,7 +6,7 @@ pays for every node, a GPU verifies dozens for the price of one.  So the costs a
 measured, not assumed: the target's verify step (forward of an n-node tree plus the
 processing of its logits) for n from 1 to the cache's capacity, the drafter's start and
 one level of growth per frontier width, and one AR step.  A few seconds, once per
-(target, drafter, device, dtype, threads, sampling filters), then cached on disk as
+(target, drafter, device, dtype, threads, sampling filters, step mode), then cached on disk as
 JSON under :func:`specimg.cache.cache_dir`.  Runs that share a cost model choose the
 same trees, so the same seed gives the same images.
 """
@@ -124,6 +124,9 @@ def cost_key(target: Target, drafter: Drafter, sampling: Sampling) -> tuple[str,
         "target": _describe(target), "drafter": _describe(drafter), "machine": machine,
         "cfg": sampling.cfg, "top_k": sampling.top_k > 0, "top_p": sampling.top_p < 1.0,
     }
+    mode = getattr(target, "step_mode", "eager")
+    if mode != "eager":  # fixed-shape steps cost otherwise; eager keys stay as they were
+        parts["step"] = mode
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16], machine
 
 

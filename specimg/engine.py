@@ -14,6 +14,7 @@ from torch import Tensor
 from specimg import costs, relax
 from specimg.config import Sampling, TreeConfig
 from specimg.errors import SpecimgError
+from specimg.graphs import CudaGraphs, step_mode
 from specimg.methods import AR, Stack
 from specimg.models.base import Condition, Drafter, Target, TargetOutput, draft_features, placed
 from specimg.planner import Plan, TreePlanner
@@ -40,7 +41,9 @@ class Engine:
     the stack's total-variation budget (default: the largest member delta).
 
     Everything runs on the target's device: ``device`` and ``dtype``, when given, move the
-    models there first.  An auto tree (the default) is chosen per step from ``cost_model``,
+    models there first.  ``cuda_graphs``: "auto" replays a target's step forwards as CUDA
+    graphs when it is on a GPU and has a fixed-shape step (LlamaGen), "on" insists, "off"
+    runs them eagerly (off a GPU, "auto" leaves the target's step mode as it is).  An auto tree (the default) is chosen per step from ``cost_model``,
     measured on first use when not given (see :mod:`specimg.costs`).
     """
 
@@ -58,12 +61,14 @@ class Engine:
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         cost_model: costs.CostModel | None = None,
+        cuda_graphs: CudaGraphs = "auto",
     ):
         if device is not None or dtype is not None:
             target, drafter, tokenizer = (placed(m, device, dtype) for m in (target, drafter, tokenizer))
         self.target, self.drafter, self.sampling, self.tree_config = target, drafter, sampling, tree
         self.tokenizer, self.cost_model = tokenizer, cost_model
         self.device = costs.device_of(target)
+        self._set_step_mode(cuda_graphs)
         self.check_relax = relax.checks_enabled()
         self.on_step: Callable[[DraftTree, Tensor, list[int]], None] | None = None
         """Called after each speculative step with its tree, q_R and accepted path (tools that learn from a run)."""
@@ -81,6 +86,12 @@ class Engine:
         self.hooks = StackHooks.bind(self.plugins, self.stack)
         if self.drafter_free and self.hooks.propose.owner != self.stack.drafter_free:
             raise SpecimgError(f"method {self.stack.drafter_free!r} drafts without a drafter but does not implement propose_tree")
+
+    def _set_step_mode(self, cuda_graphs: CudaGraphs) -> None:
+        set_mode = getattr(self.target, "set_step_mode", None)
+        mode = step_mode(cuda_graphs, self.device, supported=set_mode is not None)
+        if set_mode is not None and (mode == "graphs" or cuda_graphs == "off"):
+            set_mode(mode)
 
     @property
     def method(self) -> str:

@@ -24,8 +24,10 @@ TINY_T2I = dict(TINY, model_type="t2i", cls_token_num=6, caption_dim=24)
 ATOL = 1e-5
 
 
-def tiny(kind: str = "c2i", **extra: object) -> LlamaGenTarget:
-    return build_target("GPT-B", seed=0, **{**(TINY if kind == "c2i" else TINY_T2I), **extra})
+def tiny(kind: str = "c2i", mode: str = "eager", **extra: object) -> LlamaGenTarget:
+    target = build_target("GPT-B", seed=0, **{**(TINY if kind == "c2i" else TINY_T2I), **extra})
+    target.set_step_mode(mode)
+    return target
 
 
 def condition_for(target: LlamaGenTarget, seed: int = 0) -> int | Caption:
@@ -49,9 +51,11 @@ def decode_chain(target: LlamaGenTarget, condition: int | Caption, tokens: list[
     return outs
 
 
+@pytest.mark.parametrize("mode", ["eager", "static"])
 @pytest.mark.parametrize("kind,extra", [("c2i", {}), ("c2i", {"n_kv_head": 2}), ("t2i", {})])
-def test_tree_verification_equals_sequential_decoding(kind: str, extra: dict) -> None:
-    target = tiny(kind, **extra)
+def test_tree_verification_equals_sequential_decoding(kind: str, extra: dict, mode: str) -> None:
+    """In both step modes: static pads the 12 nodes to 16 and attends over the whole cache."""
+    target = tiny(kind, mode, **extra)
     assert isinstance(target, Target)
     cond = condition_for(target)
     prefix = [7, 1, 30]
@@ -76,9 +80,10 @@ def test_rows_differ_and_single_row_matches_conditional_row() -> None:
     assert step.logits.shape == (1, 1, target.vocab_size)
 
 
+@pytest.mark.parametrize("mode", ["eager", "static"])
 @pytest.mark.parametrize("kind", ["c2i", "t2i"])
-def test_commit_then_next_step_equals_fresh_full_sequence(kind: str) -> None:
-    target = tiny(kind)
+def test_commit_then_next_step_equals_fresh_full_sequence(kind: str, mode: str) -> None:
+    target = tiny(kind, mode)
     cond = condition_for(target)
     committed = [4, 9]
     decode_chain(target, cond, committed)

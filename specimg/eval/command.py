@@ -87,7 +87,7 @@ def bench_command(
     variants, notes = plan_variants(methods, get_plugin_manager().methods(), parse_options(kw.get("options", ())), kw.get("sweep", ()), kw.get("delta"))
     conditions, keys, captions = conditions_for(models.target, kw)
     spec = BenchSpec(tuple(variants), tuple(conditions), tuple(keys), kw["seed"], sampling, tree, kw.get("warmup", 1))
-    engines = build_engines(models, spec)
+    engines = build_engines(models, spec, cuda_graphs=kw.get("cuda_graphs", "auto"))
     quality, error = None, None
     if kw.get("quality", True) and state.is_main_process:
         try:
@@ -112,6 +112,9 @@ def bench_command(
         "runtime_s": round(time.perf_counter() - start, 1), "plan_notes": notes,
         "relax_checks": checks_enabled(), "device": str(costs.device_of(models.target)), "threads": torch.get_num_threads(),
     }
+    graphs = getattr(models.target, "graphs", None)
+    if graphs is not None:
+        extra["step"] = {"mode": models.target.step_mode, "graphs_captured": len(graphs), "capture_s": round(graphs.capture_seconds, 3)}
     cost_model = next((e.cost_model for e in run.engines.values() if e.cost_model is not None), None)
     if cost_model is not None:
         extra["cost_model"] = {"key": cost_model.key, "machine": cost_model.machine}

@@ -12,9 +12,11 @@ official ``Transformer``, so released checkpoints load unchanged.  Facts kept fr
 - c2i CFG uses the extra class id ``num_classes``; t2i CFG feeds ``uncond_embedding``;
   caption tokens whose mask is 0 are attended by nobody but themselves, in both rows.
 
-The KV cache is static: ``rows x kv_heads x (cls + num_tokens + max_tree_nodes) x
-head_dim`` per layer; draft-tree entries sit right after the committed prefix until
-``commit`` moves the accepted path down.
+The KV cache is static: one tensor ``layers x (keys, values) x rows x kv_heads x (cls +
+num_tokens + max_tree_nodes) x head_dim``; draft-tree entries sit right after the committed
+prefix until ``commit`` moves the accepted path down (one gather for all layers).  Step
+forwards run eagerly at their exact shape (the CPU's fastest) or at fixed shapes, replayed
+as CUDA graphs on a GPU (:meth:`LlamaGenTarget.set_step_mode`, :mod:`specimg.graphs`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from torch import Tensor, nn
 
 from specimg.config import LLAMAGEN_SAMPLING, LLAMAGEN_T2I_SAMPLING, Sampling
 from specimg.errors import SpecimgError
+from specimg.graphs import GraphSet, StepMode, bucket
 from specimg.models.base import Caption, Condition, TargetOutput, cfg_rows, exposed_layers
 from specimg.models.checkpoint import Checkpoint, Described, agree, load_into, read_checkpoint, settle
 from specimg.sampling import cfg_active_at, probabilities
@@ -212,17 +215,24 @@ class Attention(nn.Module):
         k = apply_rope(k.view(b, s, self.n_kv_head, self.head_dim), rope).transpose(1, 2)
         return q, k, v.view(b, s, self.n_kv_head, self.head_dim).transpose(1, 2)
 
-    def forward(self, x: Tensor, rope: Tensor, mask: Tensor | None, cache: KVSlot | None = None, start: int = 0) -> Tensor:
+    def forward(self, x: Tensor, rope: Tensor, mask: Tensor | None, cache: KVSlot | None = None, start: int | Tensor = 0) -> Tensor:
         """x [B, S, D] at positions given by rope [S, ...]; with a cache, the new keys go to
         slots [start, start + S) and the queries see slots [0, start + S) under ``mask``
-        (bool, True = attend, broadcast to [B, H, S, keys]; None = see all)."""
+        (bool, True = attend, broadcast to [B, H, S, keys]; None = see all).  ``start`` a
+        tensor of S slots instead (a fixed-shape step): the keys go there and the queries
+        see the whole cache under ``mask``."""
         s = x.shape[1]
         q, k, v = self.project(x, rope)
         if cache is not None:
             k_cache, v_cache = cache
-            k_cache[:, :, start : start + s] = k
-            v_cache[:, :, start : start + s] = v
-            k, v = k_cache[:, :, : start + s], v_cache[:, :, : start + s]
+            if isinstance(start, Tensor):
+                k_cache.index_copy_(2, start, k)
+                v_cache.index_copy_(2, start, v)
+                k, v = k_cache, v_cache
+            else:
+                k_cache[:, :, start : start + s] = k
+                v_cache[:, :, start : start + s] = v
+                k, v = k_cache[:, :, : start + s], v_cache[:, :, : start + s]
         return self.attend(q, k, v, mask)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
@@ -245,7 +255,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm: nn.Module = RMSNorm(config.dim, config.norm_eps) if input_norm else nn.Identity()
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
 
-    def forward(self, x: Tensor, rope: Tensor, mask: Tensor | None, cache: KVSlot | None = None, start: int = 0) -> Tensor:
+    def forward(self, x: Tensor, rope: Tensor, mask: Tensor | None, cache: KVSlot | None = None, start: int | Tensor = 0) -> Tensor:
         h = x + self.attention(self.attention_norm(x), rope, mask, cache, start)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -303,19 +313,34 @@ class LlamaGenTarget(nn.Module):
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.rope = rope_table(config)  # float32 whatever the weights' dtype: not a buffer
         self.capacity = config.cls_token_num + config.block_size + max_tree_nodes
-        self._full_kv: list[KVSlot] = []
-        self._kv: list[KVSlot] = []  # row views of _full_kv for the current image
+        self._cache = torch.empty(0)  # [layers, 2 (keys, values), 2 rows, kv_heads, capacity, head_dim]
+        self._kv: list[KVSlot] = []  # per layer, row views of _cache for the current image
         self._valid = torch.ones(1, 0, dtype=torch.bool)  # [1, capacity]: prefix slots anyone may attend
+        self._slots = torch.arange(0)  # [capacity] slot ids on the cache's device
         self._rows = 0
         self._len = 0  # committed cache entries (condition + consumed image tokens)
+        self._start = torch.zeros((), dtype=torch.long)  # _len on the cache's device (fixed-shape steps read it there)
         self._pending = 0  # nodes of the last forward_tree
+        self.step_mode: StepMode = "eager"
+        self.graphs = GraphSet()
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
-        """Keep the RoPE table float32 on the weights' device and drop stale caches."""
+        """Keep the RoPE table float32 on the weights' device and drop stale caches and graphs."""
         super()._apply(fn, recurse)
         self.rope = rope_table(self.config).to(self.tok_embeddings.weight.device)
-        self._full_kv, self._kv = [], []
+        self._cache, self._kv = torch.empty(0), []
+        self.graphs.clear()
         return self
+
+    def set_step_mode(self, mode: StepMode) -> None:
+        """Run step forwards ``eager`` (exact shapes), ``static`` (nodes padded to a bucket,
+        attention over the whole cache under a mask: the graphs' arithmetic without the
+        graphs) or as CUDA ``graphs`` of the static forward (CUDA only)."""
+        if mode not in ("eager", "static", "graphs"):
+            raise SpecimgError(f"unknown step mode {mode!r}")
+        if mode == "graphs" and self.tok_embeddings.weight.device.type != "cuda":
+            raise SpecimgError("CUDA graphs need the target on a CUDA device")
+        self.step_mode = mode
 
     @property
     def default_sampling(self) -> Sampling:
@@ -340,6 +365,7 @@ class LlamaGenTarget(nn.Module):
             mask = self.condition_mask(caption_mask[None])[0]
         h, fused = self._run(x, self.rope[:cls], mask, 0)
         self._len, self._pending = cls, 0
+        self._start.fill_(cls)
         return self._head(h[:, -1:], fused if fused is None else fused[:, -1:])
 
     @torch.no_grad()
@@ -349,6 +375,9 @@ class LlamaGenTarget(nn.Module):
             raise RuntimeError("call prefill before forward_tree (also after moving the target)")
         if start + n > self.capacity:
             raise ValueError(f"tree of {n} nodes overflows the KV cache ({self.capacity - start} slots left)")
+        self._pending = n
+        if self.step_mode != "eager":
+            return self._forward_fixed(tokens, depths, mask)
         x = self.tok_embeddings(tokens.to(self._valid.device))[None].expand(self._rows, n, -1)
         if n == 1:  # the AR path: the root alone, depth 0; no per-step tensors built
             rope = self.rope[start : start + 1]
@@ -358,7 +387,6 @@ class LlamaGenTarget(nn.Module):
             rope = self.rope[positions]  # nodes past the image end reuse the last cell; never accepted
             attn = torch.cat([self._valid[:, :start].expand(n, start), mask.to(self._valid.device)], dim=1)
         h, fused = self._run(x, rope, attn, start)
-        self._pending = n
         return self._head(h, fused)
 
     @torch.no_grad()
@@ -367,10 +395,39 @@ class LlamaGenTarget(nn.Module):
         if m > self._pending:
             raise ValueError(f"cannot commit {m} nodes of a {self._pending}-node tree")
         src = nodes.to(self._valid.device) + start
-        for k, v in self._kv:
-            k[:, :, start : start + m] = k[:, :, src]
-            v[:, :, start : start + m] = v[:, :, src]
+        kv = self._cache[:, :, : self._rows]
+        kv[..., start : start + m, :] = kv[..., src, :]
         self._len, self._pending = start + m, 0
+        self._start.add_(m)
+
+    def _forward_fixed(self, tokens: Tensor, depths: Tensor, mask: Tensor) -> TargetOutput:
+        """``forward_tree`` at a fixed shape: the nodes padded to a bucket (a padded node
+        sees only itself and nobody sees it, so it changes no real node's output), run
+        directly or replayed as the bucket's CUDA graph."""
+        n, device = tokens.shape[0], self._valid.device
+        size = bucket(n, self.max_tree_nodes)
+        tree = torch.eye(size, dtype=torch.bool, device=device)
+        tree[:n, :n] = mask
+        inputs = (F.pad(tokens.to(device), (0, size - n)), F.pad(depths.to(device), (0, size - n)), tree, self._start)
+        if self.step_mode == "graphs":
+            outputs = [out[:, :n].clone() for out in self.graphs.run((self._rows, size, self.exposed), self._fixed_step, inputs)]
+        else:
+            outputs = [out[:, :n] for out in self._fixed_step(*inputs)]
+        return TargetOutput(*outputs)
+
+    def _fixed_step(self, tokens: Tensor, depths: Tensor, tree: Tensor, start: Tensor) -> tuple[Tensor, ...]:
+        """The step forward on device tensors only (what a CUDA graph captures): tokens and
+        depths [b], the tree's mask [b, b], the committed length ``start`` (0-dim).  Node i
+        writes cache slot start + i and sees the valid prefix and its tree ancestors."""
+        b = tokens.shape[0]
+        slots = start + self._slots[:b]
+        positions = (depths + start).clamp_(max=self.rope.shape[0] - 1)  # past the image end: never accepted
+        attn = (self._valid[0] & (self._slots < start)).expand(b, -1).clone()
+        attn[:, slots] = tree
+        x = self.tok_embeddings(tokens)[None].expand(self._rows, b, -1)
+        h, fused = self._run(x, self.rope[positions], attn, slots)
+        out = self._head(h, fused)
+        return (out.logits, out.hidden) if out.layers is None else tuple(out)
 
     # -- what an EAGLE drafter borrows (specimg.models.eagle.EagleTarget)
 
@@ -466,13 +523,17 @@ class LlamaGenTarget(nn.Module):
     # -- internals
 
     def _ensure_cache(self, rows: int) -> None:
-        """Allocate the static caches once (2 rows, weights' device and dtype); hand out row views."""
+        """Allocate the static cache once (2 rows, weights' device and dtype); hand out row
+        views.  A new cache invalidates the graphs, which captured the old one's addresses."""
         w = self.tok_embeddings.weight
-        if not self._full_kv or cache_is_stale(self._full_kv[0][0], w):
-            shape = (2, self.config.kv_heads, self.capacity, self.config.head_dim)
-            self._full_kv = [(w.new_zeros(shape), w.new_zeros(shape)) for _ in self.layers]
+        if not self._kv or cache_is_stale(self._cache, w):
+            c = self.config
+            self._cache = w.new_zeros(c.n_layer, 2, 2, c.kv_heads, self.capacity, c.head_dim)
             self._valid = torch.ones(1, self.capacity, dtype=torch.bool, device=w.device)
-        self._kv = [(k[:rows], v[:rows]) for k, v in self._full_kv]
+            self._slots = torch.arange(self.capacity, device=w.device)
+            self._start = torch.zeros((), dtype=torch.long, device=w.device)
+            self.graphs.clear()
+        self._kv = [(layer[0, :rows], layer[1, :rows]) for layer in self._cache]
         self._rows = rows
 
     def _caption(self, caption: Caption) -> tuple[Tensor, Tensor]:
@@ -512,7 +573,7 @@ class LlamaGenTarget(nn.Module):
         valid[:, :cls] = caption_mask
         return (causal & valid[:, None, :]) | torch.eye(s, dtype=torch.bool, device=caption_mask.device)
 
-    def _run(self, x: Tensor, rope: Tensor, mask: Tensor | None, start: int, caches: Sequence[KVSlot | None] | None = None) -> tuple[Tensor, Tensor | None]:
+    def _run(self, x: Tensor, rope: Tensor, mask: Tensor | None, start: int | Tensor, caches: Sequence[KVSlot | None] | None = None) -> tuple[Tensor, Tensor | None]:
         """The last layer's output and the exposed layers' inputs side by side (None: none exposed)."""
         taps: dict[int, Tensor] = {}
         for i, (layer, cache) in enumerate(zip(self.layers, self._kv if caches is None else caches)):

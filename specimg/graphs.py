@@ -1,0 +1,106 @@
+"""Fixed-shape forwards and their CUDA graphs.
+
+A decode step on a GPU is bound by kernel launches, not by arithmetic: a forward of a
+few-million-parameter model and one of a billion cost about the same when each of their
+hundreds of kernels waits on Python.  A model whose step forward takes tensors of fixed
+shapes (tree nodes padded to a :data:`BUCKETS` size, KV-cache slots given as a tensor)
+can be captured once per shape as a CUDA graph and replayed each step: one launch.
+
+:class:`GraphSet` keeps one graph per key (the caller's shape: rows, bucket, ...), captured
+on first use from the call's real inputs.  Capture runs the function twice on a side stream
+before recording it, so everything the function writes (KV-cache slots) must be written
+the same way by a rerun with the same inputs, as a step forward's cache writes are.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable, Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from specimg.errors import SpecimgError
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+"""Node counts a step forward is padded to: eight graphs cover every tree up to 128 nodes."""
+
+StepMode = Literal["eager", "static", "graphs"]
+"""How a target runs its step forwards: ``eager`` (exact shapes; fastest on a CPU),
+``static`` (fixed shapes: padded nodes, the whole static cache under a mask) or ``graphs``
+(static, captured and replayed as CUDA graphs)."""
+
+CudaGraphs = Literal["auto", "on", "off"]
+CUDA_GRAPHS: tuple[CudaGraphs, ...] = ("auto", "on", "off")
+
+
+def bucket(n: int, limit: int) -> int:
+    """The smallest bucket that holds ``n`` nodes, never above ``limit`` (the most nodes
+    the cache has room for, which is then the last bucket)."""
+    size = next((b for b in BUCKETS if b >= n), limit)
+    return max(n, min(size, limit))
+
+
+def step_mode(cuda_graphs: CudaGraphs, device: torch.device, supported: bool) -> StepMode:
+    """The step mode ``cuda_graphs`` asks for on ``device`` ("auto": graphs on CUDA, eager
+    elsewhere); "on" where graphs cannot run is an error."""
+    if cuda_graphs not in CUDA_GRAPHS:
+        raise SpecimgError(f"cuda_graphs must be one of {', '.join(CUDA_GRAPHS)}, not {cuda_graphs!r}")
+    if cuda_graphs == "off":
+        return "eager"
+    if device.type == "cuda" and supported:
+        return "graphs"
+    if cuda_graphs == "on":
+        why = "the models are on " + device.type if device.type != "cuda" else "this target has no fixed-shape step"
+        raise SpecimgError(f"--cuda-graphs on needs a CUDA target with a fixed-shape step: {why}")
+    return "eager"
+
+
+class GraphSet:
+    """CUDA graphs of one function, one per key, sharing one memory pool.  ``run`` returns
+    the graph's own output tensors: the next replay overwrites them, so a caller that keeps
+    them across calls must copy them."""
+
+    def __init__(self) -> None:
+        self._graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, Sequence[Tensor], Sequence[Tensor]]] = {}
+        self._pool: object | None = None
+        self.capture_seconds = 0.0
+        """Total time spent capturing (the warm-up runs included)."""
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def clear(self) -> None:
+        self._graphs.clear()
+        self._pool = None
+
+    def run(self, key: Hashable, fn: Callable[..., Sequence[Tensor]], inputs: Sequence[Tensor]) -> Sequence[Tensor]:
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._graphs[key] = self._capture(fn, inputs)  # replayed once: this call
+            return entry[2]
+        graph, static, outputs = entry
+        for buffer, value in zip(static, inputs):
+            buffer.copy_(value, non_blocking=True)
+        graph.replay()
+        return outputs
+
+    def _capture(self, fn: Callable[..., Sequence[Tensor]], inputs: Sequence[Tensor]) -> tuple[torch.cuda.CUDAGraph, Sequence[Tensor], Sequence[Tensor]]:
+        begin = time.perf_counter()
+        static = [x.clone() for x in inputs]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # cuBLAS and the allocator settle outside the capture
+                fn(*static)
+        torch.cuda.current_stream().wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            outputs = fn(*static)
+        graph.replay()
+        torch.cuda.synchronize()
+        self.capture_seconds += time.perf_counter() - begin
+        return graph, static, outputs

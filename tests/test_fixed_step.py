@@ -1,0 +1,147 @@
+"""Fixed-shape step forwards (bucket padding, cache slots as tensors) and their CUDA graphs.
+
+The static mode is the graphs' arithmetic without the capture, so everything but the
+capture is checked on the CPU; the CUDA tests run where a GPU is."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specimg
+from specimg.errors import SpecimgError
+from specimg.graphs import BUCKETS, bucket, step_mode
+from specimg.models.base import causal_tree_mask
+from specimg.models.eagle import build_drafter
+from specimg.models.llamagen import build_target
+from specimg.testing.trees import random_tree
+
+TINY = dict(dim=64, n_layer=2, n_head=4, vocab_size=64, block_size=16, multiple_of=32, num_classes=10, initializer_range=0.1)
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_buckets_hold_every_size_up_to_the_cache() -> None:
+    assert [bucket(n, 128) for n in (1, 2, 3, 5, 12, 65, 128)] == [1, 2, 4, 8, 16, 128, 128]
+    assert bucket(18, 20) == 20 and bucket(20, 20) == 20  # a cache for 20 nodes: its size is the last bucket
+    assert bucket(150, 200) == 200
+    assert all(bucket(n, 128) in BUCKETS and bucket(n, 128) >= n for n in range(1, 129))
+
+
+def test_step_mode_follows_the_device() -> None:
+    cpu = torch.device("cpu")
+    assert step_mode("auto", cpu, supported=True) == "eager"
+    assert step_mode("off", torch.device("cuda"), supported=True) == "eager"
+    assert step_mode("auto", torch.device("cuda"), supported=True) == "graphs"
+    assert step_mode("auto", torch.device("cuda"), supported=False) == "eager"
+    with pytest.raises(SpecimgError, match="needs a CUDA target"):
+        step_mode("on", cpu, supported=True)
+    with pytest.raises(SpecimgError, match="cuda_graphs must be one of"):
+        step_mode("yes", cpu, supported=True)  # type: ignore[arg-type]
+
+
+def test_engine_refuses_graphs_off_a_gpu_and_off_turns_a_target_eager() -> None:
+    target = build_target("GPT-B", seed=0, **TINY)
+    with pytest.raises(SpecimgError, match="needs a CUDA target"):
+        specimg.Engine(target, method="ar", cuda_graphs="on")
+    target.set_step_mode("static")
+    specimg.Engine(target, method="ar")  # auto off a GPU leaves the mode alone
+    assert target.step_mode == "static"
+    specimg.Engine(target, method="ar", cuda_graphs="off")
+    assert target.step_mode == "eager"
+    with pytest.raises(SpecimgError, match="CUDA graphs need"):
+        target.set_step_mode("graphs")
+
+
+@pytest.mark.parametrize("n", [1, 3, 8, 13])
+def test_padding_near_the_end_of_the_cache_is_exact(n: int) -> None:
+    """A cache for 20 tree nodes (not a bucket size) at the image's last tokens: the padded
+    nodes fill the cache to its end and change no real node's output."""
+    eager, fixed = (build_target("GPT-B", seed=0, **TINY, max_tree_nodes=20) for _ in range(2))
+    fixed.set_step_mode("static")
+    tokens, depths, mask, _ = random_tree(n, 64, seed=n)
+    outs = []
+    for target in (eager, fixed):
+        target.prefill(2, cfg=True)
+        for tok in range(15):  # all but the last image token committed
+            target.forward_tree(torch.tensor([tok]), torch.tensor([0]), causal_tree_mask(1))
+            target.commit(torch.tensor([0]))
+        target.expose_layers([0, 1])
+        outs.append(target.forward_tree(tokens, depths, mask))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+
+
+def test_static_naive_reproduces_ar_and_eager_tokens() -> None:
+    """Greedy naive equals greedy AR token for token in the static mode, and sampled AR in
+    the static mode draws the eager mode's images (same seeds)."""
+    target = build_target("GPT-B", seed=0, **TINY)
+    drafter = build_drafter(target, seed=1)
+    greedy = specimg.Sampling(cfg_scale=3.0, temperature=0.0)
+    sampled = specimg.Sampling(cfg_scale=3.0, temperature=1.0)
+    tree = specimg.TreeConfig(kind="dynamic", depth=3, topk=3, total_tokens=12)
+    runs = {}
+    for mode in ("eager", "static"):
+        target.set_step_mode(mode)
+        runs[mode] = (
+            specimg.Engine(target, method="ar", sampling=greedy).generate([1, 4], seed=0).tokens,
+            specimg.Engine(target, drafter, "naive", sampling=greedy, tree=tree).generate([1, 4], seed=0).tokens,
+            specimg.Engine(target, method="ar", sampling=sampled).generate([1, 4], seed=0).tokens,
+        )
+    assert torch.equal(runs["static"][1], runs["static"][0])
+    assert torch.equal(runs["static"][0], runs["eager"][0])
+    assert torch.equal(runs["static"][2], runs["eager"][2])
+
+
+# ----------------------------------------------------------------------------- CUDA
+
+
+@cuda
+def test_graphs_replay_the_static_forward_exactly() -> None:
+    """A replayed graph computes what the static forward computes, bucket by bucket, and
+    its outputs are copies: the next replay does not change them."""
+    outs = {}
+    for mode in ("static", "graphs"):
+        target = build_target("GPT-B", seed=0, **TINY).cuda()
+        target.set_step_mode(mode)
+        target.prefill(2, cfg=True)
+        seen = []
+        for n, seed in ((5, 0), (5, 1), (1, 2), (12, 3)):
+            tokens, depths, mask, _ = random_tree(n, 64, seed=seed)
+            seen.append(target.forward_tree(tokens.cuda(), depths.cuda(), mask.cuda()))
+            target.commit(torch.tensor([0], device="cuda"))
+        outs[mode] = seen
+        if mode == "graphs":
+            assert len(target.graphs) == 3  # buckets 8, 1 and 16
+    for a, b in zip(outs["static"], outs["graphs"]):
+        torch.testing.assert_close(b.logits, a.logits, atol=0, rtol=0)
+        torch.testing.assert_close(b.hidden, a.hidden, atol=0, rtol=0)
+
+
+@cuda
+def test_graphed_naive_reproduces_graphed_ar() -> None:
+    target = build_target("GPT-B", seed=0, **TINY).cuda()
+    drafter = build_drafter(target, seed=1)
+    greedy = specimg.Sampling(cfg_scale=3.0, temperature=0.0)
+    ar = specimg.Engine(target, method="ar", sampling=greedy, cuda_graphs="on").generate([1, 4], seed=0).tokens
+    naive = specimg.Engine(target, drafter, "naive", sampling=greedy, cuda_graphs="on",
+                           tree=specimg.TreeConfig(kind="dynamic", depth=3, topk=3, total_tokens=12)).generate([1, 4], seed=0).tokens
+    assert target.step_mode == "graphs" and len(target.graphs) > 0
+    assert torch.equal(naive, ar)
+
+
+@cuda
+def test_a_graphed_ar_step_synchronises_once() -> None:
+    """The AR step on the graph path waits for the device once: for the drawn token."""
+    target = build_target("GPT-B", seed=0, **TINY).cuda()
+    engine = specimg.Engine(target, method="ar", sampling=specimg.Sampling(cfg_scale=3.0), cuda_graphs="on")
+    engine.generate([1], seed=0)  # captures
+    torch.cuda.synchronize()
+    with pytest.warns(UserWarning) as caught:
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            engine.generate([1], seed=0)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    steps = target.num_tokens
+    assert len(syncs) <= 2 * steps, f"{len(syncs)} synchronisations in {steps} AR steps"
