@@ -192,8 +192,27 @@ def demo_speed(args: argparse.Namespace, device: torch.device, report: Report) -
     speed = ar_speed(target, sampling, labels, device)
     print("  AR ms/token: " + ", ".join(f"cuda graphs {g} {speed[g]['ms_per_token']:.2f}" for g in step_modes(device))
           + f" (capture {speed['capture_s']:.2f} s)")
-    report.add("demo", {"ar": speed, "costs": cost_curves(target, drafter, sampling, 0, device)})
+    result = {"ar": speed, "costs": cost_curves(target, drafter, sampling, 0, device)}
+    if device.type == "cuda":
+        result["syncs_per_image"] = sync_counts(target, drafter, sampling)
+    report.add("demo", result)
     return True
+
+
+def sync_counts(target: Any, drafter: Any, sampling: specimg.Sampling) -> dict[str, Any]:
+    """Host-device synchronisations of one image, AR and naive on a fixed tree (warm)."""
+    from specimg.testing.syncs import count_syncs
+
+    tree = specimg.TreeConfig(kind="dynamic", depth=4, topk=4, total_tokens=24)
+    out = {}
+    for name, engine in (("ar", specimg.Engine(target, method="ar", sampling=sampling)),
+                         ("naive", specimg.Engine(target, drafter, "naive", sampling=sampling, tree=tree))):
+        engine.generate([0], seed=1)
+        steps = []
+        syncs = count_syncs(lambda: steps.append(len(engine.generate([0], seed=0).stats.images[0].accepted)))
+        out[name] = {"syncs": syncs, "steps": max(1, steps[0]) if name != "ar" else target.num_tokens}
+        print(f"  {name}: {syncs} host-device synchronisations in an image ({syncs / out[name]['steps']:.1f} a step)")
+    return out
 
 
 def demo_bench(args: argparse.Namespace, device: torch.device, report: Report) -> None:

@@ -164,10 +164,14 @@ class Engine:
         max_fed = getattr(self.drafter, "max_tree_nodes", 128)
         return TreePlanner(self.cost_model, max_nodes, max_fed, self.device, self.tree_config.sample, self.method, self.tree_config.ar_fallback)
 
-    def _draw(self, probs: Tensor, generator: torch.Generator) -> int:
+    def _sample(self, probs: Tensor, generator: torch.Generator) -> Tensor:
+        """A token [1] drawn from ``probs`` [V], left on the device."""
         if self.sampling.greedy:
-            return int(probs.argmax())
-        return int(torch.multinomial(probs, 1, generator=generator))
+            return probs.argmax(dim=-1, keepdim=True)
+        return torch.multinomial(probs, 1, generator=generator)
+
+    def _draw(self, probs: Tensor, generator: torch.Generator) -> int:
+        return int(self._sample(probs, generator))
 
     def _decode(self, condition: Condition, generator: torch.Generator, stats: ImageStats, progress: Callable[[int], None] | None) -> list[int]:
         target, sampling = self.target, self.sampling
@@ -185,17 +189,23 @@ class Engine:
         return tokens
 
     def _decode_ar(self, tokens: list[int], generator: torch.Generator, stats: ImageStats, progress: Callable[[int], None] | None) -> None:
+        """The rest of the image one token per forward.  Each token stays on the device and
+        feeds the next step; the host reads them all at the end, so no step waits for the
+        device (on a GPU the host runs ahead and the launches overlap the work)."""
         target, sampling, device = self.target, self.sampling, self.device
         root = torch.zeros(1, dtype=torch.long, device=device)
         mask = torch.ones(1, 1, dtype=torch.bool, device=device)
-        while len(tokens) < target.num_tokens:
-            out = target.forward_tree(torch.tensor(tokens[-1:], device=device), root, mask)
+        last, drawn = torch.tensor(tokens[-1:], device=device), []
+        for index in range(len(tokens), target.num_tokens):
+            out = target.forward_tree(last, root, mask)
             target.commit(root)
-            cfg_on = cfg_active_at(len(tokens), sampling)
-            tokens.append(self._draw(probabilities(out.logits, sampling, cfg_on)[0], generator))
+            last = self._sample(probabilities(out.logits, sampling, cfg_active_at(index, sampling))[0], generator)
+            drawn.append(last)
             stats.target_forwards += 1
             if progress:
                 progress(1)
+        if drawn:
+            tokens.extend(torch.cat(drawn).tolist())
 
     def relaxers(self, tree: DraftTree, scores: Scores) -> list[tuple[str, float, Callable[..., Tensor | None]]]:
         """The stack's build_relaxed_dist hooks bound to one step: (method, delta, relax)."""

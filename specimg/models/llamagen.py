@@ -167,8 +167,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+        """LlamaGen's norm (float32 statistics, cast back, then the weight) in one fused call."""
+        return F.rms_norm(x.float(), self.weight.shape, eps=self.eps).type_as(x) * self.weight
 
 
 class FeedForward(nn.Module):
@@ -209,11 +209,10 @@ class Attention(nn.Module):
     def project(self, x: Tensor, rope: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Rotated queries [B, H, S, hd] and keys, values [B, KV, S, hd] of x [B, S, D]."""
         b, s, _ = x.shape
-        kv = self.n_kv_head * self.head_dim
-        q, k, v = self.wqkv(x).split([self.n_head * self.head_dim, kv, kv], dim=-1)
-        q = apply_rope(q.view(b, s, self.n_head, self.head_dim), rope).transpose(1, 2)
-        k = apply_rope(k.view(b, s, self.n_kv_head, self.head_dim), rope).transpose(1, 2)
-        return q, k, v.view(b, s, self.n_kv_head, self.head_dim).transpose(1, 2)
+        heads = self.n_head + self.n_kv_head
+        qk, v = self.wqkv(x).split([heads * self.head_dim, self.n_kv_head * self.head_dim], dim=-1)
+        qk = apply_rope(qk.view(b, s, heads, self.head_dim), rope).transpose(1, 2)  # queries and keys in one rotation
+        return qk[:, : self.n_head], qk[:, self.n_head :], v.view(b, s, self.n_kv_head, self.head_dim).transpose(1, 2)
 
     def forward(self, x: Tensor, rope: Tensor, mask: Tensor | None, cache: KVSlot | None = None, start: int | Tensor = 0) -> Tensor:
         """x [B, S, D] at positions given by rope [S, ...]; with a cache, the new keys go to
