@@ -193,25 +193,31 @@ def demo_speed(args: argparse.Namespace, device: torch.device, report: Report) -
     print("  AR ms/token: " + ", ".join(f"cuda graphs {g} {speed[g]['ms_per_token']:.2f}" for g in step_modes(device))
           + f" (capture {speed['capture_s']:.2f} s)")
     result = {"ar": speed, "costs": cost_curves(target, drafter, sampling, 0, device)}
-    if device.type == "cuda":
-        result["syncs_per_image"] = sync_counts(target, drafter, sampling)
+    result["fixed_tree"] = fixed_tree_runs(target, drafter, sampling, device)
     report.add("demo", result)
     return True
 
 
-def sync_counts(target: Any, drafter: Any, sampling: specimg.Sampling) -> dict[str, Any]:
-    """Host-device synchronisations of one image, AR and naive on a fixed tree (warm)."""
-    from specimg.testing.syncs import count_syncs
-
+def fixed_tree_runs(target: Any, drafter: Any, sampling: specimg.Sampling, device: torch.device) -> dict[str, Any]:
+    """AR, naive and cascade on one fixed EAGLE-2 tree (no planner, so no AR fallback):
+    ms/token, tau, and on CUDA the host-device synchronisations of one image."""
     tree = specimg.TreeConfig(kind="dynamic", depth=4, topk=4, total_tokens=24)
     out = {}
-    for name, engine in (("ar", specimg.Engine(target, method="ar", sampling=sampling)),
-                         ("naive", specimg.Engine(target, drafter, "naive", sampling=sampling, tree=tree))):
-        engine.generate([0], seed=1)
-        steps = []
-        syncs = count_syncs(lambda: steps.append(len(engine.generate([0], seed=0).stats.images[0].accepted)))
-        out[name] = {"syncs": syncs, "steps": max(1, steps[0]) if name != "ar" else target.num_tokens}
-        print(f"  {name}: {syncs} host-device synchronisations in an image ({syncs / out[name]['steps']:.1f} a step)")
+    for method in ("ar", "naive", "cascade"):
+        engine = specimg.Engine(target, None if method == "ar" else drafter, method, sampling=sampling, tree=tree)
+        engine.generate([0], seed=1)  # warm: captures
+        result, wall = timed(device, lambda: engine.generate([1, 2], seed=0))
+        row = {"ms_per_token": 1000 * wall / result.stats.tokens, "tau": result.stats.tau}
+        if device.type == "cuda":
+            from specimg.testing.syncs import count_syncs
+
+            steps = []
+            syncs = count_syncs(lambda: steps.append(engine.generate([0], seed=0).stats.images[0]))
+            row["syncs_per_image"] = syncs
+            row["steps_per_image"] = len(steps[0].accepted) or target.num_tokens - 1
+        out[method] = row
+        print(f"  {method} on a fixed tree (depth 4, top-k 4, 24 nodes): {row['ms_per_token']:.2f} ms/token, tau {row['tau']:.2f}"
+              + (f", {row['syncs_per_image']} syncs in {row['steps_per_image']} steps" if "syncs_per_image" in row else ""))
     return out
 
 

@@ -88,10 +88,12 @@ class Engine:
             raise SpecimgError(f"method {self.stack.drafter_free!r} drafts without a drafter but does not implement propose_tree")
 
     def _set_step_mode(self, cuda_graphs: CudaGraphs) -> None:
-        set_mode = getattr(self.target, "set_step_mode", None)
-        mode = step_mode(cuda_graphs, self.device, supported=set_mode is not None)
-        if set_mode is not None and (mode == "graphs" or cuda_graphs == "off"):
-            set_mode(mode)
+        """The target's step mode, and the drafter's alike when it has fixed-shape steps."""
+        mode = step_mode(cuda_graphs, self.device, supported=hasattr(self.target, "set_step_mode"))
+        if mode == "graphs" or cuda_graphs == "off":
+            for model in (self.target, self.drafter):
+                if hasattr(model, "set_step_mode"):
+                    model.set_step_mode(mode)
 
     @property
     def method(self) -> str:

@@ -27,9 +27,10 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 """Node counts a step forward is padded to: eight graphs cover every tree up to 128 nodes."""
 
 StepMode = Literal["eager", "static", "graphs"]
-"""How a target runs its step forwards: ``eager`` (exact shapes; fastest on a CPU),
-``static`` (fixed shapes: padded nodes, the whole static cache under a mask) or ``graphs``
-(static, captured and replayed as CUDA graphs)."""
+"""How a model runs its step forwards: ``eager`` (exact shapes; fastest on a CPU),
+``static`` (fixed shapes: padded nodes, the whole static cache under a mask: the graphs'
+arithmetic without the graphs) or ``graphs`` (static, captured and replayed as CUDA graphs)."""
+STEP_MODES: tuple[StepMode, ...] = ("eager", "static", "graphs")
 
 CudaGraphs = Literal["auto", "on", "off"]
 CUDA_GRAPHS: tuple[CudaGraphs, ...] = ("auto", "on", "off")
@@ -55,6 +56,22 @@ def step_mode(cuda_graphs: CudaGraphs, device: torch.device, supported: bool) ->
         why = "the models are on " + device.type if device.type != "cuda" else "this target has no fixed-shape step"
         raise SpecimgError(f"--cuda-graphs on needs a CUDA target with a fixed-shape step: {why}")
     return "eager"
+
+
+class FixedSteps:
+    """For a torch module whose step forwards have a fixed-shape form: its step mode and its
+    graphs (which a subclass must clear whenever a buffer they read is reallocated)."""
+
+    step_mode: StepMode = "eager"
+    graphs: GraphSet
+
+    def set_step_mode(self, mode: StepMode) -> None:
+        if mode not in STEP_MODES:
+            raise SpecimgError(f"unknown step mode {mode!r}; choose one of {', '.join(STEP_MODES)}")
+        device = next(self.parameters()).device  # type: ignore[attr-defined]
+        if mode == "graphs" and device.type != "cuda":
+            raise SpecimgError(f"CUDA graphs need the model on a CUDA device, not {device.type}")
+        self.step_mode = mode
 
 
 class GraphSet:

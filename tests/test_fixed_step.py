@@ -40,15 +40,17 @@ def test_step_mode_follows_the_device() -> None:
         step_mode("yes", cpu, supported=True)  # type: ignore[arg-type]
 
 
-def test_engine_refuses_graphs_off_a_gpu_and_off_turns_a_target_eager() -> None:
+def test_engine_refuses_graphs_off_a_gpu_and_off_turns_the_models_eager() -> None:
     target = build_target("GPT-B", seed=0, **TINY)
     with pytest.raises(SpecimgError, match="needs a CUDA target"):
         specimg.Engine(target, method="ar", cuda_graphs="on")
     target.set_step_mode("static")
     specimg.Engine(target, method="ar")  # auto off a GPU leaves the mode alone
     assert target.step_mode == "static"
-    specimg.Engine(target, method="ar", cuda_graphs="off")
-    assert target.step_mode == "eager"
+    drafter = build_drafter(target, seed=1)
+    drafter.set_step_mode("static")
+    specimg.Engine(target, drafter, cuda_graphs="off")
+    assert target.step_mode == drafter.step_mode == "eager"
     with pytest.raises(SpecimgError, match="CUDA graphs need"):
         target.set_step_mode("graphs")
 
@@ -83,6 +85,7 @@ def test_static_naive_reproduces_ar_and_eager_tokens() -> None:
     runs = {}
     for mode in ("eager", "static"):
         target.set_step_mode(mode)
+        drafter.set_step_mode(mode)
         runs[mode] = (
             specimg.Engine(target, method="ar", sampling=greedy).generate([1, 4], seed=0).tokens,
             specimg.Engine(target, drafter, "naive", sampling=greedy, tree=tree).generate([1, 4], seed=0).tokens,
@@ -91,6 +94,31 @@ def test_static_naive_reproduces_ar_and_eager_tokens() -> None:
     assert torch.equal(runs["static"][1], runs["static"][0])
     assert torch.equal(runs["static"][0], runs["eager"][0])
     assert torch.equal(runs["static"][2], runs["eager"][2])
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_fixed_shape_drafting_equals_eager_drafting(kind: str) -> None:
+    """start and expand at fixed shapes (a drafter for 6 nodes: its last bucket is 6) give the
+    eager logits over two steps, the second starting from three new pairs."""
+    target = build_target("GPT-B", seed=0, **TINY)
+    logits = {}
+    for mode in ("eager", "static"):
+        drafter = build_drafter(target, seed=1, kind=kind, max_tree_nodes=6)
+        drafter.set_step_mode(mode)
+        out = target.prefill(3, cfg=True)
+        features = out.hidden if kind == "eagle1" else out.layers
+        drafter.prefill(3, cfg=True)
+        logits[mode] = [
+            drafter.start(features, torch.tensor([5])),
+            drafter.expand(torch.tensor([0, 0, 0]), torch.tensor([1, 2, 3])),  # 3 nodes: bucket 4
+            drafter.expand(torch.tensor([1, 1, 3]), torch.tensor([4, 5, 6])),  # 3 more: the last bucket is 6 - 3
+            drafter.start(features.expand(-1, 3, -1), torch.tensor([7, 8, 9])),
+            drafter.expand(torch.tensor([0, 0]), torch.tensor([1, 2])),
+            drafter.expand(torch.tensor([2]), torch.tensor([1])),
+        ]
+    for a, b in zip(logits["eager"], logits["static"]):
+        assert b.shape == a.shape
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
 
 
 # ----------------------------------------------------------------------------- CUDA

@@ -25,10 +25,12 @@ from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specimg.errors import SpecimgError
 from specimg.files import atomic_path
+from specimg.graphs import FixedSteps, GraphSet, bucket
 from specimg.models.base import Condition, Target, cfg_rows
 from specimg.models.checkpoint import load_into, load_state_dict
 from specimg.models.llamagen import GPTConfig, KVSlot, TransformerBlock, cache_is_stale, init_weights
@@ -67,7 +69,7 @@ class EagleTarget(Target, Protocol):
 DRAFTER_TYPES = ("eagle1", "eagle3")
 
 
-class TreeDrafter(nn.Module, abc.ABC):
+class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
     """The :class:`~specimg.models.base.Drafter` interface over a one-layer EAGLE head with a
     static KV cache: a subclass says how a target feature becomes its state (``_lift``), how
     a (state, token) pair runs through its ``layers`` (``_forward``, after ``fc``'s weights
@@ -76,6 +78,10 @@ class TreeDrafter(nn.Module, abc.ABC):
     Cache slot s holds the pair that consumes image token s; speculative nodes of the
     current step follow the committed slots and are forgotten by the next ``start``.  A
     node's input state is its parent's output state (the drafter's own prediction).
+
+    ``start`` and ``expand`` also run at fixed shapes (:meth:`set_step_mode`): the new pairs
+    or nodes padded to a bucket, written to cache slots given as a tensor, attending over
+    the whole cache under a mask, and on a GPU replayed as CUDA graphs.
     """
 
     kind = ""
@@ -99,10 +105,15 @@ class TreeDrafter(nn.Module, abc.ABC):
         self._len = 0  # committed pairs
         self._count = 0  # speculative nodes fed since the last start
         self._root_pos = 0
+        self._start = torch.zeros((), dtype=torch.long)  # _len on the cache's device (fixed-shape steps read it there)
+        self._slots = torch.arange(0)  # [capacity] slot ids on the cache's device
+        self.graphs = GraphSet()
+        self._graphed_target: tuple[int, ...] = ()  # the target tensors the graphs read, by address
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         super()._apply(fn, recurse)
         self._full_kv, self._kv = [], []
+        self.graphs.clear()
         return self
 
     # -- Drafter protocol
@@ -119,8 +130,12 @@ class TreeDrafter(nn.Module, abc.ABC):
             self._feat = w.new_zeros(2, 1 + n, c.dim)
             self._depth = torch.zeros(1 + n, dtype=torch.long, device=w.device)
             self._anc = torch.zeros(1 + n, 1 + n, dtype=torch.bool, device=w.device)
+            self._start = torch.zeros((), dtype=torch.long, device=w.device)
+            self._slots = torch.arange(self.capacity, device=w.device)
+            self.graphs.clear()
         self._kv = [(k[:rows], v[:rows]) for k, v in self._full_kv]
         self._rows, self._len, self._count = rows, 0, 0
+        self._start.zero_()
 
     @torch.no_grad()
     def start(self, hidden: Tensor, tokens: Tensor) -> Tensor:
@@ -129,6 +144,8 @@ class TreeDrafter(nn.Module, abc.ABC):
             raise RuntimeError("call prefill before start (also after moving the drafter)")
         if s0 + m > self.capacity:
             raise ValueError(f"{m} new pairs overflow the drafter cache ({self.capacity - s0} slots left)")
+        if self.step_mode != "eager":
+            return self._start_fixed(hidden, tokens)
         mask = None
         if m > 1:
             mask = torch.ones(m, s0 + m, dtype=torch.bool, device=self.fc.weight.device).tril(s0)
@@ -149,6 +166,8 @@ class TreeDrafter(nn.Module, abc.ABC):
         self._depth[new] = depth
         self._anc[new] = self._anc[parents]
         self._anc[new, new] = True
+        if self.step_mode != "eager":
+            return self._expand_fixed(parents, tokens, depth, new)
         rope = self.target.draft_rope()
         positions = (depth + self._root_pos).clamp_(max=rope.shape[0] - 1)  # past the image end: never accepted
         mask = torch.cat([torch.ones(f, s0, dtype=torch.bool, device=device), self._anc[new, 1 : c + f + 1]], dim=1)
@@ -156,6 +175,67 @@ class TreeDrafter(nn.Module, abc.ABC):
         self._feat[: self._rows, new] = h
         self._count = c + f
         return self._logits(h).float()
+
+    # -- fixed shapes
+
+    def _run_fixed(self, key: tuple[Any, ...], step: Any, inputs: tuple[Tensor, ...], n: int) -> tuple[Tensor, Tensor]:
+        """States and logits [rows, n, ...] of a fixed-shape step, run directly or replayed
+        (the graphs also read the target's embedding, head and RoPE: new ones, new graphs)."""
+        if self.step_mode != "graphs":
+            h, logits = step(*inputs)
+            return h[:, :n], logits[:, :n]
+        target = (self.target.draft_rope().data_ptr(), self.target.input_embeddings().data_ptr())
+        if target != self._graphed_target:
+            self.graphs.clear()
+            self._graphed_target = target
+        h, logits = self.graphs.run((*key, self._rows), step, inputs)
+        return h[:, :n], logits[:, :n].clone()
+
+    def _start_fixed(self, hidden: Tensor, tokens: Tensor) -> Tensor:
+        m = tokens.shape[0]
+        size = bucket(m, self.capacity - self._len)
+        inputs = (F.pad(hidden, (0, 0, 0, size - m)), F.pad(tokens.to(hidden.device), (0, size - m)), self._start)
+        h, logits = self._run_fixed(("start", size), self._start_step, inputs, m)
+        self._len, self._count, self._root_pos = self._len + m, 0, self._len + m - 1
+        self._start.add_(m)
+        self._feat[: self._rows, 0] = h[:, -1]
+        return logits[:, -1]
+
+    def _start_step(self, hidden: Tensor, tokens: Tensor, start: Tensor) -> tuple[Tensor, Tensor]:
+        """``start`` on device tensors: b new pairs (padded ones last, so nobody real sees
+        them) at slots start + i, each seeing the committed prefix and the new pairs before it."""
+        b = tokens.shape[0]
+        slots = start + self._slots[:b]
+        attn = (self._slots < start).expand(b, -1).clone()
+        attn[:, slots] = torch.ones(b, b, dtype=torch.bool, device=attn.device).tril()
+        rope = self.target.draft_rope()
+        h = self._forward(self._lift(hidden), tokens, rope[slots.clamp(max=rope.shape[0] - 1)], attn, slots)
+        return h, self._logits(h).float()
+
+    def _expand_fixed(self, parents: Tensor, tokens: Tensor, depth: Tensor, new: Tensor) -> Tensor:
+        f, c = tokens.shape[0], self._count
+        size = bucket(f, self.max_tree_nodes - c)
+        inputs = (F.pad(parents, (0, size - f)), F.pad(tokens.to(parents.device), (0, size - f)), F.pad(depth, (0, size - f)),
+                  F.pad(self._anc[new], (0, 0, 0, size - f)), self._start + c)
+        h, logits = self._run_fixed(("expand", size), self._expand_step, inputs, f)
+        self._feat[: self._rows, new] = h
+        self._count = c + f
+        return logits
+
+    def _expand_step(self, parents: Tensor, tokens: Tensor, depth: Tensor, ancestors: Tensor, start: Tensor) -> tuple[Tensor, Tensor]:
+        """``expand`` on device tensors: b nodes (padded ones last) at slots start + i, where
+        ``start`` counts the committed pairs and the nodes fed before; node i sees the
+        committed prefix and its speculative ancestors-or-self (``ancestors`` [b, 1 + n] by
+        node id, id j at slot prefix + j - 1).  A padded node sees the prefix alone."""
+        b, n = tokens.shape[0], self.max_tree_nodes
+        prefix = self._start
+        slots = start + self._slots[:b]
+        attn = (self._slots < prefix).expand(b, -1).clone()
+        attn[:, prefix + self._slots[:n]] = ancestors[:, 1:]
+        rope = self.target.draft_rope()
+        positions = (depth + prefix - 1).clamp(max=rope.shape[0] - 1)  # the root sits at prefix - 1
+        h = self._forward(self._feat[: self._rows, parents], tokens, rope[positions], attn, slots)
+        return h, self._logits(h).float()
 
     def settings(self) -> dict[str, Any]:
         """What a file must record besides the weights to build this drafter again."""
@@ -166,9 +246,9 @@ class TreeDrafter(nn.Module, abc.ABC):
         """The state [rows, m, D] of target features [rows, m, ...] (what ``start`` is given)."""
 
     @abc.abstractmethod
-    def _forward(self, states: Tensor, tokens: Tensor, rope: Tensor, mask: Tensor | None, start: int) -> Tensor:
+    def _forward(self, states: Tensor, tokens: Tensor, rope: Tensor, mask: Tensor | None, start: int | Tensor) -> Tensor:
         """Output states [rows, m, D] of pairs (input states [rows, m, D], tokens [m]) written
-        to cache slots from ``start``."""
+        to cache slots from ``start`` (or to the slots in a ``start`` tensor)."""
 
     @abc.abstractmethod
     def _logits(self, h: Tensor) -> Tensor:
@@ -205,7 +285,7 @@ class EagleDrafter(TreeDrafter):
             h = layer(h, self.target.draft_rope()[:t], mask)
         return h, self.target.code_logits(h).float()
 
-    def _forward(self, features: Tensor, tokens: Tensor, rope: Tensor, mask: Tensor | None, start: int) -> Tensor:
+    def _forward(self, features: Tensor, tokens: Tensor, rope: Tensor, mask: Tensor | None, start: int | Tensor) -> Tensor:
         e = self.target.embed_codes(tokens.to(features.device))[None].expand(features.shape[0], -1, -1)
         h = self.fc(torch.cat([e, features], dim=-1))
         for layer, cache in zip(self.layers, self._kv):

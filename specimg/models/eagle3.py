@@ -53,7 +53,7 @@ class Eagle3Layer(nn.Module):
         self.feed_forward = FeedForward(config)
 
     def forward(
-        self, e: Tensor, h: Tensor, rope: Tensor, mask: Tensor | None, cache: KVSlot | None = None, start: int = 0,
+        self, e: Tensor, h: Tensor, rope: Tensor, mask: Tensor | None, cache: KVSlot | None = None, start: int | Tensor = 0,
         past: list[tuple[Tensor, Tensor]] | None = None,
     ) -> Tensor:
         """With ``past`` (training-time test) the queries also see the keys and values of the
@@ -91,7 +91,7 @@ class Eagle3Drafter(TreeDrafter):
     def _lift(self, hidden: Tensor) -> Tensor:
         return self.fc(hidden)
 
-    def _forward(self, states: Tensor, tokens: Tensor, rope: Tensor, mask: Tensor | None, start: int) -> Tensor:
+    def _forward(self, states: Tensor, tokens: Tensor, rope: Tensor, mask: Tensor | None, start: int | Tensor) -> Tensor:
         e = self.target.embed_codes(tokens.to(states.device))[None].expand(states.shape[0], -1, -1)
         for layer, cache in zip(self.layers, self._kv):
             states = layer(e, states, rope, mask, cache, start)

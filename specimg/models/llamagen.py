@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from specimg.config import LLAMAGEN_SAMPLING, LLAMAGEN_T2I_SAMPLING, Sampling
 from specimg.errors import SpecimgError
-from specimg.graphs import GraphSet, StepMode, bucket
+from specimg.graphs import FixedSteps, GraphSet, bucket
 from specimg.models.base import Caption, Condition, TargetOutput, cfg_rows, exposed_layers
 from specimg.models.checkpoint import Checkpoint, Described, agree, load_into, read_checkpoint, settle
 from specimg.sampling import cfg_active_at, probabilities
@@ -293,7 +293,7 @@ class CaptionEmbedder(nn.Module):
 # ----------------------------------------------------------------------------- target
 
 
-class LlamaGenTarget(nn.Module):
+class LlamaGenTarget(FixedSteps, nn.Module):
     """LlamaGen's ``Transformer`` with the :class:`~specimg.models.base.Target` interface."""
 
     def __init__(self, config: GPTConfig, max_tree_nodes: int = 128) -> None:
@@ -320,7 +320,6 @@ class LlamaGenTarget(nn.Module):
         self._len = 0  # committed cache entries (condition + consumed image tokens)
         self._start = torch.zeros((), dtype=torch.long)  # _len on the cache's device (fixed-shape steps read it there)
         self._pending = 0  # nodes of the last forward_tree
-        self.step_mode: StepMode = "eager"
         self.graphs = GraphSet()
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
@@ -330,16 +329,6 @@ class LlamaGenTarget(nn.Module):
         self._cache, self._kv = torch.empty(0), []
         self.graphs.clear()
         return self
-
-    def set_step_mode(self, mode: StepMode) -> None:
-        """Run step forwards ``eager`` (exact shapes), ``static`` (nodes padded to a bucket,
-        attention over the whole cache under a mask: the graphs' arithmetic without the
-        graphs) or as CUDA ``graphs`` of the static forward (CUDA only)."""
-        if mode not in ("eager", "static", "graphs"):
-            raise SpecimgError(f"unknown step mode {mode!r}")
-        if mode == "graphs" and self.tok_embeddings.weight.device.type != "cuda":
-            raise SpecimgError("CUDA graphs need the target on a CUDA device")
-        self.step_mode = mode
 
     @property
     def default_sampling(self) -> Sampling:
