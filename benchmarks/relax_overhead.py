@@ -4,7 +4,8 @@ One decode step's relax phase (the engine's ``relax.fold``, budget checks includ
 60-node LANTERN++-shaped tree at LlamaGen scale: V = 16384, GPT-B hidden size 768, p with
 its mass spread over a top-2000, random hidden states and embeddings, a random
 L2-normalised 16384 x 8 codebook (VQ-16).  The reference is one GPT-B forward over the
-same 60-node tree with CFG (two rows), when specimg.models.llamagen is present.
+same 60-node tree with CFG (two rows), when specimg.models.llamagen is present (on a GPU
+the graph-captured forward the engine runs there).
 
     python benchmarks/relax_overhead.py [--device cpu] [--repeats 10] [--threads 1]
 
@@ -105,6 +106,8 @@ def verify_ms(tree: DraftTree, repeats: int, device: str) -> float | None:
     except ImportError:
         return None
     target = build_target("GPT-B").to(device)
+    if device.startswith("cuda"):
+        target.set_step_mode("graphs")  # the step a GPU run takes
     target.prefill(0, cfg=True)
     tokens, depths, mask = (t.to(device) for t in (tree.tokens, tree.depths, tree.mask))
     return timed(lambda: target.forward_tree(tokens, depths, mask), repeats, device)
@@ -133,7 +136,7 @@ def main() -> None:
     print(f"first lantern step (neighbour table build or cache read): {time.perf_counter() - start:.2f} s")
     reference = verify_ms(tree, max(3, args.repeats // 2), args.device)
     if reference is not None:
-        print(f"{'verify: GPT-B forward, 60 nodes, CFG':<40} {reference:9.2f} ms")
+        print(f"{'verify: GPT-B forward, 60 nodes, CFG':<40} {reference:9.2f} ms" + (" (CUDA graph)" if args.device.startswith("cuda") else ""))
     for names in STACKS:
         ms = timed(relax_step(pm, names, tree, scores, target, tokenizer), args.repeats, args.device)
         share = f"  ({100 * ms / reference:5.1f}% of verify)" if reference else ""

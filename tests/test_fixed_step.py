@@ -14,7 +14,7 @@ from specimg.graphs import BUCKETS, bucket, step_mode
 from specimg.models.base import causal_tree_mask
 from specimg.models.eagle import build_drafter
 from specimg.models.llamagen import build_target
-from specimg.testing.syncs import count_syncs
+from specimg.testing.syncs import count_syncs, counting_host_reads
 from specimg.testing.trees import random_tree
 
 TINY = dict(dim=64, n_layer=2, n_head=4, vocab_size=64, block_size=16, multiple_of=32, num_classes=10, initializer_range=0.1)
@@ -119,6 +119,31 @@ def test_fixed_shape_drafting_equals_eager_drafting(kind: str) -> None:
     for a, b in zip(logits["eager"], logits["static"]):
         assert b.shape == a.shape
         torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["eager", "static"])
+def test_ar_reads_the_device_twice_an_image(mode: str) -> None:
+    """AR keeps each drawn token on the device for the next step: the host reads the first
+    token (from the prefill) and the image's tokens once at the end, whatever its length."""
+    for block_size in (16, 64):
+        target = build_target("GPT-B", seed=0, **{**TINY, "block_size": block_size})
+        target.set_step_mode(mode)
+        engine = specimg.Engine(target, method="ar", sampling=specimg.Sampling(cfg_scale=3.0, top_k=10))
+        with counting_host_reads() as reads:
+            engine.generate([1], seed=0)
+        assert sum(reads.values()) == 2, dict(reads)
+
+
+def test_a_speculative_step_reads_the_device_at_most_tau_plus_four_times() -> None:
+    """docs/architecture.md's bound on a step's host round trips, for naive on a dynamic tree."""
+    target = build_target("GPT-B", seed=0, **TINY)
+    drafter = build_drafter(target, seed=1)
+    engine = specimg.Engine(target, drafter, "naive", sampling=specimg.Sampling(cfg_scale=3.0),
+                            tree=specimg.TreeConfig(kind="dynamic", depth=3, topk=3, total_tokens=10))
+    with counting_host_reads() as reads:
+        image = engine.generate([1], seed=0).stats.images[0]
+    steps, tokens = len(image.accepted), sum(image.accepted) + len(image.accepted)  # tau = tokens / steps
+    assert sum(reads.values()) <= tokens + 4 * steps + 2, (dict(reads), steps, tokens)
 
 
 # ----------------------------------------------------------------------------- CUDA

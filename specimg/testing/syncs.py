@@ -1,9 +1,12 @@
-"""Counting a run's host-device synchronisations, as torch's CUDA sync debug mode reports them."""
+"""Counting a run's host-device synchronisations: on CUDA as torch's sync debug mode
+reports them, anywhere as the reads of tensor values that cause them."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -20,3 +23,30 @@ def count_syncs(run: Callable[[], Any]) -> int:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return sum("synchroniz" in str(w.message) for w in caught)
+
+
+_READS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")
+
+
+@contextlib.contextmanager
+def counting_host_reads() -> Iterator[Counter[str]]:
+    """Count the Python-level reads of tensor values (``item``, ``tolist``, ``int(t)``, ...)
+    inside the block: on a GPU each is a host-device synchronisation, so a CPU test can
+    bound a step's synchronisations by counting them."""
+    counts: Counter[str] = Counter()
+    saved = {name: getattr(torch.Tensor, name) for name in _READS}
+
+    def counted(name: str, read: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return read(self, *args, **kwargs)
+
+        return wrapper
+
+    for name, read in saved.items():
+        setattr(torch.Tensor, name, counted(name, read))
+    try:
+        yield counts
+    finally:
+        for name, read in saved.items():
+            setattr(torch.Tensor, name, read)
