@@ -187,11 +187,12 @@ def test_graphed_naive_reproduces_graphed_ar() -> None:
 def test_graphed_ar_steps_never_wait_for_the_device() -> None:
     """AR on the graph path waits for the device a few times an image (the condition's and
     the first token's transfers, the first draw, the image's one copy to the host), and
-    never in a step: a 4x longer image waits as often."""
-    syncs = []
+    never in a step: a 4x longer image waits no more often.  (On an H200: 5 and 4 times,
+    the first count carrying a one-off; so each length is counted twice, the fewest kept.)"""
+    engines = {}
     for block_size in (16, 64):
         target = build_target("GPT-B", seed=0, **{**TINY, "block_size": block_size}).cuda()
-        engine = specimg.Engine(target, method="ar", sampling=specimg.Sampling(cfg_scale=3.0), cuda_graphs="on")
-        engine.generate([1], seed=0)  # captures
-        syncs.append(count_syncs(lambda: engine.generate([1], seed=0)))
-    assert syncs[0] == syncs[1] <= 6, syncs
+        engines[block_size] = specimg.Engine(target, method="ar", sampling=specimg.Sampling(cfg_scale=3.0), cuda_graphs="on")
+        engines[block_size].generate([1], seed=0)  # captures
+    syncs = {n: min(count_syncs(lambda: engine.generate([1], seed=0)) for _ in range(2)) for n, engine in engines.items()}
+    assert syncs[64] <= syncs[16] <= 6, syncs
