@@ -137,10 +137,10 @@ def device_options(fn: F) -> F:
 
 
 def cuda_graphs_option(fn: F) -> F:
-    """How the target's step forwards run on a GPU."""
+    """How the models' step forwards run on a GPU."""
     return click.option(
         "--cuda-graphs", type=click.Choice(list(CUDA_GRAPHS)), default="auto", show_default=True,
-        help="replay the target's step forwards as CUDA graphs: auto = on a GPU, for targets with a fixed-shape step (LlamaGen)",
+        help="replay the target's and drafter's step forwards as CUDA graphs: auto = on a GPU, for targets with a fixed-shape step (LlamaGen)",
     )(fn)
 
 

@@ -41,10 +41,11 @@ class Engine:
     the stack's total-variation budget (default: the largest member delta).
 
     Everything runs on the target's device: ``device`` and ``dtype``, when given, move the
-    models there first.  ``cuda_graphs``: "auto" replays a target's step forwards as CUDA
-    graphs when it is on a GPU and has a fixed-shape step (LlamaGen), "on" insists, "off"
-    runs them eagerly (off a GPU, "auto" leaves the target's step mode as it is).  An auto tree (the default) is chosen per step from ``cost_model``,
-    measured on first use when not given (see :mod:`specimg.costs`).
+    models there first.  ``cuda_graphs``: "auto" replays the target's step forwards (and an
+    EAGLE drafter's) as CUDA graphs when the target is on a GPU and has a fixed-shape step
+    (LlamaGen), "on" insists, "off" runs them eagerly; off a GPU, "auto" leaves the models'
+    step modes as they are.  An auto tree (the default) is chosen per step from
+    ``cost_model``, measured on first use when not given (see :mod:`specimg.costs`).
     """
 
     def __init__(

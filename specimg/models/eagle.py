@@ -21,7 +21,7 @@ from __future__ import annotations
 import abc
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -178,7 +178,7 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
 
     # -- fixed shapes
 
-    def _run_fixed(self, key: tuple[Any, ...], step: Any, inputs: tuple[Tensor, ...], n: int) -> tuple[Tensor, Tensor]:
+    def _run_fixed(self, key: tuple[Any, ...], step: Callable[..., tuple[Tensor, Tensor]], inputs: tuple[Tensor, ...], n: int) -> tuple[Tensor, Tensor]:
         """States and logits [rows, n, ...] of a fixed-shape step, run directly or replayed
         (the graphs also read the target's embedding, head and RoPE: new ones, new graphs)."""
         if self.step_mode != "graphs":
