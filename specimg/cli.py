@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -24,6 +25,7 @@ from specimg.demo.recipe import DEFAULT_SCALE as DEFAULT_DEMO_SCALE
 from specimg.demo.recipe import SCALES as DEMO_SCALES
 from specimg.engine import Engine
 from specimg.errors import SpecimgError
+from specimg.runfolder import claim, inputs_fingerprint
 from specimg.eval.bench import DEFAULT_IMAGES as BENCH_IMAGES
 from specimg.eval.conditions import Conditions, conditions_for, sample_captions, shorten
 from specimg.eval.prompts import class_labels
@@ -48,6 +50,15 @@ def main(argv: list[str] | None = None) -> None:
         _run(argv)
 
 
+def _quiet_stdout() -> None:
+    """Point standard output at /dev/null, so that the interpreter's last flush of what a
+    full disk refused does not add a traceback to the one error line."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
 def _one_line_warning(message: Warning | str, *args: Any, **kwargs: Any) -> None:
     click.echo(f"specimg: warning: {message}", err=True)
 
@@ -69,6 +80,13 @@ def _run(argv: list[str] | None) -> None:
     except click.ClickException as err:
         hint = f" (see '{err.ctx.command_path} --help')" if isinstance(err, click.UsageError) and err.ctx else ""
         click.echo(f"specimg: error: {err.format_message()}{hint}", err=True)
+        sys.exit(2)
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        _quiet_stdout()
+        where = f"{err.filename}: " if err.filename else "writing the output: "
+        click.echo(f"specimg: error: {where}{err.strerror}; free space and run the same command again: it resumes", err=True)
         sys.exit(2)
     except (click.Abort, KeyboardInterrupt):
         click.echo("specimg: interrupted; the same command resumes where it stopped", err=True)
@@ -152,6 +170,21 @@ def _models(kw: dict[str, Any], model: str):
     raise SpecimgError(f"unknown --model {model!r}; choose demo, demo-cascade, demo-eagle3 or tiny-random")
 
 
+def _inputs(kw: dict[str, Any], model: str) -> dict[str, Any]:
+    """The run's model inputs, fingerprinted for its settings: the files given (the demo:
+    its bundle's) by content and every config override (see specimg.runfolder)."""
+    files = {role: kw.get(role) for role in ("target", "drafter", "tokenizer", "text_encoder")}
+    if not kw["target"] and model.startswith("demo"):
+        from specimg.models.demo import bundle_dir
+
+        files["demo_bundle"] = bundle_dir()
+    configs = {
+        "target": {**({"preset": kw["preset"]} if kw.get("preset") else {}), **_overrides(kw["target_config"], "--target-config")},
+        "tokenizer": _overrides(kw["tokenizer_config"], "--tokenizer-config"),
+    }
+    return inputs_fingerprint(model if not kw["target"] else "checkpoint", files, configs)
+
+
 def _default_model() -> str:
     from specimg.models.demo import bundle_exists
 
@@ -205,7 +238,7 @@ def generate(**kw: Any) -> None:
         sampling_from(kw, _base_sampling(model, kw["target"], models.target)), tree,
         delta=kw["delta"], tokenizer=models.tokenizer, device=device, dtype=dtype, cuda_graphs=kw["cuda_graphs"],
     )
-    _write_run(engine, models, conditions, kw["seed"], kw["out"], state)
+    _write_run(engine, models, conditions, kw["seed"], kw["out"], state, _inputs(kw, model))
 
 
 @cli.command()
@@ -248,7 +281,8 @@ def bench(**kw: Any) -> None:
         from specimg.demo.data import real_images
 
         real = real_images
-    bench_command(kw, models, model, sampling_from(kw, _base_sampling(model, kw["target"], models.target)), tree, click.echo, real)
+    sampling = sampling_from(kw, _base_sampling(model, kw["target"], models.target))
+    bench_command(kw, models, model, sampling, tree, click.echo, real, inputs=_inputs(kw, model))
 
 
 @cli.command()
@@ -311,17 +345,24 @@ def train_demo(out: str, scale: str, threads: int | None, keep_work: bool) -> No
     )
 
 
-def _write_run(engine: Engine, models: Any, conditions: Conditions, seed: int, out: str, state: Any) -> None:
+def _write_run(engine: Engine, models: Any, conditions: Conditions, seed: int, out: str, state: Any, inputs: dict[str, Any]) -> None:
     """Generate the images ``out``'s manifest lacks, dealt over the processes of ``state``
     (image i to process i mod N: per-image seeds make them those of one process); every
-    process appends to the one manifest; the main one writes the grid and the summary."""
+    process appends to the one manifest; the main one writes the grid and the summary.
+    The run owns ``out`` while it works (another run on it is refused)."""
+    if state.is_main_process:
+        writable_folder(out)
+    with claim(out, state):
+        _write_images(engine, models, conditions, seed, out, state, inputs)
+
+
+def _write_images(engine: Engine, models: Any, conditions: Conditions, seed: int, out: str, state: Any, inputs: dict[str, Any]) -> None:
     from specimg.images import save_png_atomic, to_pil
 
     main, world = state.is_main_process, state.num_processes
     if main:
-        writable_folder(out)
         os.makedirs(os.path.join(out, "images"), exist_ok=True)
-    manifest = _open_manifest(engine, models, seed, out, state)
+    manifest = _open_manifest(engine, models, seed, out, state, inputs)
     key = "prompt" if conditions.prompts is not None else "condition"
     keys = conditions.keys
     other = next((i for i in sorted(manifest.done) if i < len(keys) and manifest.done[i].get(key) != keys[i]), None)
@@ -356,13 +397,13 @@ def _write_run(engine: Engine, models: Any, conditions: Conditions, seed: int, o
         _report(engine, models, manifest.path, RunStats(tuple(images)), len(todo), time.perf_counter() - start, out)
 
 
-def _open_manifest(engine: Engine, models: Any, seed: int, out: str, state: Any) -> Any:
+def _open_manifest(engine: Engine, models: Any, seed: int, out: str, state: Any, inputs: dict[str, Any]) -> Any:
     """The run's manifest, read by every process once the main one has repaired a cut last
     line; a refusal (other settings) stops every process alike."""
     from specimg.manifest import Manifest
 
     settings = {
-        "model": models.name, "method": engine.method,
+        "model": models.name, "inputs": inputs, "method": engine.method,
         "options": engine.stack.options_dict() if engine.stack else {}, "delta": engine.stack.delta if engine.stack else 0.0,
         "sampling": attrs.asdict(engine.sampling), "tree": attrs.asdict(engine.tree_config), "seed": seed,
         "device": engine.device.type, "dtype": str(engine.target.input_embeddings().dtype),
@@ -496,7 +537,7 @@ def make_drafter_data_command(**kw: Any) -> None:
         shard_size=kw["shard_size"], batch_size=kw["batch_size"], drafter_type=kw["drafter_type"],
     )
     start = time.perf_counter()
-    with tqdm(unit="img", desc="drafter data", disable=None if state.is_main_process else True) as bar:
+    with claim(kw["out"], state), tqdm(unit="img", desc="drafter data", disable=None if state.is_main_process else True) as bar:
         meta = make_drafter_data(
             target, kw["out"], spec, process_index=state.process_index, num_processes=state.num_processes,
             barrier=state.wait_for_everyone, progress=bar.update,

@@ -7,6 +7,7 @@ rather than mixing results.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from collections.abc import Iterator
@@ -44,14 +45,25 @@ class Manifest:
 
     def add(self, index: int, record: dict[str, Any]) -> None:
         """Append one line in one write to a file opened for appending: processes that
-        share the manifest never interleave their lines."""
+        share the manifest never interleave their lines.  A line that cannot be written
+        whole (a full disk) fails the run; the next run cuts off what part of it was
+        written and redoes that sample."""
         entry = {"index": index, **record, "settings": self.settings}
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        line = (json.dumps(entry) + "\n").encode("utf-8")
         try:
-            os.write(fd, (json.dumps(entry) + "\n").encode("utf-8"))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+            try:
+                written = os.write(fd, line)
+                if written != len(line):
+                    raise OSError(errno.ENOSPC, f"only {written} of {len(line)} bytes written", self.path)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as err:
+            raise SpecimgError(
+                f"{self.path}: the line of sample {index} could not be written ({err.strerror or err}); "
+                "free space and run the same command again: it resumes"
+            ) from None
         self.done[index] = entry
 
 

@@ -44,6 +44,7 @@ from specimg.graphs import CudaGraphs
 from specimg.manifest import Manifest
 from specimg.methods import AR, split_stack
 from specimg.models.base import Caption, Condition
+from specimg.runfolder import claim
 from specimg.stats import PHASES, ImageStats, RunStats
 
 DEFAULT_METHODS = ("ar", "naive", "lantern", "lantern++", "gsd", "cascade", "cascade+lantern")
@@ -179,6 +180,8 @@ class BenchSpec:
     sampling: Sampling = Sampling()
     tree: TreeConfig = TreeConfig()
     warmup: int = 1
+    inputs: Mapping[str, Any] = attrs.field(factory=dict)
+    """The model files' fingerprint (:func:`specimg.runfolder.inputs_fingerprint`), if known."""
 
     def settings(self, model: str) -> dict[str, Any]:
         """What a resumed run must share with the one that wrote the manifest (the sample
@@ -187,6 +190,7 @@ class BenchSpec:
             "format": FORMAT, "model": model, "variants": [v.as_dict() for v in self.variants],
             "sampling": attrs.asdict(self.sampling), "tree": attrs.asdict(self.tree), "seed": self.seed,
             "condition_kind": "caption" if any(isinstance(c, Caption) for c in self.conditions) else "class",
+            **({"inputs": dict(self.inputs)} if self.inputs else {}),
         }
 
 
@@ -241,6 +245,14 @@ def run_bench(
     if state.is_main_process:
         os.makedirs(out, exist_ok=True)
     state.wait_for_everyone()
+    with claim(out, state):
+        return _run_claimed(models, spec, out, state, engines, progress, on_record)
+
+
+def _run_claimed(
+    models: Any, spec: BenchSpec, out: str, state: Any, engines: Mapping[str, Engine] | None,
+    progress: bool | None, on_record: Callable[[dict[str, Any]], None] | None,
+) -> BenchRun:
     engines = dict(engines) if engines is not None else build_engines(models, spec)
     manifest, done = _open_manifests(out, {**spec.settings(models.name), **_placement(models, engines)}, state.process_index)
     state.wait_for_everyone()  # everyone has read every file before anyone appends

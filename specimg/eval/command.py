@@ -68,11 +68,12 @@ def build_quality(
 
 def bench_command(
     kw: dict[str, Any], models: Any, model_name: str, sampling: Sampling, tree: TreeConfig, echo: Callable[[str], None],
-    real: Callable[[int, int], Tensor] | None = None,
+    real: Callable[[int, int], Tensor] | None = None, inputs: dict[str, Any] | None = None,
 ) -> dict[str, Any] | None:
     """Run the benchmark the flags describe; on the main process write the outputs, print
     the table and return the summary (None on the other processes).  ``real(n, seed)``
-    gives real reference images for the quality metrics, if the models have any."""
+    gives real reference images for the quality metrics, if the models have any;
+    ``inputs`` fingerprints the model files (a resumed run must have loaded the same)."""
     from accelerate import PartialState
 
     start = time.perf_counter()
@@ -86,7 +87,7 @@ def bench_command(
         raise SpecimgError("--methods names no method")
     variants, notes = plan_variants(methods, get_plugin_manager().methods(), parse_options(kw.get("options", ())), kw.get("sweep", ()), kw.get("delta"))
     conditions, keys, captions = conditions_for(models.target, kw)
-    spec = BenchSpec(tuple(variants), tuple(conditions), tuple(keys), kw["seed"], sampling, tree, kw.get("warmup", 1))
+    spec = BenchSpec(tuple(variants), tuple(conditions), tuple(keys), kw["seed"], sampling, tree, kw.get("warmup", 1), inputs or {})
     engines = build_engines(models, spec, cuda_graphs=kw.get("cuda_graphs", "auto"))
     quality, error = None, None
     if kw.get("quality", True) and state.is_main_process:

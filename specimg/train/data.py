@@ -66,6 +66,7 @@ from specimg.models.base import Caption, causal_tree_mask, takes_text
 from specimg.models.eagle import DRAFTER_TYPES, EagleTarget
 from specimg.models.eagle3 import eagle3_layers
 from specimg.models.llamagen import LlamaGenTarget
+from specimg.runfolder import file_digest
 
 FORMAT = "specimg-drafter-data/1"
 META = "meta.json"
@@ -184,14 +185,6 @@ def _captions_digest(captions: Sequence[Caption]) -> str:
     return h.hexdigest()[:16]
 
 
-def _file_digest(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()[:16]
-
-
 # ----------------------------------------------------------------------------- writing
 
 
@@ -247,7 +240,7 @@ def make_drafter_data(
         num = available if spec.num_samples is None else spec.num_samples
         if num > available:
             raise SpecimgError(f"--num-samples {num} exceeds the {available} sequences in {spec.tokens_file}")
-        source = {"kind": "tokens", "file": os.path.abspath(spec.tokens_file), "sha256": _file_digest(spec.tokens_file)}
+        source = {"kind": "tokens", "file": os.path.abspath(spec.tokens_file), "sha256": file_digest(spec.tokens_file)[:16]}
     else:
         if spec.num_samples is None:
             raise SpecimgError("self-distilled data needs --num-samples")
