@@ -6,16 +6,21 @@ pays for every node, a GPU verifies dozens for the price of one.  So the costs a
 measured, not assumed: the target's verify step (forward of an n-node tree plus the
 processing of its logits) for n from 1 to the cache's capacity, the drafter's start and
 one level of growth per frontier width, and one AR step.  A few seconds, once per
-(target, drafter, device, dtype, threads, sampling filters, step mode), then cached on disk as
-JSON under :func:`specimg.cache.cache_dir`.  Runs that share a cost model choose the
-same trees, so the same seed gives the same images.
+(target, drafter, their tree capacities, device, CPU and GPU model, dtype, threads,
+sampling filters, step mode), then cached on disk as JSON under
+:func:`specimg.cache.cache_dir`.  Runs that share a cost model choose the same trees, so
+the same seed gives the same images.  A cached file is checked before use: anything but
+finite, positive timings in well-formed tables is measured again.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import math
 import os
+import platform
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -30,6 +35,7 @@ from specimg.accept import sample_and_match
 from specimg.cache import cache_dir
 from specimg.config import Sampling
 from specimg.files import atomic_path
+from specimg.methods import AR, Stack
 from specimg.models.base import Condition, Drafter, Target, draft_features
 from specimg.sampling import probabilities
 from specimg.tree import DraftSession, DraftTree, build_dynamic
@@ -38,6 +44,7 @@ VERIFY_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 LEVEL_WIDTHS = (1, 2, 4, 6, 8, 10)
 _REPEATS, _WARMUP = 5, 2
 _START_TOKENS = 3
+_MIN_LEVEL_MS = 1e-3  # a level of drafting never costs nothing, however the noise falls
 _memory: dict[str, CostModel] = {}
 
 
@@ -50,8 +57,8 @@ class CostModel:
     drafter's ``draft_start`` per step (three new tokens), ``overhead`` per step (the
     acceptance walk, the commit, the planner's bookkeeping) and ``ar`` per AR token.
     Sizes in between interpolate linearly; beyond, extrapolate.  ``step_scales``: per
-    method stack, what its real speculative step takes against the sum of the timed parts
-    (see :func:`for_engine`)."""
+    method stack (under its :func:`scale_key`), what its real speculative step takes
+    against the sum of the timed parts (see :func:`for_engine`)."""
 
     key: str
     machine: str
@@ -81,11 +88,51 @@ class CostModel:
 
     @classmethod
     def from_json(cls, text: str) -> CostModel:
-        data = json.loads(text)
-        for name in ("verify_ms", "draft_base_ms", "draft_level_ms"):
-            data[name] = tuple((int(n), float(ms)) for n, ms in data[name])
-        data["step_scales"] = {str(m): float(x) for m, x in data.get("step_scales", {}).items()}
-        return cls(**data)
+        """The model a cache file holds; ValueError unless it is well-formed, with finite
+        positive timings in tables as :func:`measure` makes them: a corrupt cache is
+        measured again, never planned on."""
+        try:
+            data = json.loads(text)
+        except RecursionError:  # the C parser's answer to thousands of nested brackets
+            raise ValueError("cost model nested too deeply") from None
+        if not isinstance(data, dict) or not _FIELDS - {"step_scales"} <= set(data) <= _FIELDS:
+            raise ValueError("not a cost model's fields")
+        scales = data.get("step_scales", {})
+        if not isinstance(data["key"], str) or not isinstance(data["machine"], str) or not isinstance(scales, dict):
+            raise ValueError("cost model fields of the wrong type")
+        return cls(
+            data["key"], data["machine"], *(_table(data[name]) for name in ("verify_ms", "draft_base_ms", "draft_level_ms")),
+            *(_positive(data[name]) for name in ("draft_start_ms", "overhead_ms", "ar_ms")),
+            step_scales={method: _positive(scale) for method, scale in scales.items()},
+        )
+
+
+_FIELDS = frozenset(field.name for field in attrs.fields(CostModel))
+
+
+def _positive(value: Any) -> float:
+    """A timing or scale read back: a finite number above zero, or ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{value!r} is not a number")
+    try:
+        if math.isfinite(value) and value > 0:
+            return float(value)
+    except OverflowError:  # an integer beyond any float
+        pass
+    raise ValueError(f"{value!r} is not a finite positive number")
+
+
+def _table(rows: Any) -> tuple[tuple[int, float], ...]:
+    """A table read back: [size, ms] rows, sizes strictly increasing and times not
+    decreasing (as :func:`_monotone` leaves them), or ValueError."""
+    if not isinstance(rows, list) or not rows or not all(isinstance(row, list) and len(row) == 2 for row in rows):
+        raise ValueError("a cost table is not a non-empty list of [size, ms]")
+    if not all(type(n) is int and n > 0 for n, _ in rows):
+        raise ValueError("a cost table's sizes are not positive integers")
+    table = tuple((n, _positive(ms)) for n, ms in rows)
+    if any(a[0] >= b[0] or a[1] > b[1] for a, b in zip(table, table[1:])):
+        raise ValueError("a cost table's sizes do not increase or its times decrease")
+    return table
 
 
 def _interp(x: np.ndarray | int, table: tuple[tuple[int, float], ...]) -> np.ndarray:
@@ -114,20 +161,56 @@ def _describe(model: Any) -> dict[str, Any]:
     }
 
 
+@functools.cache
+def _cpu_name() -> str:
+    """The CPU's model: /proc/cpuinfo's name on Linux, where platform.processor() often
+    says only the architecture; that, or the machine type, elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as file:
+            for line in file:
+                field, _, value = line.partition(":")
+                if field.strip() == "model name" and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown cpu"
+
+
+def _hardware(device: torch.device) -> str:
+    """The processors a timing depends on, in words: the CPU's model and cores, and on
+    CUDA the GPU, its compute capability and the CUDA runtime besides the host CPU that
+    launches its work."""
+    cpu = f"{_cpu_name()}, {os.cpu_count()} cpus"
+    if device.type != "cuda":
+        return cpu
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{torch.cuda.get_device_name(device)}, compute capability {major}.{minor}, CUDA {torch.version.cuda}; host {cpu}"
+
+
 def cost_key(target: Target, drafter: Drafter, sampling: Sampling) -> tuple[str, str]:
     """(key, machine): a hash of everything the timings depend on, and a readable
     description of the machine part."""
     device = device_of(target)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{os.cpu_count()} cpus"
-    machine = f"{device.type} ({name}), {torch.get_num_threads()} threads, {target.input_embeddings().dtype}, torch {torch.__version__}"
+    machine = f"{device.type} ({_hardware(device)}), {torch.get_num_threads()} threads, {target.input_embeddings().dtype}, torch {torch.__version__}"
     parts = {
         "target": _describe(target), "drafter": _describe(drafter), "machine": machine,
         "cfg": sampling.cfg, "top_k": sampling.top_k > 0, "top_p": sampling.top_p < 1.0,
+        "capacity": [getattr(target, "max_tree_nodes", None), getattr(drafter, "max_tree_nodes", None)],  # the verify sizes measured
     }
     mode = getattr(target, "step_mode", "eager")
     if mode != "eager":  # fixed-shape steps cost otherwise; eager keys stay as they were
         parts["step"] = mode
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16], machine
+
+
+def scale_key(stack: Stack | None) -> str:
+    """The name a method stack's step scale is kept under: its methods, budget and resolved
+    options (a relaxation's cost may depend on them), e.g.
+    ``cascade {"delta":0.1,"options":{"cascade":{...}}}``; ``ar`` without a stack."""
+    if stack is None:
+        return AR
+    settings = {"delta": stack.delta, "options": stack.options_dict()}
+    return f"{stack.name} {json.dumps(settings, sort_keys=True, separators=(',', ':'), default=repr)}"
 
 
 def load_or_measure(target: Target, drafter: Drafter, sampling: Sampling, condition: Condition, log: Callable[[str], None] | None = None) -> CostModel:
@@ -138,7 +221,9 @@ def load_or_measure(target: Target, drafter: Drafter, sampling: Sampling, condit
     path = cache_dir() / "costs" / f"{key}.json"
     try:
         model = CostModel.from_json(path.read_text())
-    except (OSError, ValueError, TypeError, KeyError):  # missing or unreadable: measure again
+        if model.key != key:
+            raise ValueError(f"{path} holds the cost model {model.key}")
+    except (OSError, ValueError):  # missing, unreadable or corrupt (from_json checks it all): measure again
         if log:
             log(f"measuring the cost model for {machine} (once; cached as {key})")
         model = measure(target, drafter, sampling, condition, key, machine)
@@ -155,9 +240,10 @@ def for_engine(engine: Any, condition: Condition) -> CostModel:
     the method's relaxation and the loop's own Python (a fifth of a step or more on a small
     model).  Measured once, cached with the model, so runs stay reproducible."""
     model = load_or_measure(engine.target, engine.drafter, engine.sampling, condition)
-    if engine.method in model.step_scales or not engine.auto_tree:
+    scale_name = scale_key(engine.stack)
+    if scale_name in model.step_scales or not engine.auto_tree:
         return model
-    parts = attrs.evolve(model, step_scales={**model.step_scales, engine.method: 1.0})
+    parts = attrs.evolve(model, step_scales={**model.step_scales, scale_name: 1.0})
     planned, engine.cost_model = engine.cost_model, parts
     tree, engine.tree_config = engine.tree_config, attrs.evolve(engine.tree_config, ar_fallback=False)  # time tree steps only
     try:
@@ -165,7 +251,7 @@ def for_engine(engine: Any, condition: Condition) -> CostModel:
     finally:
         engine.cost_model, engine.tree_config = planned, tree
     scale = 1000 * stats.wall / stats.predicted_ms if stats.predicted_ms else 1.0
-    model = attrs.evolve(model, step_scales={**model.step_scales, engine.method: scale})
+    model = attrs.evolve(model, step_scales={**model.step_scales, scale_name: scale})
     _memory[model.key] = model
     _save(cache_dir() / "costs" / f"{model.key}.json", model.to_json())
     return model
@@ -266,7 +352,7 @@ def measure(target: Target, drafter: Drafter, sampling: Sampling, condition: Con
 
         shallow, deep = (timed(lambda root, d=depth: draft(root, d), setup=fresh_root) for depth in (1, 3))
         base.append((width, shallow))
-        levels.append((width, max(0.0, (deep - shallow) / 2)))
+        levels.append((width, max(_MIN_LEVEL_MS, (deep - shallow) / 2)))
     return CostModel(key, machine, _monotone(verify), _monotone(base), _monotone(levels), start, overhead, ar)
 
 

@@ -165,7 +165,7 @@ class Engine:
         assert self.cost_model is not None and self.drafter is not None
         max_nodes = getattr(self.target, "max_tree_nodes", 128)
         max_fed = getattr(self.drafter, "max_tree_nodes", 128)
-        return TreePlanner(self.cost_model, max_nodes, max_fed, self.device, self.tree_config.sample, self.method, self.tree_config.ar_fallback)
+        return TreePlanner(self.cost_model, max_nodes, max_fed, self.device, self.tree_config.sample, costs.scale_key(self.stack), self.tree_config.ar_fallback)
 
     def _sample(self, probs: Tensor, generator: torch.Generator) -> Tensor:
         """A token [1] drawn from ``probs`` [V], left on the device."""

@@ -45,14 +45,15 @@ def tune(engine: Engine, conditions: Sequence[Condition], seed: int, out: str, e
         costs.forget(engine.target, engine.drafter, engine.sampling)
     costs.load_or_measure(engine.target, engine.drafter, engine.sampling, conditions[0], log=echo)
     cost = costs.for_engine(engine, conditions[0])  # with the method's step scale
+    scale_name = costs.scale_key(engine.stack)
     rates = learn_profile(engine, conditions, seed).rates()
     max_nodes = getattr(engine.target, "max_tree_nodes", 128)
     max_fed = getattr(engine.drafter, "max_tree_nodes", 128)
-    ranked = sorted(planner.plans(cost, rates, max_nodes, max_fed=max_fed, method=engine.method), key=lambda p: -p.speedup)
+    ranked = sorted(planner.plans(cost, rates, max_nodes, max_fed=max_fed, method=scale_name), key=lambda p: -p.speedup)
     echo(f"cost model {cost.key}: {cost.machine}")
     echo(
         f"AR step {cost.ar_ms:.2f} ms; drafter start {cost.draft_start_ms:.2f} ms; step overhead {cost.overhead_ms:.2f} ms; "
-        f"a real {engine.method} step takes {cost.scale(engine.method):.2f}x its timed parts"
+        f"a real {engine.method} step takes {cost.scale(scale_name):.2f}x its timed parts"
     )
     echo("verify:  " + "  ".join(f"{n}: {ms:.2f} ms ({ms / cost.ar_ms:.2f}x)" for n, ms in cost.verify_ms))
     echo("draft level by top-k:  " + "  ".join(f"{k}: {ms:.2f} ms" for k, ms in cost.draft_level_ms))
@@ -61,7 +62,7 @@ def tune(engine: Engine, conditions: Sequence[Condition], seed: int, out: str, e
     echo("|---:|---:|---:|---:|---:|---:|")
     for plan in ranked[:12]:
         echo(f"| {plan.depth} | {plan.topk} | {plan.nodes} | {plan.tokens_per_step:.2f} | {plan.step_ms:.2f} | {plan.speedup:.2f}x |")
-    best = planner.choose(cost, rates, max_nodes, max_fed=max_fed, method=engine.method)
+    best = planner.choose(cost, rates, max_nodes, max_fed=max_fed, method=scale_name)
     echo(f"auto would choose: {best} (predicted {best.speedup:.2f}x)")
     result = {
         "cost_model": json.loads(cost.to_json()), "method": engine.method, "rates": rates.tolist(),
@@ -70,7 +71,7 @@ def tune(engine: Engine, conditions: Sequence[Condition], seed: int, out: str, e
     os.makedirs(out, exist_ok=True)
     with atomic_path(os.path.join(out, "tune.json"), ".json") as tmp, open(tmp, "w") as file:
         json.dump(result, file, indent=1)
-    if _plot(cost, rates, max_nodes, max_fed, engine.method, os.path.join(out, "tune.png")):
+    if _plot(cost, rates, max_nodes, max_fed, scale_name, os.path.join(out, "tune.png")):
         echo(f"-> {out}/tune.json, {out}/tune.png")
     else:
         echo(f"-> {out}/tune.json (no tune.png: the plot needs matplotlib, pip install 'specimg[plot]')")
