@@ -13,6 +13,7 @@ import torch
 
 from specimg.config import DYNAMIC_DEFAULTS, Sampling, TreeConfig
 from specimg.errors import SpecimgError
+from specimg.eval.prompts import MAX_PROMPT_CHARS
 from specimg.graphs import CUDA_GRAPHS
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -96,9 +97,9 @@ def prompt_options(fn: F) -> F:
     """Prompts for a t2i target and the text encoder that turns them into caption features."""
     return _apply([
         click.option("--prompt", multiple=True, metavar="TEXT", help="a prompt for a t2i target (repeatable; cycled over the images)"),
-        click.option("--prompts", type=click.Path(dir_okay=False), help="prompts for a t2i target from a file: .txt, .jsonl, COCO captions_*.json or PartiPrompts.tsv"),
-        click.option("--prompt-category", help="only the --prompts of this category (PartiPrompts)"),
-        click.option("--text-encoder", help="turns prompts into caption features: a local T5 folder (flan-t5-xl for LlamaGen) or a specimg text-encoder file"),
+        click.option("--prompts", type=click.Path(dir_okay=False), help=f"prompts for a t2i target from a UTF-8 file: .txt, .jsonl, COCO captions_*.json or PartiPrompts.tsv (each at most {MAX_PROMPT_CHARS} characters)"),
+        click.option("--prompt-category", help="only the --prompts of this category (PartiPrompts' Category column, a .jsonl's category field; needs --prompts)"),
+        click.option("--text-encoder", help="LlamaGen t2i targets only: turns prompts into caption features: a local T5 folder (flan-t5-xl) or a specimg text-encoder file"),
     ])(fn)
 
 

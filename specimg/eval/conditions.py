@@ -38,18 +38,41 @@ def is_t2i(target: Any) -> bool:
     return getattr(getattr(target, "config", None), "model_type", "c2i") == "t2i"
 
 
+PREVIEW = 40
+"""Characters of a ``--prompt`` shown in a message about it (it may be far longer)."""
+
+
 def prompt_texts(kw: dict[str, Any], num: int) -> list[str]:
     """The ``--prompt`` texts, then those of ``--prompts`` (only ``--prompt-category``'s
-    when given), cycled over ``num`` images."""
-    from specimg.eval.prompts import read_prompts, select_prompts
+    when given), cycled over ``num`` images; the caller has checked that there are some."""
+    from specimg.eval.prompts import check_prompt, read_prompts, select_prompts
 
-    texts = [t for t in kw.get("prompt") or () if t.strip()]
+    texts = list(kw.get("prompt") or ())
+    for text in texts:
+        check_prompt(text, f"--prompt {text[:PREVIEW]!r}{'...' if len(text) > PREVIEW else ''}")
     if kw.get("prompts"):
         file_prompts = read_prompts(kw["prompts"])
         texts += [p.text for p in select_prompts(file_prompts, len(file_prompts), kw.get("prompt_category"))]
-    if not texts:
-        raise SpecimgError("no prompt given: --prompt TEXT or --prompts FILE")
     return [texts[i % len(texts)] for i in range(num)]
+
+
+def _refuse_unused_flags(target: Any, kw: dict[str, Any]) -> None:
+    """Refuse a condition flag this target would ignore, before anything is read or encoded."""
+    if kw.get("prompt_category") and not kw.get("prompts"):
+        raise SpecimgError("--prompt-category picks among the prompts of --prompts FILE: give the file, or drop --prompt-category")
+    if takes_text(target):
+        if kw.get("class_labels"):
+            raise SpecimgError("this target is text-conditional: give --prompt or --prompts, not --class-labels")
+        if kw.get("text_encoder"):
+            raise SpecimgError("--text-encoder is for LlamaGen t2i targets; this one tokenizes prompts with its own folder's tokenizer: drop it")
+    elif is_t2i(target):
+        if kw.get("class_labels"):
+            raise SpecimgError("this target is text-conditional (t2i): give --prompt or --prompts, not --class-labels")
+    else:
+        if kw.get("prompt") or kw.get("prompts"):
+            raise SpecimgError("--prompt / --prompts needs a t2i target; this one is class-conditional: give --class-labels")
+        if kw.get("text_encoder"):
+            raise SpecimgError("--text-encoder is for LlamaGen t2i targets; this one is class-conditional: drop it")
 
 
 def conditions_for(target: Any, kw: dict[str, Any]) -> Conditions:
@@ -57,24 +80,19 @@ def conditions_for(target: Any, kw: dict[str, Any]) -> Conditions:
     ``prompts``, ``prompt_category``, ``text_encoder``), checked against the target."""
     from specimg.eval.prompts import captions_for_target, class_labels, load_text_encoder
 
+    _refuse_unused_flags(target, kw)
     n = kw["num_images"]
     wants_prompts = bool(kw.get("prompt") or kw.get("prompts"))
     if takes_text(target):
-        if kw.get("class_labels"):
-            raise SpecimgError("this target is text-conditional: give --prompt or --prompts, not --class-labels")
-        if kw.get("text_encoder"):
-            raise SpecimgError("--text-encoder is for LlamaGen t2i targets; this one tokenizes prompts with its own folder's tokenizer: drop it")
         if not wants_prompts:
             raise SpecimgError("a text-conditional target needs --prompts FILE or --prompt TEXT")
+        if hasattr(target, "text_tokenizer") and target.text_tokenizer is None:  # Janus, Lumina-mGPT: the folder had none
+            raise SpecimgError("this target's folder has no text tokenizer (tokenizer.json or tokenizer.model) to read --prompt / --prompts with")
         texts = prompt_texts(kw, n)
         return Conditions(list(texts), list(texts), texts)
     if not is_t2i(target):
-        if wants_prompts:
-            raise SpecimgError("--prompt / --prompts needs a t2i target; this one is class-conditional: give --class-labels")
         labels = class_labels(kw.get("class_labels"), n, target.config.num_classes)
         return Conditions(list(labels), list(labels), None)
-    if kw.get("class_labels"):
-        raise SpecimgError("this target is text-conditional (t2i): give --prompt or --prompts, not --class-labels")
     if not wants_prompts:
         raise SpecimgError("a t2i target needs --prompts FILE or --prompt TEXT, and --text-encoder")
     if not kw.get("text_encoder"):
@@ -89,7 +107,8 @@ def sample_captions(target: Any, kw: dict[str, Any]) -> tuple[tuple[Condition, .
     """``make-drafter-data``'s captions, one per sample (``num_samples``), and their prompts;
     none for a c2i target, which samples under class labels, and only the prompts for a
     target that tokenizes them itself."""
-    if not (is_t2i(target) or takes_text(target) or kw.get("prompt") or kw.get("prompts")):
+    _refuse_unused_flags(target, kw)
+    if not (is_t2i(target) or takes_text(target)):
         return (), ()
     if kw.get("num_samples") is None:
         raise SpecimgError("drafter data from prompts needs --num-samples")

@@ -1,15 +1,19 @@
 """Where a benchmark's conditions come from: class labels for c2i targets, captions for t2i.
 
-Caption files are read from local paths, in four formats (chosen by the file name):
+Caption files are read from local paths as UTF-8 (a leading byte-order mark is skipped), in
+four formats (chosen by the file name); lines end at line feeds (CRLF too), empty lines are
+skipped, and a blank caption, one longer than :data:`MAX_PROMPT_CHARS` or a file larger
+than :data:`MAX_PROMPT_FILE_BYTES` is refused:
 
-- ``*.txt`` (or anything not listed below): one caption per non-empty line;
+- ``*.txt`` (or anything not listed below): one caption per line;
 - ``*.jsonl``: one JSON value per line, a string or an object with a ``caption``,
-  ``prompt`` or ``text`` field (other fields are kept as metadata);
+  ``prompt`` or ``text`` field (the first of these it has; other fields are kept as metadata);
 - ``*.json``: the COCO captions annotations format (``captions_train2017.json``,
   ``captions_val2014.json``...): ``{"images": [...], "annotations": [{"image_id", "id",
   "caption"}, ...]}``; one caption per image (the one with the lowest annotation id), in
   image-id order, as FID-on-COCO evaluations use;
-- ``*.tsv``: PartiPrompts (``PartiPrompts.tsv``: columns Prompt, Category, Challenge, Note).
+- ``*.tsv``: PartiPrompts (``PartiPrompts.tsv``: columns Prompt, Category, Challenge, Note),
+  split at tabs with no quote processing, so a prompt that starts with ``"`` keeps it.
 
 A t2i target needs caption *features*: a :class:`TextEncoder` turns captions into
 features and a validity mask, and :func:`captions_for_target` fits them to the target's
@@ -21,7 +25,6 @@ encoder for tests and smoke runs).  Nothing is downloaded.
 
 from __future__ import annotations
 
-import csv
 import hashlib
 import json
 import os
@@ -35,9 +38,18 @@ from torch import Tensor, nn
 from specimg.errors import SpecimgError
 from specimg.files import atomic_path
 from specimg.models.base import Caption
+from specimg.models.checkpoint import load_into
 
 _TEXT_KEYS = ("caption", "prompt", "text")
 PARTI_COLUMNS = ("Prompt", "Category", "Challenge", "Note")
+
+MAX_PROMPT_CHARS = 4000
+"""The longest prompt (and PartiPrompts field) taken: caption sets' prompts are a sentence
+or a paragraph, and a T5 encoder reads 120 tokens of one; more is a file or shell mistake."""
+
+MAX_PROMPT_FILE_BYTES = 1 << 30
+"""The largest prompt file read, far above COCO's caption files: a larger one is more likely a
+wrong path (a device, an image archive) than prompts."""
 
 
 @attrs.frozen
@@ -76,10 +88,16 @@ def read_prompts(path: str | os.PathLike[str]) -> list[Prompt]:
     path = os.fspath(path)
     name = os.path.basename(path).lower()
     try:
-        with open(path, encoding="utf-8", newline="") as fh:
-            text = fh.read()
-    except (OSError, UnicodeDecodeError) as err:
-        raise SpecimgError(f"cannot read prompt file {path}: {err}") from None
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_PROMPT_FILE_BYTES + 1)  # bounded: a device such as /dev/zero never ends
+    except OSError as err:
+        raise SpecimgError(f"cannot read prompt file {path}: {err.strerror or err}") from None
+    if len(data) > MAX_PROMPT_FILE_BYTES:
+        raise SpecimgError(f"prompt file {path} is larger than {MAX_PROMPT_FILE_BYTES >> 20} MiB, the most specimg reads")
+    try:
+        text = data.decode("utf-8-sig")  # a byte-order mark, as some editors write, is not part of the first line
+    except UnicodeDecodeError as err:
+        raise SpecimgError(f"cannot read prompt file {path}: byte {err.start} is not UTF-8") from None
     if name.endswith(".tsv"):
         prompts = _parti(text, path)
     elif name.endswith(".jsonl"):
@@ -87,68 +105,125 @@ def read_prompts(path: str | os.PathLike[str]) -> list[Prompt]:
     elif name.endswith(".json"):
         prompts = _coco(text, path)
     else:
-        prompts = [Prompt(line.strip(), {"line": i}) for i, line in enumerate(text.splitlines(), 1) if line.strip()]
+        prompts = _plain(text, path)
     if not prompts:
         raise SpecimgError(f"prompt file {path} holds no caption")
     return prompts
 
 
+def check_prompt(text: str, where: str) -> None:
+    """Refuse a prompt no target can take: blank, longer than :data:`MAX_PROMPT_CHARS`, or
+    holding a lone surrogate (a byte that was not UTF-8, as Python passes on what a shell
+    gave it, or a JSON ``\\udcff`` escape), which neither a tokenizer nor the manifest can encode."""
+    if not text.strip():
+        raise SpecimgError(f"{where} is blank: every prompt needs some text")
+    _check_length(text, where)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise SpecimgError(
+            f"{where} holds the lone surrogate {text[err.start]!r} at character {err.start + 1} (a byte that was not UTF-8, "
+            "or half of a JSON \\u escape pair): write the prompt as UTF-8 text"
+        ) from None
+
+
+def _check_length(text: str, where: str) -> None:
+    if len(text) > MAX_PROMPT_CHARS:
+        raise SpecimgError(f"{where} is {len(text)} characters long; a prompt or PartiPrompts field takes at most {MAX_PROMPT_CHARS}")
+
+
+def _lines(text: str) -> list[tuple[int, str]]:
+    """Each non-empty line with its number, split at line feeds only (a CR before one is
+    dropped), so that a prompt keeps every other character as written."""
+    lines = (line.removesuffix("\r") for line in text.split("\n"))
+    return [(number, line) for number, line in enumerate(lines, 1) if line]
+
+
+def _plain(text: str, path: str) -> list[Prompt]:
+    out = []
+    for number, line in _lines(text):
+        check_prompt(line, f"{path}: line {number}")
+        out.append(Prompt(line.strip(), {"line": number}))
+    return out
+
+
+def _json(text: str, where: str) -> Any:
+    """``text`` parsed; what the parser refuses, nesting deeper than its stack included, is one line."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise SpecimgError(f"{where} nests JSON arrays or objects too deeply to read") from None
+    except ValueError as err:  # JSONDecodeError, or an integer longer than Python converts
+        raise SpecimgError(f"{where} is not JSON specimg can read: {str(err).split(';')[0]}") from None
+
+
+def _json_kind(value: Any) -> str:
+    """What a parsed JSON value is, in JSON's words."""
+    kinds = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array", dict: "an object"}
+    return kinds.get(type(value), "null")
+
+
 def _jsonl(text: str, path: str) -> list[Prompt]:
     out = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            value = json.loads(line)
-        except json.JSONDecodeError:
-            raise SpecimgError(f"{path}: line {number} is not JSON") from None
+    for number, line in _lines(text):
+        where = f"{path}: line {number}"
+        value = _json(line, where)
         if isinstance(value, str):
+            check_prompt(value, where)
             out.append(Prompt(value, {"line": number}))
             continue
-        key = next((k for k in _TEXT_KEYS if isinstance(value, dict) and isinstance(value.get(k), str)), None)
-        if key is None:
-            raise SpecimgError(f"{path}: line {number} has no string field {' / '.join(_TEXT_KEYS)}")
+        if not isinstance(value, dict):
+            raise SpecimgError(f"{where} is {_json_kind(value)}, not a string or an object with a {' / '.join(_TEXT_KEYS)} field")
+        key = next((k for k in _TEXT_KEYS if k in value), None)
+        if key is None or not isinstance(value[key], str):
+            found = f": its {key!r} is {_json_kind(value[key])}" if key else ""
+            raise SpecimgError(f"{where} has no string field {' / '.join(_TEXT_KEYS)}{found}")
+        check_prompt(value[key], where)
         out.append(Prompt(value[key], {k: v for k, v in value.items() if k != key}))
     return out
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _coco(text: str, path: str) -> list[Prompt]:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise SpecimgError(f"{path} is not JSON: {err}") from None
-    notes = data.get("annotations") if isinstance(data, dict) else None
-    if not isinstance(notes, list):
+    data = _json(text, path)
+    if not isinstance(data, dict) or not isinstance(data.get("annotations"), list):
         raise SpecimgError(f"{path} is not a COCO captions file (no 'annotations' list)")
-    first: dict[Any, dict[str, Any]] = {}
-    try:
-        for note in notes:
-            image, caption = note["image_id"], note["caption"]
-            if not isinstance(caption, str):
-                raise TypeError
-            if image not in first or note.get("id", 0) < first[image].get("id", 0):
-                first[image] = note
-    except (KeyError, TypeError):
-        raise SpecimgError(f"{path}: every COCO annotation needs an image_id and a caption string") from None
-    files = {im.get("id"): im.get("file_name") for im in data.get("images", []) if isinstance(im, dict)}
-    return [
-        Prompt(first[i]["caption"].strip(), {"image_id": i, "id": first[i].get("id"), "file_name": files.get(i)})
-        for i in sorted(first, key=lambda k: (str(type(k)), k))
-    ]
+    images = data.get("images", [])
+    if not isinstance(images, list) or not all(
+        isinstance(im, dict) and _is_int(im.get("id")) and isinstance(im.get("file_name", ""), str) for im in images
+    ):
+        raise SpecimgError(f"{path}: COCO 'images' must be a list of objects with an integer id and a file_name string")
+    first: dict[int, dict[str, Any]] = {}
+    for index, note in enumerate(data["annotations"]):
+        if not (isinstance(note, dict) and _is_int(note.get("image_id")) and _is_int(note.get("id")) and isinstance(note.get("caption"), str)):
+            raise SpecimgError(f"{path}: annotations[{index}] is not a COCO caption (an integer image_id and id, a caption string)")
+        check_prompt(note["caption"], f"{path}: annotations[{index}] (id {note['id']})")
+        if note["image_id"] not in first or note["id"] < first[note["image_id"]]["id"]:
+            first[note["image_id"]] = note
+    files = {im["id"]: im.get("file_name") for im in images}
+    return [Prompt(first[i]["caption"].strip(), {"image_id": i, "id": first[i]["id"], "file_name": files.get(i)}) for i in sorted(first)]
 
 
 def _parti(text: str, path: str) -> list[Prompt]:
-    rows = list(csv.reader(text.splitlines(), delimiter="\t"))
-    if not rows or rows[0][: len(PARTI_COLUMNS)] != list(PARTI_COLUMNS):
+    """Tab-separated values without quoting, as the file is written: a prompt that starts
+    with a quote keeps it, and a quote never joins lines."""
+    lines = _lines(text)
+    header = lines[0][1].split("\t") if lines else []
+    if header[: len(PARTI_COLUMNS)] != list(PARTI_COLUMNS):
         raise SpecimgError(f"{path} is not PartiPrompts.tsv (header {'/'.join(PARTI_COLUMNS)} expected)")
-    header = rows[0]
     out = []
-    for number, row in enumerate(rows[1:], 2):
-        if not any(cell.strip() for cell in row):
-            continue
-        fields = dict(zip(header, row + [""] * (len(header) - len(row))))
-        if not fields["Prompt"].strip():
-            raise SpecimgError(f"{path}: line {number} has an empty Prompt")
+    for number, line in lines[1:]:
+        where = f"{path}: line {number}"
+        cells = line.split("\t")
+        if len(cells) > len(header):
+            raise SpecimgError(f"{where} has {len(cells)} tab-separated fields, the header names {len(header)}")
+        fields = dict(zip(header, cells + [""] * (len(header) - len(cells))))
+        for column, value in fields.items():
+            _check_length(value, f"{where}, column {column}")
+        check_prompt(fields["Prompt"], f"{where}, column Prompt")
         out.append(Prompt(fields.pop("Prompt").strip(), {k.lower(): v for k, v in fields.items()}))
     return out
 
@@ -159,7 +234,7 @@ def select_prompts(prompts: Sequence[Prompt], num: int, category: str | None = N
     if category is not None:
         prompts = [p for p in prompts if str(p.meta.get("category", "")).lower() == category.lower()]
         if not prompts:
-            raise SpecimgError(f"no prompt of category {category!r}")
+            raise SpecimgError(f"--prompt-category {category!r}: no prompt of the file has this category")
     return [prompts[i % len(prompts)] for i in range(num)]
 
 
@@ -217,6 +292,10 @@ class HashTextEncoder(nn.Module):
             save_file({"table": self.table.detach().contiguous(), "proj": self.proj.detach().contiguous()}, tmp, metadata={_HASH_KEY: meta})
 
 
+_T5_TOKENIZER_FILES = ("tokenizer.json", "spiece.model")
+"""A T5 folder's tokenizer: the fast one, or the SentencePiece model it is made from."""
+
+
 class T5TextEncoder:
     """A Hugging Face T5 encoder from a local folder (LlamaGen's t2i models use flan-t5-xl
     features, at most 120 tokens)."""
@@ -226,11 +305,16 @@ class T5TextEncoder:
             from transformers import AutoTokenizer, T5EncoderModel
         except ImportError:
             raise SpecimgError("a T5 text encoder needs transformers: pip install 'specimg[eval]'") from None
+        from specimg.models.hf import load_pretrained
+
+        if not any(os.path.isfile(os.path.join(path, name)) for name in _T5_TOKENIZER_FILES):
+            raise SpecimgError(f"{path} has no tokenizer ({' or '.join(_T5_TOKENIZER_FILES)}): copy the T5 model's tokenizer files beside its weights")
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-            self.model = T5EncoderModel.from_pretrained(path, local_files_only=True).eval()
-        except (OSError, ValueError) as err:
-            raise SpecimgError(f"cannot load a T5 encoder from {path}: {err}") from None
+        except (OSError, ValueError, ImportError) as err:  # ImportError: a tokenizer library it needs is missing
+            first = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+            raise SpecimgError(f"cannot load the tokenizer in {path}: {first}") from None
+        self.model = load_pretrained(T5EncoderModel, path, unused=("lm_head.",)).eval()  # flan-t5's own LM head: a whole T5 folder
         self.dim = int(self.model.config.d_model)
         self.max_length = max_length
 
@@ -246,8 +330,11 @@ def load_text_encoder(path: str | os.PathLike[str]) -> TextEncoder:
     :class:`HashTextEncoder` safetensors file."""
     path = os.fspath(path)
     if os.path.isdir(path):
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise SpecimgError(f"{path} is not a Hugging Face model folder (no config.json)")
+        from specimg.models.families import read_config
+
+        model_type = read_config(path).get("model_type")
+        if model_type != "t5":
+            raise SpecimgError(f"{path} holds a {model_type!r} model, not a T5 encoder (model_type 't5')")
         return T5TextEncoder(path)
     if not os.path.isfile(path):
         raise SpecimgError(f"no text encoder at {path}")
@@ -261,9 +348,12 @@ def load_text_encoder(path: str | os.PathLike[str]) -> TextEncoder:
         raise SpecimgError(f"cannot read text encoder {path}: {err}") from None
     if not isinstance(meta, dict) or meta.get("kind") != "hash":
         raise SpecimgError(f"{path} is not a specimg text encoder file (no {_HASH_KEY} header)")
-    enc = HashTextEncoder(meta["dim"], meta["buckets"], meta["max_length"])
-    enc.table.data.copy_(tensors["table"])
-    enc.proj.data.copy_(tensors["proj"])
+    sizes = {key: meta.get(key) for key in ("dim", "buckets", "max_length")}
+    for key, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise SpecimgError(f"{path}: its {_HASH_KEY} header needs {key} as a positive integer, not {value!r}")
+    enc = HashTextEncoder(**sizes)
+    load_into(enc, tensors, origin=path)
     return enc
 
 
@@ -272,7 +362,7 @@ def captions_for_target(encoder: TextEncoder, texts: Sequence[str], length: int,
     (truncated to ``length``) moved to the end and zeros with mask False in front, as
     LlamaGen left-pads its T5 features."""
     if encoder.dim != dim:
-        raise SpecimgError(f"the text encoder gives {encoder.dim}-d features, the target expects {dim}-d captions")
+        raise SpecimgError(f"--text-encoder gives {encoder.dim}-d features, the target expects {dim}-d captions: give the encoder it was trained with")
     out = []
     for s in range(0, len(texts), batch_size):
         feats, mask = encoder.encode(texts[s : s + batch_size])
