@@ -97,7 +97,7 @@ def codebook_donors(tokenizer: Any, candidates: Tensor, k: int, vocab_size: int,
     """Each candidate's k nearest codes as donors [n, C, k] (-1 where no candidate), in the
     vectors the decoder uses or, with ``raw``, in the codebook as stored."""
     if tokenizer is None:
-        raise SpecimgError(f"method {method!r} needs the image tokenizer's codebook; pass the VQ tokenizer to the engine")
+        raise SpecimgError(f"method {method!r} needs the image tokenizer's codebook; give --tokenizer (Engine(tokenizer=...) from Python)")
     if raw and not hasattr(tokenizer, "raw_codebook_vectors"):
         raise SpecimgError(f"method {method!r} with codebook=raw needs the tokenizer's raw_codebook_vectors(), which {type(tokenizer).__name__} lacks")
     table = _tokenizer_table(tokenizer, k, candidates.device, vocab_size, method, raw)
