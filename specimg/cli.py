@@ -310,11 +310,13 @@ def tune(**kw: Any) -> None:
     models = _models(kw, model)
     if kw["method"].strip() == AR:
         raise SpecimgError("tune values draft trees: give a method that drafts (naive, cascade+lantern, ...)")
-    writable_folder(kw["out"])
     engine = Engine(
         models.target, models.drafter, kw["method"], parse_options(kw["options"]), sampling_from(kw, _base_sampling(model, kw["target"], models.target)),
         TreeConfig(), delta=kw["delta"], tokenizer=models.tokenizer, device=device, dtype=dtype, cuda_graphs=kw["cuda_graphs"],
     )
+    if engine.drafter_free:
+        raise SpecimgError(f"tune values a drafter's trees; {engine.stack.drafter_free} drafts without one and sizes its own: give a method that drafts (naive, cascade+lantern, ...)")
+    writable_folder(kw["out"])
     run_tune(engine, conditions_for(models.target, kw).values, kw["seed"], kw["out"], click.echo, remeasure=kw["remeasure"])
 
 

@@ -292,3 +292,9 @@ def test_a_train_loss_of_the_old_signature_is_left_out_on_one_line_naming_the_ar
     assert "FAILED: PluginValidationError: Plugin 'oldloss' for hook 'train_loss' hookimpl definition: train_loss(loss, mask) " in listed["oldloss"]
     assert "Argument(s) {'loss'} are declared in the hookimpl but can not be found in the hookspec" in listed["oldloss"]
 
+
+
+def test_tune_refuses_a_method_that_drafts_without_a_drafter(tmp_path, capsys):
+    line = one_line_error(capsys, ["tune", "--model", "tiny-random", "-m", "sjd", "-n", "1", "--out", str(tmp_path / "t")])
+    assert "sjd drafts without one and sizes its own" in line
+    assert not (tmp_path / "t").exists()

@@ -140,3 +140,4 @@ def test_a_full_disk_is_one_line_and_the_rerun_resumes(tmp_path, capsys, monkeyp
     monkeypatch.undo()
     assert run(*GENERATE[:-1], "4", "--out", str(out)) == 0
     assert len(manifest_lines(out)) == 4 and len(os.listdir(out / "images")) == 4
+
