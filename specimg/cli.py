@@ -489,9 +489,9 @@ def _train_target(spec: str, preset: str | None, config: tuple[str, ...] = ()) -
         from specimg.models.demo import load_demo
 
         return load_demo().target
-    from specimg.models import load_target
+    from specimg.models.loading import load_given_target
 
-    return load_target(spec, **({"preset": preset} if preset else {}), **overrides)
+    return load_given_target(spec, preset, overrides)
 
 
 def _label_list(text: str | None, target: Any) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ import os
 import pickle
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -106,9 +106,18 @@ def _strip_prefix(key: str) -> str:
     return key
 
 
+def check_finite(tensors: Iterable[tuple[str, Tensor]], origin: str) -> None:
+    """Refuse weights holding NaN or inf: a damaged file or a diverged run, which would
+    otherwise load and fail only at sampling, with a traceback about probabilities."""
+    bad = [(name, t.dtype) for name, t in tensors if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        name, dtype = bad[0]
+        raise SpecimgError(f"{origin}: {len(bad)} weight(s) hold NaN or inf values, the first {name!r} ({str(dtype).removeprefix('torch.')}); a damaged file or a diverged training run")
+
+
 def load_into(module: torch.nn.Module, state: Mapping[str, Tensor], origin: str) -> None:
     """Copy ``state`` into ``module`` strictly, naming the first missing, unexpected or
-    wrongly shaped key in a user-facing error."""
+    wrongly shaped key, or the first weight that is not finite, in a user-facing error."""
     own = module.state_dict()
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]
@@ -121,6 +130,7 @@ def load_into(module: torch.nn.Module, state: Mapping[str, Tensor], origin: str)
             raise SpecimgError(
                 f"{origin}: key {key!r} has shape {tuple(state[key].shape)}, the model expects {tuple(value.shape)}; wrong preset or config?"
             )
+    check_finite(state.items(), origin)
     module.load_state_dict(state, strict=True)
 
 

@@ -64,17 +64,33 @@ def detect_family(path: str | os.PathLike[str]) -> Family:
         return FAMILIES["llamagen"]
     if not os.path.isdir(path):
         raise SpecimgError(f"checkpoint not found: {path}")
+    model_type = read_config(path).get("model_type")
     config_path = os.path.join(path, "config.json")
-    try:
-        with open(config_path, encoding="utf-8") as fh:
-            model_type = json.load(fh).get("model_type")
-    except (OSError, json.JSONDecodeError, AttributeError) as err:
-        raise SpecimgError(f"{path} is no Hugging Face model folder (cannot read its config.json: {err})") from None
     for family in FAMILIES.values():
         if family.model_type is not None and family.model_type == model_type:
             return family
     known = ", ".join(repr(f.model_type) for f in FAMILIES.values() if f.model_type)
     raise SpecimgError(f"{config_path}: model_type {model_type!r} is no supported family ({known})")
+
+
+def read_config(folder: str | os.PathLike[str]) -> dict[str, Any]:
+    """A Hugging Face folder's ``config.json``: a JSON object in UTF-8, as transformers writes
+    it; anything else is a SpecimgError saying which."""
+    path = os.path.join(os.fspath(folder), "config.json")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            config = json.load(fh)
+    except FileNotFoundError:
+        raise SpecimgError(f"{folder} is no Hugging Face model folder (no config.json)") from None
+    except OSError as err:
+        raise SpecimgError(f"cannot read {path}: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise SpecimgError(f"{path}: byte {err.start} is not UTF-8 (a config.json is UTF-8 JSON)") from None
+    except (ValueError, RecursionError) as err:  # JSONDecodeError, or nesting or a number past what Python reads
+        raise SpecimgError(f"{path} is not JSON specimg can read: {err}") from None
+    if not isinstance(config, dict):
+        raise SpecimgError(f"{path} holds no JSON object")
+    return config
 
 
 def load_target(path: str | os.PathLike[str], **overrides: Any) -> Any:

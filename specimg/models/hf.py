@@ -5,31 +5,37 @@ as a TargetOutput."""
 
 from __future__ import annotations
 
-import json
 import os
+import pickle
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import attrs
 import torch
+from safetensors import SafetensorError
 from torch import Tensor
 
 from specimg.errors import SpecimgError
 from specimg.models.base import TargetOutput
+from specimg.models.checkpoint import check_finite
+from specimg.models.families import read_config
 from specimg.models.llamagen import GPTConfig, rope_1d
+from specimg.models.options import torch_device, torch_dtype
 
 try:
     from transformers import AutoTokenizer, DynamicCache, PreTrainedModel
+    from transformers.utils import logging as hf_logging
 except ImportError as err:  # an optional extra: say which one
     raise SpecimgError("Hugging Face targets need transformers 4.57: pip install 'specimg[hf]'") from err
 
+ATTENTION = ("sdpa", "eager")
 
-def torch_dtype(value: torch.dtype | str) -> torch.dtype:
-    dtype = getattr(torch, value, None) if isinstance(value, str) else value
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise SpecimgError(f"dtype must be a floating torch dtype or its name, not {value!r}")
-    return dtype
+
+def _attention(value: object) -> str:
+    if value not in ATTENTION:
+        raise ValueError(f"attn_implementation must be sdpa or eager (a draft tree needs a custom 4-D mask, which flash attention does not take), not {value!r}")
+    return value  # type: ignore[return-value]
 
 
 @attrs.frozen
@@ -37,9 +43,9 @@ class HFOptions:
     """Loading options.  The tree mask is a custom 4-D mask, which ``sdpa`` and ``eager``
     attention take and flash attention does not."""
 
-    device: str | torch.device = "cpu"
+    device: torch.device = attrs.field(default="cpu", converter=torch_device)
     dtype: torch.dtype = attrs.field(default=torch.float32, converter=torch_dtype)
-    attn_implementation: str = attrs.field(default="sdpa", validator=attrs.validators.in_(("sdpa", "eager")))
+    attn_implementation: str = attrs.field(default="sdpa", converter=_attention)
 
 
 Options = TypeVar("Options", bound=HFOptions)
@@ -47,29 +53,61 @@ Model = TypeVar("Model", bound=PreTrainedModel)
 
 
 def parse_options(cls: type[Options], overrides: dict[str, Any], family: str) -> Options:
+    """The family's options from ``overrides``, each checked before anything is loaded."""
+    fields = [f.name for f in attrs.fields(cls)]
+    unknown = [key for key in overrides if key not in fields]
+    if unknown:
+        raise SpecimgError(f"{family} folders take no option {unknown[0]!r} (their options: {', '.join(fields)})")
     try:
         return cls(**overrides)
-    except (TypeError, ValueError) as err:
-        fields = ", ".join(f.name for f in attrs.fields(cls))
-        raise SpecimgError(f"bad {family} option {sorted(overrides)}: {err} (options: {fields})") from None
+    except ValueError as err:
+        raise SpecimgError(f"bad {family} option: {err}") from None
 
 
-def load_folder(path: str | os.PathLike[str], model_type: str, model_class: type[Model], options: HFOptions) -> tuple[Model, Any]:
+def load_folder(
+    path: str | os.PathLike[str], model_type: str, model_class: type[Model], options: HFOptions, unused: tuple[str, ...] = ()
+) -> tuple[Model, Any]:
     """The model of a local folder whose config says ``model_type``, in eval mode on the
-    options' device and dtype, and the folder's text tokenizer (None when it has none)."""
+    options' device and dtype (its weights checked by :func:`load_pretrained`, ``unused``
+    passed on), and the folder's text tokenizer (None when it has none)."""
     folder = Path(path)
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise SpecimgError(f"{folder} is not a Hugging Face model folder (no config.json)")
-    found = json.loads(config_file.read_text()).get("model_type")
+    found = read_config(folder).get("model_type")
     if found != model_type:
         raise SpecimgError(f"{folder} holds a {found!r} model, not a {model_type!r} one")
-    model = model_class.from_pretrained(
-        folder, local_files_only=True, dtype=options.dtype, attn_implementation=options.attn_implementation
-    )
+    model = load_pretrained(model_class, folder, unused, dtype=options.dtype, attn_implementation=options.attn_implementation)
     has_tokenizer = (folder / "tokenizer.json").is_file() or (folder / "tokenizer.model").is_file()
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True) if has_tokenizer else None
     return model.to(options.device).eval(), tokenizer
+
+
+def load_pretrained(model_class: type[Model], folder: str | os.PathLike[str], unused: tuple[str, ...] = (), **kwargs: Any) -> Model:
+    """``model_class.from_pretrained`` on a local folder, refusing what transformers would
+    load with randomly initialised weights (missing, or of another shape: another model's
+    folder, a damaged export) or silently drop (unexpected ones), and weights that are not
+    finite; its warnings about them are not printed, the error says it in one line.
+    ``unused``: name prefixes of parts specimg never runs, left alone (a T5 encoder cut from
+    a whole T5 folder, whose ``lm_head`` it does not have)."""
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model, info = model_class.from_pretrained(folder, local_files_only=True, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs)
+    except (SafetensorError, pickle.UnpicklingError) as err:
+        raise SpecimgError(f"a weights file in {folder} is cut short or damaged: {_first_line(err)}") from None
+    except (OSError, ValueError, RuntimeError) as err:  # no weights file, a .bin torch cannot read...
+        raise SpecimgError(f"cannot load {folder}: {_first_line(err)}") from None
+    finally:
+        hf_logging.set_verbosity(level)
+    kinds = {"missing": info["missing_keys"], "unexpected": info["unexpected_keys"], "of another shape than its config.json gives": info["mismatched_keys"]}
+    wrong = {kind: sorted(k for k in keys if not k.startswith(unused)) for kind, keys in kinds.items()}
+    found = [f"{len(keys)} {kind} (first {keys[0]!r})" for kind, keys in wrong.items() if keys]
+    if found:
+        raise SpecimgError(f"{folder} does not hold the weights its config.json describes: {'; '.join(found)}; another model's weights, or a damaged export?")
+    check_finite(((k, t) for k, t in model.state_dict().items() if not k.startswith(unused)), os.fspath(folder))
+    return model
+
+
+def _first_line(err: Exception) -> str:
+    return next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
 
 
 def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:

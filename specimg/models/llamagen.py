@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
-from typing import Literal
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
 
 import attrs
 import torch
@@ -36,6 +36,7 @@ from specimg.errors import SpecimgError
 from specimg.graphs import FixedSteps, GraphSet, bucket
 from specimg.models.base import Caption, Condition, TargetOutput, cfg_rows, exposed_layers
 from specimg.models.checkpoint import Checkpoint, Described, agree, load_into, read_checkpoint, settle
+from specimg.models.options import torch_device, torch_dtype
 from specimg.sampling import cfg_active_at, probabilities
 
 ModelType = Literal["c2i", "t2i"]
@@ -43,6 +44,51 @@ ModelType = Literal["c2i", "t2i"]
 
 def _default_cls_tokens(config: GPTConfig) -> int:
     return 120 if config.model_type == "t2i" else 1
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
+
+
+def _positive_int(value: object) -> bool:
+    return _is_int(value) and value >= 1  # type: ignore[operator]
+
+
+FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "dim": (_positive_int, "a positive integer"),
+    "n_layer": (_positive_int, "a positive integer"),
+    "n_head": (_positive_int, "a positive integer"),
+    "n_kv_head": (lambda v: v is None or _positive_int(v), "a positive integer, or null for n_head"),
+    "multiple_of": (_positive_int, "a positive integer"),
+    "ffn_dim_multiplier": (lambda v: v is None or (_is_number(v) and v > 0), "a positive number, or null"),
+    "rope_base": (lambda v: _is_number(v) and v > 1, "a finite number > 1"),
+    "norm_eps": (lambda v: _is_number(v) and v > 0, "a finite number > 0"),
+    "initializer_range": (lambda v: _is_number(v) and v >= 0, "a finite number >= 0"),
+    "vocab_size": (_positive_int, "a positive integer"),
+    "num_classes": (_positive_int, "a positive integer"),
+    "class_dropout_prob": (lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
+    "model_type": (lambda v: v in ("c2i", "t2i"), "'c2i' or 't2i'"),
+    "cls_token_num": (_positive_int, "a positive integer"),
+    "caption_dim": (_positive_int, "a positive integer"),
+    "block_size": (lambda v: _is_int(v) and v >= 4 and math.isqrt(v) ** 2 == v, "a square >= 4 (image tokens form a grid, at least 2x2)"),
+}
+"""Each GPTConfig field's rule on its own, and what it asks for."""
+
+
+def config_problems(fields: Mapping[str, object]) -> list[str]:
+    """What is wrong with each of ``fields`` on its own (an unknown name, a type, a range),
+    so that a bad override is refused before a checkpoint is read or a model built."""
+    problems = []
+    for key, value in fields.items():
+        if key not in FIELD_RULES:
+            problems.append(f"{key!r} is no field (fields: {', '.join(FIELD_RULES)})")
+        elif not FIELD_RULES[key][0](value):
+            problems.append(f"{key} must be {FIELD_RULES[key][1]}, not {value!r}")
+    return problems
 
 
 @attrs.frozen
@@ -67,19 +113,14 @@ class GPTConfig:
     block_size: int = 256
 
     def __attrs_post_init__(self) -> None:
-        problems = []
-        if self.model_type not in ("c2i", "t2i"):
-            problems.append(f"model_type must be 'c2i' or 't2i', not {self.model_type!r}")
-        if self.dim % self.n_head:
-            problems.append(f"dim {self.dim} is not a multiple of n_head {self.n_head}")
-        elif self.head_dim % 4:
-            problems.append(f"head_dim {self.head_dim} must be a multiple of 4 for 2D RoPE")
-        if self.n_head % self.kv_heads:
-            problems.append(f"n_head {self.n_head} is not a multiple of n_kv_head {self.kv_heads}")
-        if self.grid_size**2 != self.block_size:
-            problems.append(f"block_size {self.block_size} is not a square (image tokens form a grid)")
-        if self.cls_token_num < 1:
-            problems.append("cls_token_num must be >= 1")
+        problems = config_problems(attrs.asdict(self))
+        if not problems:  # how the fields relate, once each is sound
+            if self.dim % self.n_head:
+                problems.append(f"dim {self.dim} is not a multiple of n_head {self.n_head}")
+            elif self.head_dim % 4:
+                problems.append(f"head_dim {self.head_dim} must be a multiple of 4 for 2D RoPE")
+            if self.n_head % self.kv_heads:
+                problems.append(f"n_head {self.n_head} is not a multiple of n_kv_head {self.kv_heads}")
         if problems:
             raise SpecimgError("bad GPT config: " + "; ".join(problems))
 
@@ -120,14 +161,24 @@ PRESETS: dict[str, dict[str, int]] = {
 
 def make_config(preset_or_config: str | GPTConfig = "GPT-B", **overrides: object) -> GPTConfig:
     """A preset name or a config, with field overrides (e.g. ``model_type="t2i"``)."""
-    try:
-        if isinstance(preset_or_config, GPTConfig):
-            return attrs.evolve(preset_or_config, **overrides)
-        if preset_or_config not in PRESETS:
-            raise SpecimgError(f"unknown LlamaGen preset {preset_or_config!r}; choose one of {', '.join(PRESETS)}")
-        return GPTConfig(**{**PRESETS[preset_or_config], **overrides})  # type: ignore[arg-type]
-    except TypeError as err:
-        raise SpecimgError(f"bad GPT config override: {err}") from None
+    check_overrides(overrides)
+    if isinstance(preset_or_config, GPTConfig):
+        return attrs.evolve(preset_or_config, **overrides)
+    return GPTConfig(**{**preset_fields(preset_or_config), **overrides})  # type: ignore[arg-type]
+
+
+def check_overrides(overrides: Mapping[str, object]) -> None:
+    """Refuse an override that is no GPTConfig field, or is of the wrong type or range."""
+    problems = config_problems(overrides)
+    if problems:
+        raise SpecimgError("bad GPT config override: " + "; ".join(problems))
+
+
+def preset_fields(name: object) -> dict[str, int]:
+    """The fields a preset sets; an unknown name is a SpecimgError listing the presets."""
+    if not isinstance(name, str) or name not in PRESETS:
+        raise SpecimgError(f"unknown LlamaGen preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return PRESETS[name]
 
 
 # ----------------------------------------------------------------------------- layers
@@ -649,9 +700,7 @@ def config_for(described: Described, preset: str | None, overrides: dict[str, ob
     weights' width and depth (unique per preset; the head count is in no shape), else GPT-B."""
     given = dict(overrides)
     if preset is not None:
-        if preset not in PRESETS:
-            raise SpecimgError(f"unknown LlamaGen preset {preset!r}; choose one of {', '.join(PRESETS)}")
-        given = {"preset": preset, **PRESETS[preset], **given}
+        given = {"preset": preset, **preset_fields(preset), **given}
     via = {k: f"preset {preset}" for k in PRESETS.get(preset or "", {}) if k not in overrides}
     fields = settle(described, given, origin, via)
     sized = [n for n, p in PRESETS.items() if (p["dim"], p["n_layer"]) == (fields.get("dim"), fields.get("n_layer"))]
@@ -671,7 +720,7 @@ def load_target(
     preset: str | GPTConfig | None = None,
     *,
     device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     max_tree_nodes: int = 128,
     **overrides: object,
 ) -> LlamaGenTarget:
@@ -681,8 +730,15 @@ def load_target(
     then from ``preset`` and ``overrides`` (e.g. ``block_size=576`` for a 384px file without
     args); a given value that contradicts the file, a key the file lacks, an extra key or a
     mismatched shape is a SpecimgError naming it.  A :class:`GPTConfig` is taken as is.
+    Every option is checked on its own before the file is read.
     """
     origin = os.fspath(path)
+    device, dtype = torch_device(device), torch_dtype(dtype)
+    if not _positive_int(max_tree_nodes):
+        raise SpecimgError(f"max_tree_nodes must be a positive integer, not {max_tree_nodes!r}")
+    if preset is not None and not isinstance(preset, GPTConfig):
+        preset_fields(preset)
+    check_overrides(overrides)
     checkpoint = read_checkpoint(path)
     if isinstance(preset, GPTConfig):
         config = make_config(preset, **overrides)

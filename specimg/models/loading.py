@@ -8,6 +8,7 @@ from typing import Any
 import attrs
 import torch
 
+from specimg.errors import SpecimgError
 from specimg.models import base
 from specimg.models.eagle import EagleDrafter, EagleTarget, build_drafter, load_drafter
 from specimg.models.families import detect_family, load_family_tokenizer, load_target
@@ -46,6 +47,14 @@ def tiny_random(seed: int = 0) -> Models:
     return Models(target, build_drafter(target, seed=seed + 1), build_tokenizer(seed=seed + 2, **TINY_VQ), "tiny-random")
 
 
+def load_given_target(path: str | os.PathLike[str], preset: str | None, overrides: dict[str, Any]) -> Any:
+    """The target at ``path`` (any family) as ``--preset`` and ``--target-config`` shape it;
+    a preset given both ways is refused, whether or not the two agree."""
+    if preset and "preset" in overrides:
+        raise SpecimgError("the preset is given twice, by --preset and by --target-config preset=...: keep one")
+    return load_target(path, **overrides, **({"preset": preset} if preset else {}))
+
+
 def from_paths(
     target: str | os.PathLike[str],
     preset: str | None = None,
@@ -59,7 +68,7 @@ def from_paths(
     and exactness checks make sense then).  The tokenizer is the family's
     (:func:`~specimg.models.families.load_family_tokenizer`): a Janus target's own VQ
     model, else the ``tokenizer`` file, else none."""
-    model = load_target(target, **({"preset": preset} if preset else {}), **(target_overrides or {}))
+    model = load_given_target(target, preset, target_overrides or {})
     draft = load_drafter(model, drafter) if drafter else build_drafter(model)
     tok = load_family_tokenizer(detect_family(target), model, tokenizer, **(tokenizer_overrides or {}))
     return Models(model, draft, tok, os.fspath(target))

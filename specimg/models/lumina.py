@@ -63,8 +63,8 @@ class LuminaOptions(HFOptions):
 
     @image_size.validator
     def _check_size(self, attribute: Any, value: int) -> None:
-        if value < PIXELS_PER_SIZE_UNIT or value % PIXELS_PER_SIZE_UNIT:
-            raise ValueError(f"image_size must be a positive multiple of {PIXELS_PER_SIZE_UNIT}, not {value}")
+        if not isinstance(value, int) or isinstance(value, bool) or value < PIXELS_PER_SIZE_UNIT or value % PIXELS_PER_SIZE_UNIT:
+            raise ValueError(f"image_size must be a positive multiple of {PIXELS_PER_SIZE_UNIT}, not {value!r}")
 
 
 class LuminaTarget(nn.Module):
@@ -247,11 +247,16 @@ class LuminaTarget(nn.Module):
         return target_output(out, index, self.code_logits, self.exposed)
 
 
+UNUSED_WEIGHTS = ("model.vqmodel.",)
+"""Chameleon's VQ encoder, which generation never runs (codes decode with the VQGAN checkpoint):
+a folder's weights there are not checked."""
+
+
 def load_lumina_target(path: str | os.PathLike[str], **overrides: Any) -> LuminaTarget:
     """Load a local Hugging Face Lumina-mGPT folder (``model_type`` "chameleon", e.g.
     Lumina-mGPT-7B-768); nothing is downloaded.  ``overrides``: the fields of
     :class:`LuminaOptions`.  Its images decode with Chameleon's VQGAN
     (:func:`specimg.models.chameleon_vq.load_chameleon_vq_decoder`)."""
     options = parse_options(LuminaOptions, overrides, "Lumina-mGPT")
-    model, text_tokenizer = load_folder(path, "chameleon", ChameleonForConditionalGeneration, options)
+    model, text_tokenizer = load_folder(path, "chameleon", ChameleonForConditionalGeneration, options, unused=UNUSED_WEIGHTS)
     return LuminaTarget(model, options.image_size, text_tokenizer)
