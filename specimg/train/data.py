@@ -210,6 +210,34 @@ class DataSpec:
     drafter_type: str = attrs.field(default="eagle1", validator=attrs.validators.in_(DRAFTER_TYPES))
 
 
+@attrs.frozen
+class _Plan:
+    """What a run makes, resolved once from the spec and the target, so that generating a
+    shard needs nothing else: the target's kind ("c2i", "t2i", or "text" for one that
+    tokenizes prompt texts itself), each sample's label, whether it also gets a null-condition
+    example, and a tokens file's sequences (None: self-distilled)."""
+
+    spec: DataSpec
+    kind: str
+    num: int
+    labels: Tensor
+    uncond: bool
+    file_tokens: Tensor | None
+
+    @property
+    def eagle3(self) -> bool:
+        return self.spec.drafter_type == "eagle3"
+
+    @property
+    def num_shards(self) -> int:
+        return -(-self.num // self.spec.shard_size)
+
+    def shard_samples(self, shard: int) -> tuple[int, int]:
+        """The samples [lo, hi) of shard ``shard``."""
+        size = self.spec.shard_size
+        return shard * size, min(self.num, (shard + 1) * size)
+
+
 def make_drafter_data(
     target: EagleTarget,
     out: str | os.PathLike[str],
@@ -223,20 +251,44 @@ def make_drafter_data(
     """Generate (or finish generating) a data folder; returns its meta.  With several
     processes, call it in each with its index, the count and a barrier: the shards are
     shared round-robin.  ``progress`` is called with the samples each batch finished."""
-    llamagen, text = isinstance(target, LlamaGenTarget), takes_text(target)
-    if not (llamagen or text):
-        raise SpecimgError(f"drafter data is made for LlamaGen targets and targets that take prompt texts, not {type(target).__name__}")
-    c = target.config if llamagen else None
-    t2i = text or c.model_type == "t2i"
     out = os.fspath(out)
-    tokens_all: Tensor | None = None
-    file_labels: Tensor | None = None
-    source: dict[str, Any]
-    if t2i and spec.tokens_file:
+    kind = _target_kind(target)
+    source, num, file_tokens, file_labels = _source(target, spec, kind)
+    labels = _labels(target, spec, kind, num, file_labels)
+    plan = _Plan(spec, kind, num, labels, _with_null_examples(target, spec, kind), file_tokens)
+    fingerprint = target_fingerprint(target)
+    layers = _expose_eagle3_layers(target) if plan.eagle3 else None
+    meta = _meta(target, plan, _settings(plan, source, layers), fingerprint)
+    _open_folder(out, meta, process_index, barrier)
+    for shard in range(process_index, plan.num_shards, num_processes):
+        _make_shard(target, out, shard, plan, progress)
+    barrier()
+    return meta
+
+
+# ----------------------------------------------------------------------------- what to make
+
+
+def _target_kind(target: EagleTarget) -> str:
+    """Which of the three ways of making data the target takes: "text" (it tokenizes prompt
+    texts itself), or a LlamaGen target's "c2i" or "t2i"; the other targets are refused."""
+    if takes_text(target):
+        return "text"
+    if isinstance(target, LlamaGenTarget):
+        return "t2i" if target.config.model_type == "t2i" else "c2i"
+    raise SpecimgError(f"drafter data is made for LlamaGen targets and targets that take prompt texts, not {type(target).__name__}")
+
+
+def _source(target: EagleTarget, spec: DataSpec, kind: str) -> tuple[dict[str, Any], int, Tensor | None, Tensor | None]:
+    """Where the sequences come from (the settings' record of it), the number of samples, and
+    a tokens file's sequences and labels (None when self-distilled)."""
+    if kind != "c2i" and spec.tokens_file:
         raise SpecimgError("a tokens file goes with a class-conditional target; a t2i target's data is sampled from prompts")
+    tokens: Tensor | None = None
+    labels: Tensor | None = None
     if spec.tokens_file:
-        tokens_all, file_labels = read_tokens_file(spec.tokens_file, target)
-        available = tokens_all.shape[0]
+        tokens, labels = read_tokens_file(spec.tokens_file, target)
+        available = tokens.shape[0]
         num = available if spec.num_samples is None else spec.num_samples
         if num > available:
             raise SpecimgError(f"--num-samples {num} exceeds the {available} sequences in {spec.tokens_file}")
@@ -248,102 +300,189 @@ def make_drafter_data(
         source = {"kind": "self", "sampling": attrs.asdict(spec.sampling), "seed": spec.seed}
     if num < 1:
         raise SpecimgError("drafter data needs at least one sample")
-    if text:
-        if spec.captions or spec.labels or len(spec.prompts) != num:
-            raise SpecimgError(f"this target's drafter data needs one prompt text per sample ({len(spec.prompts)} for {num}), no captions or labels: give --prompts or --prompt")
-    elif t2i != bool(spec.captions) or (t2i and len(spec.captions) != num):
-        raise SpecimgError(
-            f"a t2i target's drafter data needs one caption per sample ({len(spec.captions)} for {num}): give --prompts and --text-encoder"
-            if t2i else "captions go with a t2i target; this one is class-conditional: give --class-labels"
-        )
-    bad = [] if t2i else [x for x in spec.labels if not 0 <= x < c.num_classes]
+    return source, num, tokens, labels
+
+
+def _labels(target: EagleTarget, spec: DataSpec, kind: str, num: int, file_labels: Tensor | None) -> Tensor:
+    """Each sample's label, once the spec is checked to give the conditions the target's kind takes."""
+    if kind == "text":
+        return _prompt_labels(spec, num)
+    if kind == "t2i":
+        return _caption_labels(spec, num)
+    return _class_labels(target, spec, num, file_labels)
+
+
+def _prompt_labels(spec: DataSpec, num: int) -> Tensor:
+    """A target that tokenizes texts takes one prompt per sample, labelled by its index."""
+    if spec.captions or spec.labels or len(spec.prompts) != num:
+        raise SpecimgError(f"this target's drafter data needs one prompt text per sample ({len(spec.prompts)} for {num}), no captions or labels: give --prompts or --prompt")
+    return torch.arange(num)
+
+
+def _caption_labels(spec: DataSpec, num: int) -> Tensor:
+    """A LlamaGen t2i target takes one caption per sample, labelled by its index."""
+    if len(spec.captions) != num:
+        raise SpecimgError(f"a t2i target's drafter data needs one caption per sample ({len(spec.captions)} for {num}): give --prompts and --text-encoder")
+    return torch.arange(num)
+
+
+def _class_labels(target: LlamaGenTarget, spec: DataSpec, num: int, file_labels: Tensor | None) -> Tensor:
+    """A class-conditional target's classes: a tokens file's own, else ``spec.labels`` (by
+    default every class) cycled over the samples."""
+    num_classes = target.config.num_classes
+    if spec.captions:
+        raise SpecimgError("captions go with a t2i target; this one is class-conditional: give --class-labels")
+    bad = [x for x in spec.labels if not 0 <= x < num_classes]
     if bad:
-        raise SpecimgError(f"class label {bad[0]} is outside [0, {c.num_classes})")
-    if t2i:
-        labels = torch.arange(num)
-    elif file_labels is not None:
-        labels = file_labels[:num]
-    else:
-        cycle = list(spec.labels) or list(range(c.num_classes))
-        labels = torch.tensor([cycle[i % len(cycle)] for i in range(num)], dtype=torch.long)
-    has_null = t2i or c.class_dropout_prob > 0  # t2i: uncond_embedding or the target's unconditional row
+        raise SpecimgError(f"class label {bad[0]} is outside [0, {num_classes})")
+    if file_labels is not None:
+        return file_labels[:num]
+    cycle = list(spec.labels) or list(range(num_classes))
+    return torch.tensor([cycle[i % len(cycle)] for i in range(num)], dtype=torch.long)
+
+
+def _with_null_examples(target: EagleTarget, spec: DataSpec, kind: str) -> bool:
+    """Whether each sequence is also stored under the null condition: by default when the
+    target has one (a t2i target always does: uncond_embedding or its own unconditional row)."""
+    has_null = kind != "c2i" or target.config.class_dropout_prob > 0
     uncond = has_null if spec.uncond is None else spec.uncond
     if uncond and not has_null:
         raise SpecimgError("this target has no null class (class_dropout_prob = 0): use --no-uncond")
-    null = -1 if t2i else c.num_classes
-    num_shards = -(-num // spec.shard_size)
-    fingerprint = target_fingerprint(target)
+    return uncond
+
+
+def _expose_eagle3_layers(target: EagleTarget) -> list[int]:
+    """Have the target output its EAGLE-3 layers' inputs (an EAGLE-3 drafter's input); returns those layers."""
+    layers = eagle3_layers(target.num_layers)
+    target.expose_layers(layers)
+    return list(layers)
+
+
+def _settings(plan: _Plan, source: dict[str, Any], layers: list[int] | None) -> dict[str, Any]:
+    """Everything the examples depend on besides the target: a folder resumes only under equal settings."""
+    spec = plan.spec
     settings = {
-        "source": source, "num_samples": num, "labels": labels.tolist(), "uncond": uncond,
+        "source": source, "num_samples": plan.num, "labels": plan.labels.tolist(), "uncond": plan.uncond,
         "dtype": spec.dtype, "shard_size": spec.shard_size,
     }
-    eagle3 = spec.drafter_type == "eagle3"
-    if eagle3:  # EAGLE-1 folders keep the settings they always had, so they still resume
-        layers = eagle3_layers(target.num_layers)
-        target.expose_layers(layers)
-        settings.update(drafter_type="eagle3", feature_layers=list(layers))
-    if t2i:
+    if layers is not None:  # EAGLE-1 folders keep the settings they always had, so they still resume
+        settings.update(drafter_type="eagle3", feature_layers=layers)
+    if plan.kind != "c2i":
         settings.update(prompts=list(spec.prompts))
-    if t2i and not text:
+    if plan.kind == "t2i":
         settings.update(captions_sha256=_captions_digest(spec.captions))
-    meta = {
-        "format": FORMAT, "settings": settings, "target": fingerprint, "num_shards": num_shards,
-        "num_examples": num * (1 + uncond), "num_tokens": target.num_tokens, "hidden_size": target.hidden_size,
-        "vocab_size": target.vocab_size, "num_classes": c.num_classes if llamagen else None,
+    return settings
+
+
+def _meta(target: EagleTarget, plan: _Plan, settings: dict[str, Any], fingerprint: dict[str, Any]) -> dict[str, Any]:
+    """meta.json: the settings and the target's fingerprint (what a resumed run must match) and the sizes a reader needs."""
+    return {
+        "format": FORMAT, "settings": settings, "target": fingerprint, "num_shards": plan.num_shards,
+        "num_examples": plan.num * (1 + plan.uncond), "num_tokens": target.num_tokens, "hidden_size": target.hidden_size,
+        "vocab_size": target.vocab_size, "num_classes": target.config.num_classes if isinstance(target, LlamaGenTarget) else None,
     }
-    meta_path = os.path.join(out, META)
+
+
+# ----------------------------------------------------------------------------- the folder
+
+
+def _open_folder(out: str, meta: dict[str, Any], process_index: int, barrier: Callable[[], None]) -> None:
+    """The main process starts or resumes the folder; the others wait for it and stop when it refused the folder."""
     if process_index == 0:
-        os.makedirs(out, exist_ok=True)
-        if os.path.exists(meta_path):
-            old = _read_meta(out)
-            if old.get("settings") != settings or old.get("target") != fingerprint:
-                raise SpecimgError(f"{out} holds drafter data made with other settings or another target; use another --out or remove it")
-        else:
-            _atomic_write_json(meta_path, meta)
+        _start_or_resume(out, meta)
     barrier()
-    if process_index != 0 and not os.path.exists(meta_path):  # the main process refused the folder
+    if process_index != 0 and not os.path.exists(os.path.join(out, META)):
         raise SpecimgError(f"{out} could not be prepared by the main process")
-    dtype = DTYPES[spec.dtype]
-    for shard in range(process_index, num_shards, num_processes):
-        path = os.path.join(out, shard_name(shard))
-        lo, hi = shard * spec.shard_size, min(num, (shard + 1) * spec.shard_size)
-        if os.path.exists(path):
-            if progress:
-                progress(hi - lo)
-            continue
-        # conditional examples of the shard's samples first, then their null-class twins:
-        # the layout does not depend on the batch size
-        parts = [{"features": [], "tokens": [], "labels": [], "sample": [], **({"layers": []} if eagle3 else {})} for _ in range(1 + uncond)]
-        for start in range(lo, hi, spec.batch_size):
-            idx = torch.arange(start, min(hi, start + spec.batch_size))
-            lab = labels[idx]
-            null_labels = torch.full_like(lab, null)
-            seeds = [spec.seed + int(i) for i in idx]
-            if text:
-                prompts = [spec.prompts[int(i)] for i in idx]
-                tok = sample_tokens(target, prompts, seeds, spec.sampling)
-                rows, layer_rows = chain_features(target, prompts, tok, uncond)
-                variants = [(lab, (rows[0], layer_rows[0] if eagle3 else None)), (null_labels, (rows[-1], layer_rows[-1] if eagle3 else None))][: 1 + uncond]
-            else:
-                captions = [spec.captions[int(i)] for i in idx] if t2i else []
-                conditions: Tensor | list[Caption] = captions if t2i else lab
-                tok = tokens_all[idx] if tokens_all is not None else sample_tokens(target, captions if t2i else lab.tolist(), seeds, spec.sampling)
-                given = [(lab, conditions)]
-                if uncond:
-                    given.append((null_labels, [Caption(target.cls_embedding.uncond_embedding, x.mask) for x in captions] if t2i else null_labels))
-                variants = [(variant, teacher_features(target, g, tok)) for variant, g in given]
-            for part, (variant, (features, layer_states)) in zip(parts, variants):
-                part["features"].append(features.to("cpu", dtype))
-                if eagle3:
-                    part["layers"].append(layer_states.to("cpu", dtype))
-                part["tokens"].append(tok)
-                part["labels"].append(variant)
-                part["sample"].append(idx)
-            if progress:
-                progress(len(idx))
-        _write_shard(path, {k: torch.cat([t for part in parts for t in part[k]]).contiguous() for k in parts[0]})
-    barrier()
-    return meta
+
+
+def _start_or_resume(out: str, meta: dict[str, Any]) -> None:
+    """Write the folder's meta, or accept a folder whose meta has the same settings and target (its shards are kept)."""
+    os.makedirs(out, exist_ok=True)
+    meta_path = os.path.join(out, META)
+    if not os.path.exists(meta_path):
+        _atomic_write_json(meta_path, meta)
+        return
+    old = _read_meta(out)
+    if old.get("settings") != meta["settings"] or old.get("target") != meta["target"]:
+        raise SpecimgError(f"{out} holds drafter data made with other settings or another target; use another --out or remove it")
+
+
+# ----------------------------------------------------------------------------- generating
+
+# one batch's examples: (labels, features, layers) per row, the conditional row first
+_Rows = list[tuple[Tensor, Tensor, Tensor | None]]
+
+
+def _make_shard(target: EagleTarget, out: str, shard: int, plan: _Plan, progress: Callable[[int], None] | None) -> None:
+    """Make shard ``shard`` unless a killed run already wrote it: the conditional examples of
+    its samples first, then their null-condition twins, so the layout does not depend on the
+    batch size."""
+    path = os.path.join(out, shard_name(shard))
+    lo, hi = plan.shard_samples(shard)
+    if os.path.exists(path):
+        if progress:
+            progress(hi - lo)
+        return
+    parts = [{"features": [], "tokens": [], "labels": [], "sample": [], **({"layers": []} if plan.eagle3 else {})} for _ in range(1 + plan.uncond)]
+    for start in range(lo, hi, plan.spec.batch_size):
+        idx = torch.arange(start, min(hi, start + plan.spec.batch_size))
+        tokens, rows = _BATCHES[plan.kind](target, idx, plan)
+        _append_rows(parts, idx, tokens, rows, plan)
+        if progress:
+            progress(len(idx))
+    _write_shard(path, {k: torch.cat([t for part in parts for t in part[k]]).contiguous() for k in parts[0]})
+
+
+def _append_rows(parts: list[dict[str, list[Tensor]]], idx: Tensor, tokens: Tensor, rows: _Rows, plan: _Plan) -> None:
+    """Add a batch's examples to the shard, row r to part r, the states in the spec's dtype on the CPU."""
+    dtype = DTYPES[plan.spec.dtype]
+    for part, (labels, features, layers) in zip(parts, rows):
+        part["features"].append(features.to("cpu", dtype))
+        if plan.eagle3:
+            part["layers"].append(layers.to("cpu", dtype))
+        part["tokens"].append(tokens)
+        part["labels"].append(labels)
+        part["sample"].append(idx)
+
+
+def _seeds(plan: _Plan, idx: Tensor) -> list[int]:
+    """Sample i's seed is ``seed + i``: samples do not depend on the batch size or the process count."""
+    return [plan.spec.seed + int(i) for i in idx]
+
+
+def _class_batch(target: LlamaGenTarget, idx: Tensor, plan: _Plan) -> tuple[Tensor, _Rows]:
+    """A c2i target's samples: its sequences (sampled, or a tokens file's) teacher-forced under their classes and the null class ``num_classes``."""
+    labels = plan.labels[idx]
+    nulls = torch.full_like(labels, target.config.num_classes)
+    tokens = plan.file_tokens[idx] if plan.file_tokens is not None else sample_tokens(target, labels.tolist(), _seeds(plan, idx), plan.spec.sampling)
+    given = [(labels, labels), (nulls, nulls)][: 1 + plan.uncond]
+    return tokens, [(variant, *teacher_features(target, conditions, tokens)) for variant, conditions in given]
+
+
+def _caption_batch(target: LlamaGenTarget, idx: Tensor, plan: _Plan) -> tuple[Tensor, _Rows]:
+    """A LlamaGen t2i target's samples, teacher-forced under their captions and under
+    ``uncond_embedding`` with each caption's mask (label -1)."""
+    labels = plan.labels[idx]
+    captions = [plan.spec.captions[int(i)] for i in idx]
+    tokens = sample_tokens(target, captions, _seeds(plan, idx), plan.spec.sampling)
+    given: list[tuple[Tensor, list[Caption]]] = [(labels, captions)]
+    if plan.uncond:
+        given.append((torch.full_like(labels, -1), [Caption(target.cls_embedding.uncond_embedding, x.mask) for x in captions]))
+    return tokens, [(variant, *teacher_features(target, conditions, tokens)) for variant, conditions in given]
+
+
+def _prompt_batch(target: EagleTarget, idx: Tensor, plan: _Plan) -> tuple[Tensor, _Rows]:
+    """A prompt-text target's samples, sampled by the engine's AR loop and teacher-forced
+    through the Target contract, its unconditional row labelled -1."""
+    labels = plan.labels[idx]
+    prompts = [plan.spec.prompts[int(i)] for i in idx]
+    tokens = sample_tokens(target, prompts, _seeds(plan, idx), plan.spec.sampling)
+    hidden, layers = chain_features(target, prompts, tokens, plan.uncond)
+    variants = [(labels, 0), (torch.full_like(labels, -1), -1)]
+    return tokens, [(variant, hidden[row], layers[row] if plan.eagle3 else None) for variant, row in variants][: 1 + plan.uncond]
+
+
+_BATCHES: dict[str, Callable[[Any, Tensor, _Plan], tuple[Tensor, _Rows]]] = {"c2i": _class_batch, "t2i": _caption_batch, "text": _prompt_batch}
 
 
 def _write_shard(path: str, tensors: dict[str, Tensor]) -> None:
