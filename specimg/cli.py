@@ -32,6 +32,7 @@ from specimg.eval.prompts import class_labels
 from specimg.files import writable_folder
 from specimg.methods import AR, parse_options
 from specimg.models.eagle import DRAFTER_TYPES
+from specimg.models.families import BUILT_IN_MODELS
 from specimg.plugins import get_plugin_manager
 from specimg.relax import BudgetError
 from specimg.stats import ImageStats, RunStats
@@ -151,6 +152,8 @@ def _overrides(pairs: tuple[str, ...], flag: str) -> dict[str, Any]:
 
 
 def _models(kw: dict[str, Any], model: str):
+    """The models from paths (``--target``), else the built-in ``model``, whose drafter
+    ``--drafter FILE`` may replace (one ``train-drafter --target demo`` made, say)."""
     from specimg.models import loading
 
     target, drafter, tokenizer = kw["target"], kw["drafter"], kw["tokenizer"]
@@ -159,15 +162,29 @@ def _models(kw: dict[str, Any], model: str):
             target, kw["preset"], drafter, tokenizer,
             _overrides(kw["target_config"], "--target-config"), _overrides(kw["tokenizer_config"], "--tokenizer-config"),
         )
-    if drafter or tokenizer:
-        raise SpecimgError("--drafter and --tokenizer go with --target")
+    if tokenizer:
+        raise SpecimgError(f"--tokenizer goes with --target: --model {model} brings its own tokenizer")
+    for flag, given in (("--preset", kw["preset"]), ("--target-config", kw["target_config"]), ("--tokenizer-config", kw["tokenizer_config"])):
+        if given:
+            raise SpecimgError(f"{flag} shapes a --target checkpoint; --model {model} is built in and takes none")
+    built_in = _built_in_models(model)
+    if not drafter:
+        return built_in
+    from specimg.models.eagle import load_drafter
+
+    return attrs.evolve(built_in, drafter=load_drafter(built_in.target, drafter), name=f"{built_in.name} with drafter {drafter}")
+
+
+def _built_in_models(model: str):
+    from specimg.models import loading
+
     if model == "tiny-random":
         return loading.tiny_random()
     if model in ("demo", "demo-cascade", "demo-eagle3"):
         from specimg.models.demo import load_demo
 
         return load_demo(drafter=model.partition("-")[2] or "plain")
-    raise SpecimgError(f"unknown --model {model!r}; choose demo, demo-cascade, demo-eagle3 or tiny-random")
+    raise SpecimgError(f"unknown --model {model!r}; choose {', '.join(BUILT_IN_MODELS)}")
 
 
 def _inputs(kw: dict[str, Any], model: str) -> dict[str, Any]:

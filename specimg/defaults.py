@@ -1,5 +1,6 @@
 """The core's own implementations of the firstresult hooks, used when no method in the
-stack supplies one.  Registered last, so any method's implementation comes first."""
+stack supplies one.  Registered first (``specimg.plugins``), but marked ``trylast``, so
+pluggy calls them after any method's implementation."""
 
 from __future__ import annotations
 

@@ -133,9 +133,3 @@ class RunStats:
             for phase, sec in s.seconds.items():
                 total[phase] += sec
         return dict(total)
-
-    def summary(self) -> str:
-        return (
-            f"tau {self.tau:.2f} | {self.target_forwards} target forwards for {self.tokens} tokens "
-            f"| mean accepted {self.mean_accepted:.2f} | wall {self.wall:.2f}s"
-        )

@@ -107,15 +107,6 @@ class DraftTree:
         """Each node's children in draft-rank order (a host copy: for reading, not hot loops)."""
         return tuple(tuple(c for c in row if c >= 0) for row in self.child_ids.tolist())
 
-    def path_to(self, node: int) -> list[int]:
-        """The nodes from the root to ``node``, in order."""
-        path = []
-        parents = self.parents.tolist()
-        while node >= 0:
-            path.append(node)
-            node = parents[node]
-        return path[::-1]
-
     def candidates(self) -> tuple[Tensor, Tensor]:
         """Children per node as a padded matrix: tokens [n, C] and node ids [n, C], -1 where
         a node has fewer than C children; columns are in draft-rank order."""

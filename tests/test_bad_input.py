@@ -6,6 +6,7 @@ stderr is exactly one line, and what the line says.
 
 import json
 import os
+import sys
 import tempfile
 from types import SimpleNamespace
 
@@ -168,7 +169,7 @@ def test_output_folders(tmp_path, capsys, monkeypatch):
     line = one_line_error(capsys, ["generate", *TINY, "--out", str(afile / "below")])
     assert line == f"specimg: error: --out {afile / 'below'}: {afile} is a file, not a folder; choose another --out"
     assert one_line_error(capsys, ["generate", *TINY, "--out", ""]) == "specimg: error: --out is empty: name a folder"
-    for command in (["train-demo", "--scale", "toy"], ["make-drafter-data", "--target", "tiny-random"], ["train-drafter", "--target", "tiny-random", "--data", str(tmp_path)]):
+    for command in (["make-drafter-data", "--target", "tiny-random"], ["train-drafter", "--target", "tiny-random", "--data", str(tmp_path)]):
         assert f"{afile} is a file, not a folder" in one_line_error(capsys, [*command, "--out", str(afile / "x")])
 
     def refuse(*args, **kwargs):
@@ -180,6 +181,21 @@ def test_output_folders(tmp_path, capsys, monkeypatch):
     assert "cannot be written to" in one_line_error(capsys, ["bench", *TINY, "--methods", "ar", "--out", str(tmp_path / "ro")])
 
 
+def test_train_demo_output_folder(tmp_path, capsys):
+    """train-demo checks --out once it has the demo extra (without it, it asks for that first)."""
+    pytest.importorskip("sklearn")
+    pytest.importorskip("skimage")
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert f"{afile} is a file, not a folder" in one_line_error(capsys, ["train-demo", "--scale", "toy", "--out", str(afile / "x")])
+
+
+def test_train_demo_without_the_demo_extra(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "sklearn", None)  # import fails as if not installed
+    line = one_line_error(capsys, ["train-demo", "--scale", "toy", "--out", str(tmp_path / "bundle")])
+    assert line == "specimg: error: train-demo needs the demo extra (sklearn is missing): pip install 'specimg[demo]'"
+
+
 class Marker:
     """Unpickling this creates a folder: the proof that loading ran code."""
 
@@ -188,6 +204,24 @@ class Marker:
 
     def __reduce__(self):
         return (os.mkdir, (self.path,))
+
+
+@pytest.mark.parametrize("kind, other", [("eagle1", {"dim": 32}), ("eagle3", {"vocab_size": 128})], ids=["eagle1-width", "eagle3-vocabulary"])
+def test_a_built_in_model_refuses_another_targets_drafter(tmp_path, capsys, kind, other):
+    from specimg.models.eagle import build_drafter, save_drafter
+    from specimg.models.llamagen import build_target
+    from specimg.models.loading import TINY_GPT
+
+    path = tmp_path / "drafter.safetensors"
+    save_drafter(build_drafter(build_target("GPT-B", **{**TINY_GPT, **other}), kind=kind), path)
+    line = one_line_error(capsys, ["generate", *TINY, "--drafter", str(path), "--out", str(tmp_path / "o")])
+    assert line.startswith(f"specimg: error: {path}: key ") and "the model expects" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_built_in_model_brings_its_own_tokenizer(tmp_path, capsys):
+    line = one_line_error(capsys, ["generate", *TINY, "--tokenizer", str(tmp_path / "vq.pt"), "--out", str(tmp_path / "o")])
+    assert line == "specimg: error: --tokenizer goes with --target: --model tiny-random brings its own tokenizer"
 
 
 @pytest.mark.parametrize("kind", ["random", "pickle", "torch-pickle", "empty", "cut"])
@@ -298,3 +332,9 @@ def test_tune_refuses_a_method_that_drafts_without_a_drafter(tmp_path, capsys):
     line = one_line_error(capsys, ["tune", "--model", "tiny-random", "-m", "sjd", "-n", "1", "--out", str(tmp_path / "t")])
     assert "sjd drafts without one and sizes its own" in line
     assert not (tmp_path / "t").exists()
+
+
+@pytest.mark.parametrize("flag", [["--preset", "GPT-B"], ["--target-config", "block_size=16"], ["--tokenizer-config", "codebook_size=8"]])
+def test_a_built_in_model_refuses_checkpoint_options(tmp_path, capsys, flag):
+    line = one_line_error(capsys, ["generate", "--model", "tiny-random", *flag, "-n", "1", "--out", str(tmp_path / "o")])
+    assert f"{flag[0]} shapes a --target checkpoint; --model tiny-random is built in and takes none" in line

@@ -53,6 +53,22 @@ def test_bad_input_is_one_line_and_exit_status_2(tmp_path, capsys, args, message
     assert message in err and "Traceback" not in err
 
 
+def test_a_drafter_file_takes_the_place_of_a_built_in_models_own(tmp_path, capsys):
+    """The drafter the README's tour trains for --target demo goes with --model demo; here
+    an untrained one for tiny-random: the built-in target and tokenizer, the file's drafter."""
+    from specimg.models.eagle import build_drafter, save_drafter
+    from specimg.models.loading import tiny_random
+
+    drafter, out = tmp_path / "drafter.safetensors", tmp_path / "o"
+    save_drafter(build_drafter(tiny_random().target, seed=7), drafter)
+    args = ["generate", "--model", "tiny-random", "--drafter", str(drafter), "-m", "naive", "-n", "1", "--tree", "chain", "--depth", "2"]
+    assert run(*args, "--out", str(out)) == 0, capsys.readouterr().err
+    settings = json.loads((out / "manifest.jsonl").read_text().splitlines()[0])["settings"]
+    assert settings["model"] == f"tiny-random with drafter {drafter}"
+    assert "drafter" in settings["inputs"]["files"]
+    assert (out / "images" / "00000.png").is_file()  # the built-in tokenizer decodes
+
+
 def test_a_run_with_other_settings_does_not_touch_an_existing_manifest(tmp_path, capsys):
     out = tmp_path / "o"
     assert run("generate", "--model", "tiny-random", "-n", "1", "--out", str(out)) == 0

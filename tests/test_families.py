@@ -59,3 +59,13 @@ def test_models_command_lists_families_and_presets(capsys):
     out = capsys.readouterr().out
     for word in ("llamagen", "GPT-XL", "janus", "lumina", "VQ-16", "VQ-8", "--text-encoder"):
         assert word in out
+
+
+def test_models_command_lists_the_built_in_models_and_their_drafter_file(capsys):
+    from specimg.cli import main
+
+    main(["models"])
+    out = capsys.readouterr().out
+    listed = {line.split()[0] for line in out.splitlines() if line.startswith("    ") and line.strip()}
+    assert set(families.BUILT_IN_MODELS) <= listed
+    assert "--drafter FILE replaces the model's drafter" in out

@@ -55,6 +55,15 @@ FAMILIES = {f.name: f for f in (
 )}
 
 
+BUILT_IN_MODELS = {
+    "demo": "the embedded demo: a 12-layer class-conditional LlamaGen (10 digit classes, 16x16 tokens, 64x64 px), its VQ tokenizer and an EAGLE-1 drafter",
+    "demo-cascade": "the demo with an EAGLE-1 drafter trained with CASCADE's loss",
+    "demo-eagle3": "the demo with an EAGLE-3 drafter",
+    "tiny-random": "random tiny LlamaGen, VQ tokenizer and EAGLE-1 drafter (10 classes, 8x8 tokens, 32x32 px): quick checks, meaningless pictures",
+}
+"""What ``--model`` takes when no ``--target`` is given (``specimg.models.demo``, ``loading.tiny_random``)."""
+
+
 def detect_family(path: str | os.PathLike[str]) -> Family:
     """The family of the model at ``path`` (a SpecimgError when it is none of them)."""
     path = os.fspath(path)
@@ -120,11 +129,17 @@ def load_family_tokenizer(family: Family, target: Any, path: str | os.PathLike[s
 
 
 def catalogue() -> list[str]:
-    """``specimg models``: every family, its presets and how to point at it."""
+    """``specimg models``: the built-in models, then every family, its presets and how to
+    point at it."""
+    from specimg.models.demo import bundle_exists
     from specimg.models.llamagen import PRESETS
     from specimg.models.vq import VQ_PRESETS
 
-    lines = []
+    lines = ["built-in models: --model NAME, no files needed [default: demo, or tiny-random without the demo bundle]",
+             "    --drafter FILE replaces the model's drafter (train-drafter --target demo or tiny-random makes one); no --tokenizer: each brings its own"]
+    missing = "" if bundle_exists() else "  [no demo bundle installed: `specimg train-demo` makes one]"
+    for name, description in BUILT_IN_MODELS.items():
+        lines.append(f"    {name:<13} {description}{missing if name.startswith('demo') else ''}")
     for family in FAMILIES.values():
         status = "" if family.installed else f"  [not supported yet: needs {family.module}]"
         lines.append(f"{family.name:<10} {family.title}{status}")

@@ -132,12 +132,6 @@ def row_logits(draw: st.DrawFn, rows: int, n: int, vocab: int) -> Tensor:
 
 
 @st.composite
-def distributions(draw: st.DrawFn, n: int, vocab: int) -> Tensor:
-    """Target distributions p [n, V] as ``specimg.sampling.probabilities`` makes them."""
-    return probabilities(draw(row_logits(1, n, vocab)), draw(samplings(vocab)))
-
-
-@st.composite
 def trees(draw: st.DrawFn, vocab: int, max_nodes: int = 6, max_children: int = 3, sampled: bool = False) -> DraftTree:
     """A draft tree: random shape (parents precede children), children's tokens distinct,
     taken as the drafter's top ones (in draft-rank order) or, for ``sampled`` trees, drawn
