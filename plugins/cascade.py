@@ -35,11 +35,7 @@ import torch.nn.functional as F
 from attrs import validators as v
 from torch import Tensor
 
-from specimg import DraftTree, MethodSpec, hookimpl
-from specimg.models.base import Target
-from specimg.neighbours import embedding_donors
-from specimg.relax import transfer
-from specimg.step import Scores
+from specimg import DraftTree, MethodSpec, Scores, Target, embedding_donors, hookimpl, transfer
 
 
 @attrs.frozen

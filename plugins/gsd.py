@@ -28,10 +28,7 @@ import torch.nn.functional as F
 from attrs import validators as v
 from torch import Tensor
 
-from specimg import DraftTree, MethodSpec, Sampling, SpecimgError, hookimpl
-from specimg.models.base import Target
-from specimg.relax import transfer
-from specimg.step import Acceptance
+from specimg import Acceptance, DraftTree, MethodSpec, Sampling, SpecimgError, Target, hookimpl, transfer
 
 
 @attrs.frozen

@@ -24,10 +24,7 @@ import attrs
 from attrs import validators as v
 from torch import Tensor
 
-from specimg import MethodSpec, hookimpl
-from specimg.neighbours import CODEBOOKS, codebook_donors
-from specimg.relax import transfer
-from specimg.tree import DraftTree
+from specimg import CODEBOOKS, DraftTree, MethodSpec, codebook_donors, hookimpl, transfer
 
 BUDGETS = ("node", "candidate")
 

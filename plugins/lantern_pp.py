@@ -27,11 +27,7 @@ import torch
 from attrs import validators as v
 from torch import Tensor
 
-from specimg import DraftTree, MethodSpec, hookimpl
-from specimg.config import TreeConfig
-from specimg.neighbours import CODEBOOKS, codebook_donors
-from specimg.relax import transfer
-from specimg.tree import DraftSession, build_static
+from specimg import CODEBOOKS, DraftSession, DraftTree, MethodSpec, TreeConfig, build_static, codebook_donors, hookimpl, transfer
 
 RankPaths = tuple[tuple[int, ...], ...]
 

@@ -24,9 +24,7 @@ import attrs
 import torch
 from attrs import validators as v
 
-from specimg import DraftTree, MethodSpec, hookimpl
-from specimg.config import Sampling
-from specimg.step import Step
+from specimg import DraftTree, MethodSpec, Sampling, Step, hookimpl
 
 
 @attrs.frozen

@@ -20,8 +20,7 @@ import torch
 from attrs import validators as v
 from torch import Tensor
 
-from specimg import DraftTree, MethodSpec, hookimpl
-from specimg.relax import transfer
+from specimg import DraftTree, MethodSpec, hookimpl, transfer
 
 
 @attrs.frozen
