@@ -127,10 +127,11 @@ def methods() -> None:
 
 @cli.command()
 def models() -> None:
-    """List the supported model families and presets, and how to point at each."""
+    """List the built-in models, the supported model families and presets, and how to point at each."""
+    from specimg.models.demo import bundle_exists
     from specimg.models.families import catalogue
 
-    for line in catalogue():
+    for line in catalogue(demo_installed=bundle_exists()):
         click.echo(line)
 
 
@@ -394,8 +395,7 @@ def _write_images(engine: Engine, models: Any, conditions: Conditions, seed: int
         if main:
             click.echo(f"{engine.method}: {out} already holds these {len(keys)} images; nothing to do (more images: raise -n)")
         return
-    if engine.auto_tree:
-        engine.cost_model = costs.shared(engine, conditions.values[0], state)
+    engine.prepare(conditions.values[0], state)
     mine = todo[state.process_index :: world]
     images: list[ImageStats] = []
     start = time.perf_counter()

@@ -37,6 +37,7 @@ from specimg.config import Sampling
 from specimg.files import atomic_path
 from specimg.methods import AR, Stack
 from specimg.models.base import Condition, Drafter, Target, draft_features
+from specimg.profile import AcceptanceProfile
 from specimg.sampling import probabilities
 from specimg.tree import DraftSession, DraftTree, build_dynamic
 
@@ -58,7 +59,7 @@ class CostModel:
     acceptance walk, the commit, the planner's bookkeeping) and ``ar`` per AR token.
     Sizes in between interpolate linearly; beyond, extrapolate.  ``step_scales``: per
     method stack (under its :func:`scale_key`), what its real speculative step takes
-    against the sum of the timed parts (see :func:`for_engine`)."""
+    against the sum of the timed parts (see :meth:`specimg.engine.Engine.prepare`)."""
 
     key: str
     machine: str
@@ -232,40 +233,12 @@ def load_or_measure(target: Target, drafter: Drafter, sampling: Sampling, condit
     return model
 
 
-def for_engine(engine: Any, condition: Condition) -> CostModel:
-    """The cached cost model for an engine's models on this machine, with its method's step
-    scale: the first engine of a method stack decodes one image on auto trees and divides
-    its wall time by what the timed parts predict for the steps it took.  The parts are
-    timed as calls in a tight loop; a real step interleaves them with other work and adds
-    the method's relaxation and the loop's own Python (a fifth of a step or more on a small
-    model).  Measured once, cached with the model, so runs stay reproducible."""
-    model = load_or_measure(engine.target, engine.drafter, engine.sampling, condition)
-    scale_name = scale_key(engine.stack)
-    if scale_name in model.step_scales or not engine.auto_tree:
-        return model
-    parts = attrs.evolve(model, step_scales={**model.step_scales, scale_name: 1.0})
-    planned, engine.cost_model = engine.cost_model, parts
-    tree, engine.tree_config = engine.tree_config, attrs.evolve(engine.tree_config, ar_fallback=False)  # time tree steps only
-    try:
-        stats = engine.generate([condition], seed=0).stats.images[0]
-    finally:
-        engine.cost_model, engine.tree_config = planned, tree
-    scale = 1000 * stats.wall / stats.predicted_ms if stats.predicted_ms else 1.0
-    model = attrs.evolve(model, step_scales={**model.step_scales, scale_name: scale})
+def with_scale(model: CostModel, name: str, scale: float) -> CostModel:
+    """``model`` with the step scale of the method stack ``name`` (:func:`scale_key`), kept
+    in memory and in the cache file (see :meth:`specimg.engine.Engine.prepare`)."""
+    model = attrs.evolve(model, step_scales={**model.step_scales, name: scale})
     _memory[model.key] = model
     _save(cache_dir() / "costs" / f"{model.key}.json", model.to_json())
-    return model
-
-
-def shared(engine: Any, condition: Condition, state: Any) -> CostModel:
-    """The cost model every process of an ``accelerate`` ``state`` uses for ``engine``: the
-    main process reads or measures it, the others receive it, so that all of them plan alike."""
-    model = for_engine(engine, condition) if state.is_main_process else None
-    if state.num_processes > 1:
-        from accelerate.utils import broadcast_object_list
-
-        model = broadcast_object_list([model])[0]
-    assert model is not None
     return model
 
 
@@ -360,8 +333,6 @@ def _step_overhead(target: Target, sampling: Sampling, condition: Condition, dev
     """(setup, call): a step's work besides drafting and verifying, on an 8-node chain
     whose first three drafts are accepted: the walk, the commit and the planner's
     observation.  The setup restarts the image and verifies the chain, untimed."""
-    from specimg.planner import AcceptanceProfile
-
     chain = DraftTree.from_parents([0] * 8, [-1, *range(7)])
     tree = attrs.evolve(chain, **{f: getattr(chain, f).to(device) for f in ("tokens", "parents", "depths", "mask", "logprobs", "child_ids")})
     dist = torch.zeros(8, target.vocab_size, device=device)

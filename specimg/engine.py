@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
+import attrs
 import torch
 from torch import Tensor
 
@@ -17,7 +18,7 @@ from specimg.errors import SpecimgError
 from specimg.graphs import CudaGraphs, step_mode
 from specimg.methods import AR, Stack
 from specimg.models.base import Condition, Drafter, Target, TargetOutput, draft_features, placed
-from specimg.planner import Plan, TreePlanner
+from specimg.planner import TreePlanner
 from specimg.plugins import PluginManager, get_plugin_manager
 from specimg.sampling import cfg_active_at, probabilities
 from specimg.stackhooks import StackHooks
@@ -114,18 +115,53 @@ class Engine:
         not depend on how the conditions are batched.  ``progress`` is called with each
         step's token count."""
         rows, stats = [], []
-        if self.auto_tree and self.cost_model is None and conditions:
-            self.cost_model = costs.for_engine(self, conditions[0])
+        if self.cost_model is None and conditions:
+            self.prepare(conditions[0])
         for index, condition in enumerate(conditions):
-            generator = torch.Generator(self.device).manual_seed(seed + index)
-            image = ImageStats()
-            start = time.perf_counter()
-            with torch.inference_mode():
-                tokens = self._decode(condition, generator, image, progress)
-            image.wall = time.perf_counter() - start
+            tokens, image = self._image(condition, seed + index, progress, self.planner() if self.auto_tree else None)
             rows.append(torch.tensor(tokens, dtype=torch.long))
             stats.append(image)
         return Generation(torch.stack(rows) if rows else torch.empty(0, self.target.num_tokens, dtype=torch.long), RunStats(tuple(stats)))
+
+    def prepare(self, condition: Condition, state: Any = None) -> costs.CostModel | None:
+        """Attach the cost model that auto trees plan with (nothing to do for other trees):
+        this machine's, read or measured (:mod:`specimg.costs`), with this stack's step
+        scale.  Under accelerate (``state``) the main process prepares it and the others
+        receive it, so that all of them plan alike.  ``generate`` calls it when needed."""
+        if not self.auto_tree:
+            return self.cost_model
+        model = self._calibrated(condition) if state is None or state.is_main_process else None
+        if state is not None and state.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            model = broadcast_object_list([model])[0]
+        self.cost_model = model
+        return model
+
+    def _calibrated(self, condition: Condition) -> costs.CostModel:
+        """The cost model with this stack's step scale.  The parts are timed as calls in a
+        tight loop; a real step interleaves them with other work and adds the method's
+        relaxation and the loop's own Python (a fifth of a step or more on a small model).
+        So the first engine of a stack decodes one image on auto trees (drafting to the
+        end: no AR fallback) and divides its wall time by what the parts predict for the
+        steps it took; the scale is cached with the model, so runs stay reproducible."""
+        model = costs.load_or_measure(self.target, self.drafter, self.sampling, condition)
+        name = costs.scale_key(self.stack)
+        if name in model.step_scales:
+            return model
+        parts = attrs.evolve(model, step_scales={**model.step_scales, name: 1.0})
+        _, image = self._image(condition, 0, None, self.planner(parts, ar_fallback=False))
+        return costs.with_scale(model, name, 1000 * image.wall / image.predicted_ms if image.predicted_ms else 1.0)
+
+    def _image(self, condition: Condition, seed: int, progress: Callable[[int], None] | None, planner: TreePlanner | None) -> tuple[list[int], ImageStats]:
+        """One image's tokens and statistics, drawn with a generator seeded ``seed``."""
+        generator = torch.Generator(self.device).manual_seed(seed)
+        stats = ImageStats()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            tokens = self._decode(condition, generator, stats, progress, planner)
+        stats.wall = time.perf_counter() - start
+        return tokens, stats
 
     @property
     def drafter_free(self) -> bool:
@@ -159,13 +195,16 @@ class Engine:
             return f"depth {config.depth}, top-k {config.topk}, {config.total_tokens} nodes"
         return f"chain of {config.depth}" if config.kind == "chain" else f"static, {len(config.rank_paths)} paths"
 
-    def planner(self) -> TreePlanner:
+    def planner(self, cost_model: costs.CostModel | None = None, ar_fallback: bool | None = None) -> TreePlanner:
         """A fresh tree planner for one image (auto trees): each image adapts on its own, so
-        an image does not depend on the images decoded before it."""
-        assert self.cost_model is not None and self.drafter is not None
+        an image does not depend on the images decoded before it.  By default it plans
+        with the engine's cost model and tree config."""
+        cost_model = cost_model or self.cost_model
+        assert cost_model is not None and self.drafter is not None
         max_nodes = getattr(self.target, "max_tree_nodes", 128)
         max_fed = getattr(self.drafter, "max_tree_nodes", 128)
-        return TreePlanner(self.cost_model, max_nodes, max_fed, self.device, self.tree_config.sample, costs.scale_key(self.stack), self.tree_config.ar_fallback)
+        fallback = self.tree_config.ar_fallback if ar_fallback is None else ar_fallback
+        return TreePlanner(cost_model, max_nodes, max_fed, self.device, self.tree_config.sample, costs.scale_key(self.stack), fallback)
 
     def _sample(self, probs: Tensor, generator: torch.Generator) -> Tensor:
         """A token [1] drawn from ``probs`` [V], left on the device."""
@@ -176,7 +215,9 @@ class Engine:
     def _draw(self, probs: Tensor, generator: torch.Generator) -> int:
         return int(self._sample(probs, generator))
 
-    def _decode(self, condition: Condition, generator: torch.Generator, stats: ImageStats, progress: Callable[[int], None] | None) -> list[int]:
+    def _decode(
+        self, condition: Condition, generator: torch.Generator, stats: ImageStats, progress: Callable[[int], None] | None, planner: TreePlanner | None
+    ) -> list[int]:
         target, sampling = self.target, self.sampling
         prefill = target.prefill(condition, sampling.cfg)
         stats.target_forwards = 1
@@ -187,7 +228,7 @@ class Engine:
         if self.stack is None:
             self._decode_ar(tokens, generator, stats, progress)
         else:
-            self._decode_speculative(condition, prefill, first, tokens, generator, stats, progress)
+            self._decode_speculative(condition, prefill, first, tokens, generator, stats, progress, planner)
         stats.tokens = len(tokens)
         return tokens
 
@@ -244,11 +285,11 @@ class Engine:
         generator: torch.Generator,
         stats: ImageStats,
         progress: Callable[[int], None] | None,
+        planner: TreePlanner | None,
     ) -> None:
         assert self.hooks is not None
         target, sampling, device = self.target, self.sampling, self.device
         drafter = None if self.drafter_free else self.drafter
-        planner = self.planner() if self.auto_tree else None
         if drafter is not None:
             drafter.prefill(condition, sampling.cfg)
             hidden = draft_features(drafter, prefill)
@@ -259,7 +300,7 @@ class Engine:
         spent = torch.zeros((), dtype=torch.float64, device=device)  # TVD(q_R, p) over the walked paths' nodes
         while len(tokens) < target.num_tokens:
             if planner and planner.plan.is_ar:
-                self._finish_ar(planner.plan, tokens, generator, stats, progress)
+                self._finish_ar(planner, tokens, generator, stats, progress)
                 break
             tree_config = planner.tree if planner else self.tree_config
             with self._timed(stats, "draft"):
@@ -298,15 +339,14 @@ class Engine:
                 progress(len(new_tokens))
         stats.tvd = float(spent) / max(1, sum(stats.accepted) + len(stats.accepted))
 
-    def _finish_ar(self, plan: Plan, tokens: list[int], generator: torch.Generator, stats: ImageStats, progress: Callable[[int], None] | None) -> None:
+    def _finish_ar(self, planner: TreePlanner, tokens: list[int], generator: torch.Generator, stats: ImageStats, progress: Callable[[int], None] | None) -> None:
         """The rest of the image as AR steps (the planner found no tree that pays), booked
         as one-node steps that accept nothing.  The target has committed every token but
         the last, as after any step."""
-        assert self.cost_model is not None
-        steps = self.target.num_tokens - len(tokens)
+        plan, steps = planner.plan, self.target.num_tokens - len(tokens)
         stats.trees.append([len(stats.accepted), plan.depth, plan.topk, plan.nodes])
         stats.predicted_ms += steps * plan.step_ms
-        stats.predicted_ar_ms += steps * self.cost_model.ar_ms
+        stats.predicted_ar_ms += steps * planner.cost.ar_ms
         with self._timed(stats, "verify"):
             self._decode_ar(tokens, generator, stats, progress)
         stats.tree_sizes.extend([1] * steps)
@@ -314,10 +354,9 @@ class Engine:
 
     def _plan_step(self, planner: TreePlanner, stats: ImageStats, tree: DraftTree, dist: Tensor, path: Tensor) -> None:
         """Book the step against its plan's prediction, then let the planner learn from it."""
-        assert self.cost_model is not None
         plan = planner.plan
         if not stats.trees or stats.trees[-1][1:] != [plan.depth, plan.topk, plan.nodes]:
             stats.trees.append([len(stats.accepted), plan.depth, plan.topk, plan.nodes])
         stats.predicted_ms += plan.step_ms
-        stats.predicted_ar_ms += plan.tokens_per_step * self.cost_model.ar_ms
+        stats.predicted_ar_ms += plan.tokens_per_step * planner.cost.ar_ms
         planner.observe(tree, dist, path, self.sampling.greedy)

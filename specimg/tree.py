@@ -114,6 +114,11 @@ class DraftTree:
         return torch.where(ids >= 0, self.tokens[ids.clamp(min=0)], torch.full_like(ids, -1)), ids
 
 
+def tree_name(depth: int, topk: int, nodes: int) -> str:
+    """An EAGLE-2 tree's shape in words; the one-node tree is AR (no tree pays)."""
+    return "AR (no tree pays)" if nodes == 1 else f"depth {depth}, top-k {topk}, {nodes} nodes"
+
+
 class DraftSession:
     """One step's drafting: the drafter's processed distributions for fed nodes.
 

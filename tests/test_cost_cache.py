@@ -166,7 +166,7 @@ def test_each_delta_gets_its_own_step_scale_and_old_scales_are_not_used(models, 
     path.write_text(fields(fresh, step_scales={"cascade": 7.0}))  # a scale under the old key: the name alone
     engines = [specimg.Engine(*models, "cascade", {"cascade": {"delta": d}}, sampling=SAMPLING) for d in (0.1, 0.5)]
     for engine in engines:
-        costs.for_engine(engine, 0)
+        engine.prepare(0)
     scales = CostModel.from_json(path.read_text()).step_scales
     assert set(scales) == {"cascade", *(costs.scale_key(e.stack) for e in engines)} and not calls
     assert scales["cascade"] == 7.0 and all(scales[costs.scale_key(e.stack)] > 0 for e in engines)

@@ -135,14 +135,14 @@ def test_each_method_stack_gets_its_step_scale_once(tmp_path, monkeypatch):
     sampling = specimg.Sampling(cfg_scale=2.0)
     naive_engine = specimg.Engine(target, drafter, "naive", sampling=sampling)
     naive = costs.scale_key(naive_engine.stack)
-    model = costs.for_engine(naive_engine, 0)
+    model = naive_engine.prepare(0)
     assert set(model.step_scales) == {naive} and model.step_scales[naive] > 0
     monkeypatch.setattr(costs, "_memory", {})  # read back from the cache file, scale included, then one more stack
     cascade_engine = specimg.Engine(target, drafter, "cascade", sampling=sampling)
-    both = costs.for_engine(cascade_engine, 0)
+    both = cascade_engine.prepare(0)
     assert both.step_scales[naive] == model.step_scales[naive] and set(both.step_scales) == {naive, costs.scale_key(cascade_engine.stack)}
     fixed = specimg.Engine(target, drafter, "gsd", sampling=sampling, tree=specimg.TreeConfig(depth=2))
-    assert costs.for_engine(fixed, 0) == both  # a fixed tree is never planned: nothing to scale
+    assert fixed.prepare(0) is None and costs.load_or_measure(target, drafter, sampling, 0) == both  # a fixed tree is never planned: nothing to scale
     plan_naive = choose(both, TYPICAL_RATES, 128, method=naive)
     assert plan_naive.step_ms == pytest.approx(float(both.step(plan_naive.depth, plan_naive.topk, plan_naive.nodes, naive)))
 

@@ -261,8 +261,7 @@ def _run_claimed(
     mine = list(range(state.process_index, len(spec.conditions), state.num_processes))
     todo = [(i, (v + i) % nv) for i in mine for v in range(nv) if i * nv + (v + i) % nv not in done]
     for engine in engines.values():  # every process plans auto trees on the main process's cost model
-        if engine.auto_tree:
-            engine.cost_model = costs.shared(engine, spec.conditions[0], state)
+        engine.prepare(spec.conditions[0], state)
     show = progress if state.is_main_process else False
     if todo and spec.warmup > 0:
         _warm_up(engines, spec, int(models.target.num_tokens), show)

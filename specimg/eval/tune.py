@@ -44,7 +44,7 @@ def tune(engine: Engine, conditions: Sequence[Condition], seed: int, out: str, e
     if remeasure:
         costs.forget(engine.target, engine.drafter, engine.sampling)
     costs.load_or_measure(engine.target, engine.drafter, engine.sampling, conditions[0], log=echo)
-    cost = costs.for_engine(engine, conditions[0])  # with the method's step scale
+    cost = engine.prepare(conditions[0])  # with the method's step scale
     scale_name = costs.scale_key(engine.stack)
     rates = learn_profile(engine, conditions, seed).rates()
     max_nodes = getattr(engine.target, "max_tree_nodes", 128)

@@ -8,16 +8,13 @@ rows, row 0 conditional and row 1 unconditional (LlamaGen's order), and returns 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple, Protocol, Union, runtime_checkable
+from typing import NamedTuple, Protocol, Union, runtime_checkable
 
 import attrs
 import torch
 from torch import Tensor
 
 from specimg.errors import SpecimgError
-
-if TYPE_CHECKING:
-    from specimg.step import Scores
 
 
 @attrs.frozen(eq=False)
@@ -119,7 +116,14 @@ def exposed_layers(layers: Sequence[int], num_layers: int) -> tuple[int, ...]:
     return layers
 
 
-def draft_features(drafter: object, out: TargetOutput | Scores) -> Tensor:
+class Features(Protocol):
+    """What a drafter's features come from: a target's output, or a step's scores."""
+
+    hidden: Tensor
+    layers: Tensor | None
+
+
+def draft_features(drafter: object, out: Features) -> Tensor:
     """What ``drafter.start`` takes from a target's output: its last hidden states, or the
     exposed layers' states for a drafter that names ``feature_layers`` (EAGLE-3)."""
     if not getattr(drafter, "feature_layers", None):

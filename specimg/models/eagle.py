@@ -67,6 +67,8 @@ class EagleTarget(Target, Protocol):
 
 
 DRAFTER_TYPES = ("eagle1", "eagle3")
+_DRAFTER_CLASSES: dict[str, type[TreeDrafter]] = {}
+"""The drafter classes by type; EAGLE-3's registers when ``specimg.models`` imports its module."""
 
 
 class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
@@ -85,6 +87,7 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
     """
 
     kind = ""
+    """The drafter type a file records (``DRAFTER_TYPES``); a subclass that names one registers under it."""
     target: EagleTarget
     fc: nn.Linear
     layers: nn.ModuleList
@@ -109,6 +112,11 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
         self._slots = torch.arange(0)  # [capacity] slot ids on the cache's device
         self.graphs = GraphSet()
         self._graphed_target: tuple[int, ...] = ()  # the target tensors the graphs read, by address
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.kind:
+            _DRAFTER_CLASSES[cls.kind] = cls
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         super()._apply(fn, recurse)
@@ -294,13 +302,10 @@ class EagleDrafter(TreeDrafter):
 
 
 def drafter_class(kind: str) -> type[TreeDrafter]:
-    if kind == "eagle1":
-        return EagleDrafter
-    if kind == "eagle3":
-        from specimg.models.eagle3 import Eagle3Drafter
-
-        return Eagle3Drafter
-    raise SpecimgError(f"unknown drafter type {kind!r}; choose one of {', '.join(DRAFTER_TYPES)}")
+    """The drafter class of a type name (each subclass registers under its ``kind``)."""
+    if kind not in _DRAFTER_CLASSES:
+        raise SpecimgError(f"unknown drafter type {kind!r}; choose one of {', '.join(DRAFTER_TYPES)}")
+    return _DRAFTER_CLASSES[kind]
 
 
 def build_drafter(target: EagleTarget, *, seed: int = 0, max_tree_nodes: int = 128, kind: str = "eagle1", **settings: Any) -> TreeDrafter:

@@ -128,16 +128,15 @@ def load_family_tokenizer(family: Family, target: Any, path: str | os.PathLike[s
     return getattr(importlib.import_module(module), loader)(path, **overrides)
 
 
-def catalogue() -> list[str]:
-    """``specimg models``: the built-in models, then every family, its presets and how to
-    point at it."""
-    from specimg.models.demo import bundle_exists
+def catalogue(demo_installed: bool = True) -> list[str]:
+    """``specimg models``: the built-in models (whether the demo bundle is installed), then
+    every family, its presets and how to point at it."""
     from specimg.models.llamagen import PRESETS
     from specimg.models.vq import VQ_PRESETS
 
     lines = ["built-in models: --model NAME, no files needed [default: demo, or tiny-random without the demo bundle]",
              "    --drafter FILE replaces the model's drafter (train-drafter --target demo or tiny-random makes one); no --tokenizer: each brings its own"]
-    missing = "" if bundle_exists() else "  [no demo bundle installed: `specimg train-demo` makes one]"
+    missing = "" if demo_installed else "  [no demo bundle installed: `specimg train-demo` makes one]"
     for name, description in BUILT_IN_MODELS.items():
         lines.append(f"    {name:<13} {description}{missing if name.startswith('demo') else ''}")
     for family in FAMILIES.values():
