@@ -42,8 +42,9 @@ from specimg import costs, planner
 from specimg.models.base import cfg_rows
 from specimg.models.eagle import build_drafter
 from specimg.models.llamagen import build_target
+from specimg.profile import MAX_DEPTH, MAX_TOPK
 
-TYPICAL = np.array([[0.6 * 0.45**r for r in range(planner.MAX_TOPK)]] * planner.MAX_DEPTH)
+TYPICAL = np.array([[0.6 * 0.45**r for r in range(MAX_TOPK)]] * MAX_DEPTH)
 """A typical acceptance profile: rank-r child accepted with 0.6 * 0.45**r at every depth."""
 
 

@@ -20,15 +20,16 @@ from specimg.config import TreeConfig
 from specimg.engine import Engine
 from specimg.files import atomic_path
 from specimg.models.base import Condition
+from specimg.profile import MAX_DEPTH, AcceptanceProfile
 
-WIDE = TreeConfig(kind="dynamic", depth=planner.MAX_DEPTH, topk=8, total_tokens=64)
+WIDE = TreeConfig(kind="dynamic", depth=MAX_DEPTH, topk=8, total_tokens=64)
 """The tree tune drafts with: wide and deep, so that the profile sees many ranks and depths."""
 
 
-def learn_profile(engine: Engine, conditions: Sequence[Condition], seed: int) -> planner.AcceptanceProfile:
+def learn_profile(engine: Engine, conditions: Sequence[Condition], seed: int) -> AcceptanceProfile:
     """The acceptance profile of ``engine``'s method, pooled over one image per condition
     drafted with the wide tree."""
-    profile = planner.AcceptanceProfile(engine.device)
+    profile = AcceptanceProfile(engine.device)
     engine.on_step = lambda tree, dist, path: profile.observe(tree, dist, path, engine.sampling.greedy)
     planned, engine.tree_config = engine.tree_config, WIDE
     try:
@@ -98,7 +99,7 @@ def _plot(cost: costs.CostModel, rates: np.ndarray, max_nodes: int, max_fed: int
     sizes = np.arange(2, max_nodes + 1)
     for i, topk in enumerate((1, 2, 4, 8)):
         best = np.full(sizes.shape, np.nan)
-        for depth in range(1, min(planner.MAX_DEPTH, 1 + max_fed // topk) + 1):
+        for depth in range(1, min(MAX_DEPTH, 1 + max_fed // topk) + 1):
             tokens = planner.expected_tokens(rates, depth, topk)[1:max_nodes]
             speedup = tokens / cost.step(depth, topk, sizes[: tokens.size], method) * cost.ar_ms
             best[: tokens.size] = np.fmax(best[: tokens.size], speedup)
