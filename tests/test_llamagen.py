@@ -291,6 +291,18 @@ def test_args_decide_the_grid_and_a_contradiction_names_both_values(tmp_path, ti
         load_target(tmp_path / "liar.pt")
 
 
+def test_a_forks_model_that_is_no_preset_loads_once_its_head_count_is_given(tmp_path) -> None:
+    """A fork's args name its own model ("GPT-S"): the weights give width and depth, the
+    head count must be given; then it loads as the same model."""
+    target = tiny()
+    torch.save({"model": target.state_dict(), "args": official_args(gpt_model="GPT-S")}, tmp_path / "fork.pt")
+    with pytest.raises(SpecimgError, match=r"its args name the model 'GPT-S', which is no LlamaGen preset .*give its head count"):
+        load_target(tmp_path / "fork.pt")
+    loaded = load_target(tmp_path / "fork.pt", n_head=TINY_SHAPE["n_head"], multiple_of=TINY_SHAPE["multiple_of"], initializer_range=0.1)
+    assert loaded.config == target.config
+    torch.testing.assert_close(_prefill_and_step(loaded), _prefill_and_step(target), atol=0, rtol=0)
+
+
 def test_released_shapes_describe_preset_and_conditioning() -> None:
     """Without args a file still says its size (width x depth is unique per preset), its
     conditioning and, for t2i, its caption width and slots; the grid only from a RoPE table."""

@@ -697,7 +697,9 @@ def describe_checkpoint(checkpoint: Checkpoint, origin: str = "checkpoint") -> D
 def config_for(described: Described, preset: str | None, overrides: dict[str, object], origin: str) -> GPTConfig:
     """The config a checkpoint needs: its own description, the given preset and overrides
     on top (a contradiction is an error naming both values).  Underneath, the preset of the
-    weights' width and depth (unique per preset; the head count is in no shape), else GPT-B."""
+    weights' width and depth (unique per preset; the head count is in no shape), else GPT-B.
+    A fork's model that is no preset (its args name, say, "GPT-S") loads once its head
+    count is given: width and depth come from its weights, the rest are ModelArgs' defaults."""
     given = dict(overrides)
     if preset is not None:
         given = {"preset": preset, **preset_fields(preset), **given}
@@ -706,7 +708,12 @@ def config_for(described: Described, preset: str | None, overrides: dict[str, ob
     sized = [n for n, p in PRESETS.items() if (p["dim"], p["n_layer"]) == (fields.get("dim"), fields.get("n_layer"))]
     name = fields.pop("preset", sized[0] if len(sized) == 1 else "GPT-B")
     if name not in PRESETS:
-        raise SpecimgError(f"{origin}: its args name the model {name!r}, which is no LlamaGen preset ({', '.join(PRESETS)})")
+        if not {"dim", "n_layer", "n_head"} <= fields.keys():
+            raise SpecimgError(
+                f"{origin}: its args name the model {name!r}, which is no LlamaGen preset ({', '.join(PRESETS)}); "
+                "give its head count (--target-config n_head=N; its width and depth come from its weights)"
+            )
+        name = "GPT-B"  # the fields a preset sets are all given: it adds nothing
     if "n_head" not in fields and fields.get("dim", PRESETS[name]["dim"]) != PRESETS[name]["dim"]:
         raise SpecimgError(
             f"{origin}: its weights (dim {fields['dim']}, {fields.get('n_layer')} layers) match no LlamaGen preset; "
