@@ -10,11 +10,11 @@ import shutil
 
 import attrs
 import pytest
+from cli_runner import one_line_error
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from specimg.cli import main
 from specimg.errors import SpecimgError
 from specimg.eval.prompts import HashTextEncoder, load_text_encoder
 from specimg.models.demo import load_target_file, save_target
@@ -29,24 +29,6 @@ from specimg.testing.tiny_hf import save_tiny_janus  # noqa: E402
 
 T5_WORDS = ["<pad>", "</s>", "<unk>", "a", "red", "dog"]
 T5_SIZES = dict(d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2)
-
-
-def run(args: list[str]) -> int:
-    try:
-        main(args)
-    except SystemExit as stop:
-        return int(stop.code)
-    return 0
-
-
-def one_line_error(capsys, args: list[str]) -> str:
-    """Run the command; it must fail with status 2 and one line on stderr, which is returned."""
-    status = run(args)
-    err = capsys.readouterr().err
-    assert status == 2, err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 # ----------------------------------------------------------------------------- files

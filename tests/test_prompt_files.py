@@ -7,9 +7,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from cli_runner import one_line_error, run
 import torch
 
-from specimg.cli import main
 from specimg.errors import SpecimgError
 from specimg.eval import prompts
 from specimg.eval.conditions import conditions_for
@@ -21,24 +21,6 @@ HEADER = "Prompt\tCategory\tChallenge\tNote\n"
 GIGGLE = '"G I G G L E" painted in thick colorful lettering as graffiti on a faded red brick wall with a splotch of exploding white paint.'
 TOO_LONG = "a" * 200_000
 NESTED = "[" * 100_000 + "]" * 100_000
-
-
-def run(args: list[str]) -> int:
-    try:
-        main(args)
-    except SystemExit as stop:
-        return int(stop.code)
-    return 0
-
-
-def one_line_error(capsys, args: list[str]) -> str:
-    """Run the command; it must fail with status 2 and one line on stderr, which is returned."""
-    status = run(args)
-    err = capsys.readouterr().err
-    assert status == 2, err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 @pytest.fixture
@@ -70,7 +52,7 @@ def test_partiprompts_rows_are_read_as_written(tmp_path):
 def test_generate_keeps_a_partiprompts_quote_in_the_manifest(tmp_path, t2i, capsys):
     write(tmp_path / "PartiPrompts.tsv", HEADER + f"{GIGGLE}\tIllustrations\tWriting & Symbols\t\n")
     out = tmp_path / "out"
-    assert run(["generate", *t2i, "-m", "ar", "-n", "1", "--prompts", str(tmp_path / "PartiPrompts.tsv"), "--out", str(out)]) == 0, capsys.readouterr().err
+    assert run(*["generate", *t2i, "-m", "ar", "-n", "1", "--prompts", str(tmp_path / "PartiPrompts.tsv"), "--out", str(out)]) == 0, capsys.readouterr().err
     assert json.loads((out / "manifest.jsonl").read_text().splitlines()[0])["prompt"] == GIGGLE
 
 
