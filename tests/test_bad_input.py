@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from specimg.cli import main
-from specimg.cliopts import check_tree_fits
+from specimg.cli.options import check_tree_fits
 from specimg.config import Sampling, TreeConfig
 from specimg.errors import SpecimgError
 from specimg.testing.markov import MarkovDrafter
@@ -283,12 +283,12 @@ def test_stale_output_folders(tmp_path, capsys):
 
 
 def test_an_interrupted_run_says_how_to_resume(tmp_path, capsys, monkeypatch):
-    import specimg.cli
+    import specimg.cli.generate
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(specimg.cli, "_write_run", interrupted)
+    monkeypatch.setattr(specimg.cli.generate, "write_run", interrupted)
     assert run(["generate", *TINY, "--out", str(tmp_path)]) == 130
     assert capsys.readouterr().err.strip() == "specimg: interrupted; the same command resumes where it stopped"  # after click's newline
 

@@ -16,7 +16,9 @@ from PIL import Image
 from specimg.config import Sampling, TreeConfig
 from specimg.engine import Engine
 from specimg.errors import SpecimgError
-from specimg.eval import metrics, prompts
+from specimg.cli import prompts
+from specimg.eval import metrics
+from specimg.models import text_encoder
 from specimg.eval.bench import BenchSpec, csv_text, markdown_table, plan_variants, run_bench, stack_members, summarise, write_outputs
 from specimg.eval.metrics import frechet_distance
 from specimg.eval.quality import AR_FLOOR_SEED, Quality
@@ -142,17 +144,17 @@ def test_unreadable_prompt_files_are_user_errors(tmp_path, name, text, message):
 
 
 def test_text_encoder_file_round_trip_and_left_padding(tmp_path):
-    enc = prompts.HashTextEncoder(dim=12, max_length=8, seed=3)
+    enc = text_encoder.HashTextEncoder(dim=12, max_length=8, seed=3)
     enc.save(tmp_path / "enc.safetensors")
-    loaded = prompts.load_text_encoder(tmp_path / "enc.safetensors")
-    caps = prompts.captions_for_target(loaded, ["one two three", "one"], length=6, dim=12)
+    loaded = text_encoder.load_text_encoder(tmp_path / "enc.safetensors")
+    caps = text_encoder.captions_for_target(loaded, ["one two three", "one"], length=6, dim=12)
     assert caps[0].mask.tolist() == [False] * 3 + [True] * 3 and caps[1].mask.tolist() == [False] * 5 + [True]
     assert torch.equal(caps[0].features[-1], enc.encode(["three"])[0][0, 0]) and caps[0].features[:3].abs().sum() == 0
     with pytest.raises(SpecimgError, match="expects 16-d"):
-        prompts.captions_for_target(loaded, ["x"], 6, 16)
+        text_encoder.captions_for_target(loaded, ["x"], 6, 16)
     (tmp_path / "junk.safetensors").write_bytes(b"nope")
     with pytest.raises(SpecimgError, match="cannot read text encoder"):
-        prompts.load_text_encoder(tmp_path / "junk.safetensors")
+        text_encoder.load_text_encoder(tmp_path / "junk.safetensors")
 
 
 # ----------------------------------------------------------------------------- variants
@@ -366,9 +368,9 @@ def test_t2i_bench_from_captions(tmp_path):
     target = build_target("GPT-B", seed=0, **{**loading.TINY_GPT, "model_type": "t2i", "cls_token_num": 4, "caption_dim": 12, "block_size": 16})
     models = loading.Models(target, build_drafter(target, seed=1), None, "tiny-t2i")
     (tmp_path / "p.txt").write_text("a red cube\na dog on grass\n")
-    enc = prompts.HashTextEncoder(dim=12)
+    enc = text_encoder.HashTextEncoder(dim=12)
     enc.save(tmp_path / "enc.safetensors")
-    from specimg.eval.conditions import conditions_for
+    from specimg.cli.conditions import conditions_for
 
     kw = {"num_images": 3, "prompts": str(tmp_path / "p.txt"), "text_encoder": str(tmp_path / "enc.safetensors"), "class_labels": None}
     conditions, keys, captions = conditions_for(models.target, kw)

@@ -147,16 +147,17 @@ def _generate_worker(out: str) -> None:
     assert main(["generate", "--model", "tiny-random", "-n", "5", "--class-labels", "1,2,3", "--out", out]) is None
 
 
-def test_two_processes_deal_the_images_into_one_manifest(tmp_path, capsys):
-    """torchrun / accelerate launch: each process takes every second image; the images,
-    one manifest, are those of one process, and one process resumes the run."""
+def test_two_processes_deal_the_images_and_one_resumes(tmp_path, capsys):
+    """torchrun / accelerate launch: each process takes every second image and writes its
+    own manifest; the images are those of one process, and one process resumes the run."""
     from accelerate import debug_launcher
 
     one, two = tmp_path / "one", tmp_path / "two"
     assert run("generate", "--model", "tiny-random", "-n", "5", "--class-labels", "1,2,3", "--out", str(one)) == 0
     debug_launcher(_generate_worker, args=(str(two),), num_processes=2)
-    entries = lambda d: sorted((json.loads(x) for x in (d / "manifest.jsonl").read_text().splitlines()), key=lambda e: e["index"])
+    entries = lambda d: sorted((json.loads(x) for f in d.glob("manifest*.jsonl") for x in f.read_text().splitlines()), key=lambda e: e["index"])
     assert [(e["index"], e["condition"], e["tokens"]) for e in entries(two)] == [(e["index"], e["condition"], e["tokens"]) for e in entries(one)]
+    assert sorted(p.name for p in two.glob("manifest*.jsonl")) == ["manifest-1.jsonl", "manifest.jsonl"]
     assert sorted(os.listdir(two / "images")) == [f"{i:05d}.png" for i in range(5)] and (two / "grid.png").exists()
     capsys.readouterr()
     assert run("generate", "--model", "tiny-random", "-n", "5", "--class-labels", "1,2,3", "--out", str(two)) == 0

@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from specimg.images import make_grid, save_png_atomic, to_pil
+from specimg.runs.images import make_grid, save_png_atomic, to_pil
 
 
 def test_to_pil_clamps_and_scales() -> None:

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from specimg.errors import SpecimgError
-from specimg.eval.prompts import HashTextEncoder, load_text_encoder
+from specimg.models.text_encoder import HashTextEncoder, load_text_encoder
 from specimg.models.demo import load_target_file, save_target
 from specimg.models.eagle import build_drafter, save_drafter
 from specimg.models.llamagen import FIELD_RULES, GPTConfig, build_target

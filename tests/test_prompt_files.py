@@ -11,9 +11,10 @@ from cli_runner import one_line_error, run
 import torch
 
 from specimg.errors import SpecimgError
-from specimg.eval import prompts
-from specimg.eval.conditions import conditions_for
-from specimg.eval.prompts import MAX_PROMPT_CHARS, HashTextEncoder, read_prompts
+from specimg.cli import prompts
+from specimg.cli.conditions import conditions_for
+from specimg.cli.prompts import MAX_PROMPT_CHARS, read_prompts
+from specimg.models.text_encoder import HashTextEncoder
 from specimg.models.llamagen import build_target
 from specimg.models.loading import TINY_GPT
 

@@ -15,11 +15,11 @@ import torch
 from cli_runner import run
 
 from specimg.errors import SpecimgError
-from specimg.manifest import Manifest
+from specimg.runs.manifest import Manifest
 from specimg.models.eagle import build_drafter, save_drafter
 from specimg.models.llamagen import build_target
 from specimg.models.loading import TINY_GPT
-from specimg.runfolder import claim, file_digest, inputs_fingerprint
+from specimg.runs.folder import claim, file_digest, inputs_fingerprint
 
 GENERATE = ["generate", "--model", "tiny-random", "-m", "ar", "-n", "2"]
 
@@ -55,7 +55,7 @@ def test_a_killed_run_leaves_the_folder_free(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     holder = subprocess.Popen(
-        [sys.executable, "-c", f"import time; from specimg.runfolder import claim\nwith claim({str(out)!r}):\n    print('held', flush=True); time.sleep(60)"],
+        [sys.executable, "-c", f"import time; from specimg.runs.folder import claim\nwith claim({str(out)!r}):\n    print('held', flush=True); time.sleep(60)"],
         stdout=subprocess.PIPE, text=True,
     )
     try:
@@ -124,7 +124,7 @@ def test_a_manifest_line_that_cannot_be_written_whole_fails_the_run(tmp_path, mo
 
 
 def test_a_full_disk_is_one_line_and_the_rerun_resumes(tmp_path, capsys, monkeypatch):
-    from specimg import images
+    from specimg.runs import images
 
     out = tmp_path / "out"
     assert run(*GENERATE, "--out", str(out)) == 0

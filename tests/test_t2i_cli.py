@@ -10,7 +10,7 @@ import torch
 from cli_runner import run
 from PIL import Image
 
-from specimg.eval.prompts import HashTextEncoder
+from specimg.models.text_encoder import HashTextEncoder
 from specimg.models.llamagen import build_target
 from specimg.models.loading import TINY_GPT, TINY_VQ
 from specimg.models.vq import build_tokenizer, save_tokenizer
@@ -89,7 +89,7 @@ def test_prompts_without_a_text_encoder(tmp_path, files, capsys):
 
 
 def test_shorten_cuts_at_a_word():
-    from specimg.eval.conditions import shorten
+    from specimg.cli.conditions import shorten
 
     assert shorten("a dog running on wet grass next to a lake at dawn", 24) == "a dog running on wet..."
     assert shorten("  short   prompt ") == "short prompt"

@@ -9,7 +9,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from specimg.eval.prompts import T5TextEncoder, captions_for_target, load_text_encoder  # noqa: E402
+from specimg.models.text_encoder import T5TextEncoder, captions_for_target, load_text_encoder  # noqa: E402
 
 WORDS = ["a", "red", "cube", "dog", "on", "grass", "two", "cats"]
 

@@ -405,7 +405,7 @@ T2I = dict(TINY, model_type="t2i", cls_token_num=5, caption_dim=12)
 
 def captions(n: int) -> list:
     """Left-padded captions of different lengths, as captions_for_target makes them."""
-    from specimg.eval.prompts import HashTextEncoder, captions_for_target
+    from specimg.models.text_encoder import HashTextEncoder, captions_for_target
 
     texts = ["a red cube", "two dogs on a beach at night", "a bird", "an old green tram"]
     return captions_for_target(HashTextEncoder(dim=12), [texts[i % len(texts)] for i in range(n)], 5, 12)
@@ -456,7 +456,7 @@ def test_cli_drafter_from_prompts_for_a_t2i_checkpoint(tmp_path, tiny_preset) ->
     from click.testing import CliRunner
 
     from specimg.cli import cli
-    from specimg.eval.prompts import HashTextEncoder
+    from specimg.models.text_encoder import HashTextEncoder
 
     args = argparse.Namespace(gpt_model="GPT-T", gpt_type="t2i", vocab_size=64, cls_token_num=5, image_size=64, downsample_size=16, num_classes=10)
     torch.save({"model": build_target("GPT-B", seed=0, **T2I).state_dict(), "args": args}, tmp_path / "t2i.pt")

@@ -681,7 +681,7 @@ def _engine_samples(target: Any, tok: Any, sampling: Sampling, wanted: list[int]
 
 def _save_grid(run: _Run, imgs: Tensor, wanted: list[int], pred: Tensor) -> None:
     """samples.png: up to 8 rows of one sample per class, misclassified ones labelled with the prediction."""
-    from specimg.images import make_grid, save_png_atomic
+    from specimg.runs.images import make_grid, save_png_atomic
 
     per_class = run.scale.quality.per_class
     order = sorted(range(len(wanted)), key=lambda i: (i % per_class, wanted[i]))[: min(len(wanted), NUM_CLASSES * 8)]

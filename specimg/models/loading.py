@@ -11,7 +11,7 @@ import torch
 from specimg.errors import SpecimgError
 from specimg.models import base
 from specimg.models.eagle import EagleDrafter, EagleTarget, build_drafter, load_drafter
-from specimg.models.families import detect_family, load_family_tokenizer, load_target
+from specimg.models.families import BUILT_IN_MODELS, detect_family, load_family_tokenizer, load_target
 from specimg.models.llamagen import build_target
 from specimg.models.vq import build_tokenizer
 
@@ -45,6 +45,17 @@ def tiny_random(seed: int = 0) -> Models:
     """Randomly initialised tiny models: fast, deterministic, and meaningless pictures."""
     target = build_target("GPT-B", seed=seed, **TINY_GPT)
     return Models(target, build_drafter(target, seed=seed + 1), build_tokenizer(seed=seed + 2, **TINY_VQ), "tiny-random")
+
+
+def built_in(name: str) -> Models:
+    """The built-in models called ``name`` (:data:`~specimg.models.families.BUILT_IN_MODELS`)."""
+    if name == "tiny-random":
+        return tiny_random()
+    if name in BUILT_IN_MODELS:
+        from specimg.models.demo import load_demo
+
+        return load_demo(drafter=name.partition("-")[2] or "plain")
+    raise SpecimgError(f"unknown model {name!r}; the built-in ones are {', '.join(BUILT_IN_MODELS)}")
 
 
 def load_given_target(path: str | os.PathLike[str], preset: str | None, overrides: dict[str, Any]) -> Any:

@@ -66,7 +66,7 @@ from specimg.models.base import Caption, causal_tree_mask, takes_text
 from specimg.models.eagle import DRAFTER_TYPES, EagleTarget
 from specimg.models.eagle3 import eagle3_layers
 from specimg.models.llamagen import LlamaGenTarget
-from specimg.runfolder import file_digest
+from specimg.runs.folder import file_digest
 
 FORMAT = "specimg-drafter-data/1"
 META = "meta.json"

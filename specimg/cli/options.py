@@ -13,7 +13,7 @@ import torch
 
 from specimg.config import DYNAMIC_DEFAULTS, Sampling, TreeConfig
 from specimg.errors import SpecimgError
-from specimg.eval.prompts import MAX_PROMPT_CHARS
+from specimg.cli.prompts import MAX_PROMPT_CHARS
 from specimg.graphs import CUDA_GRAPHS
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -1,5 +1,5 @@
-"""The body of ``specimg bench`` (the click command in ``specimg/cli.py`` only parses flags
-and loads the models): conditions, variants, the run, quality, outputs."""
+"""``specimg bench``: the models and conditions the flags name, the variants, the run
+(:func:`specimg.eval.bench.run_bench`), quality, and the outputs."""
 
 from __future__ import annotations
 
@@ -8,18 +8,69 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import click
 import torch
 from torch import Tensor
 
 from specimg import costs
-from specimg.eval.conditions import conditions_for
+from specimg.cli.conditions import conditions_for
+from specimg.cli.loading import base_sampling, default_model, models_from, run_inputs
+from specimg.cli.options import (
+    THREADS, check_tree_fits, condition_options, cuda_graphs_option, device_from, device_options, method_options, model_options,
+    prompt_options, sampling_from, sampling_options, tree_from, tree_options,
+)
 from specimg.config import Sampling, TreeConfig
 from specimg.errors import SpecimgError
-from specimg.eval.bench import BenchSpec, build_engines, plan_variants, run_bench, save_sample_grid, summarise, write_outputs
+from specimg.eval.bench import DEFAULT_IMAGES, BenchSpec, build_engines, markdown_table, plan_variants, run_bench, save_sample_grid, summarise, write_outputs
 from specimg.eval.plot import MISSING as MISSING_PLOT
 from specimg.methods import parse_options
 from specimg.plugins import get_plugin_manager
+from specimg.files import writable_folder
 from specimg.relax import checks_enabled
+
+
+@click.command()
+@click.option("--methods", default=None, help="comma-separated method stacks [default: ar,naive,lantern,lantern++,gsd,cascade,cascade+lantern, those installed]")
+@click.option("--sweep", multiple=True, metavar="METHOD.KEY=V1,V2,...", help="one run per value, for each stack with METHOD (repeatable; delta=... sweeps the stack budget)")
+@method_options
+@model_options
+@condition_options(num_images=DEFAULT_IMAGES)
+@sampling_options
+@tree_options
+@device_options
+@cuda_graphs_option
+@prompt_options
+@click.option("--classifier", type=click.Path(dir_okay=False), help="demo-format classifier for accuracy and Frechet distances [default: the demo bundle's]")
+@click.option("--num-real", type=click.IntRange(2, 10**6), default=1000, show_default=True, help="reference images for Frechet distance / FID")
+@click.option("--real-images", type=click.Path(file_okay=False), help="folder of reference images for FID")
+@click.option("--fid-features", help="FID feature extractor: a TorchScript file, or inception:PATH (torch-fidelity weights)")
+@click.option("--fid-size", type=click.IntRange(8, 4096), default=299, show_default=True, help="image side the FID extractor sees")
+@click.option("--clip-model", type=click.Path(file_okay=False), help="local Hugging Face CLIP folder, for CLIP score with --prompts")
+@click.option("--quality/--no-quality", default=True, show_default=True, help="compute quality metrics")
+@click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True, help="images per method generated and discarded before timing")
+@click.option("--threads", type=THREADS, default=1, show_default=True, help="torch CPU threads per process (more threads slow small models down on a busy machine)")
+@click.option("--out", type=click.Path(file_okay=False), default="bench", show_default=True, help="output folder; a run started again on it resumes")
+def bench(**kw: Any) -> None:
+    """Benchmark methods side by side: tau, speedup against AR and quality, on the same
+    conditions and seeds, interleaved.  Writes OUT/bench.{md,json,csv,png}.  Runs on
+    several processes under `torchrun --nproc_per_node N -m specimg.cli bench ...`."""
+    from specimg.models.loading import placed
+
+    torch.set_num_threads(kw["threads"])
+    device, dtype = device_from(kw)
+    model = kw["model"] or default_model()
+    tree = tree_from(kw)
+    models = placed(models_from(kw, model), device, dtype)
+    check_tree_fits(tree, models.target, models.drafter)
+    writable_folder(kw["out"])
+    real = None
+    if model.startswith("demo") and not kw["target"]:  # the demo's real images are the quality reference
+        from specimg.demo.data import real_images
+
+        real = real_images
+    sampling = sampling_from(kw, base_sampling(model, kw["target"], models.target))
+    bench_command(kw, models, model, sampling, tree, click.echo, real, inputs=run_inputs(kw, model))
+
 
 def build_quality(
     models: Any, model_name: str, sampling: Sampling, conditions: list[Any], captions: list[str] | None, kw: dict[str, Any],
@@ -122,8 +173,6 @@ def bench_command(
     paths = write_outputs(summary, spec, kw["out"], extra)
     if models.tokenizer is not None:
         save_sample_grid(run.records, spec, models.tokenizer, os.path.join(kw["out"], "samples.png"))
-    from specimg.eval.bench import markdown_table
-
     echo(markdown_table(summary))
     for note in summary.get("notes", []):
         echo(f"note: {note}")

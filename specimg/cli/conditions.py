@@ -45,7 +45,7 @@ PREVIEW = 40
 def prompt_texts(kw: dict[str, Any], num: int) -> list[str]:
     """The ``--prompt`` texts, then those of ``--prompts`` (only ``--prompt-category``'s
     when given), cycled over ``num`` images; the caller has checked that there are some."""
-    from specimg.eval.prompts import check_prompt, read_prompts, select_prompts
+    from specimg.cli.prompts import check_prompt, read_prompts, select_prompts
 
     texts = list(kw.get("prompt") or ())
     for text in texts:
@@ -78,7 +78,8 @@ def _refuse_unused_flags(target: Any, kw: dict[str, Any]) -> None:
 def conditions_for(target: Any, kw: dict[str, Any]) -> Conditions:
     """The conditions the flags ask for (``num_images``, ``class_labels``, ``prompt``,
     ``prompts``, ``prompt_category``, ``text_encoder``), checked against the target."""
-    from specimg.eval.prompts import captions_for_target, class_labels, load_text_encoder
+    from specimg.cli.prompts import class_labels
+    from specimg.models.text_encoder import captions_for_target, load_text_encoder
 
     _refuse_unused_flags(target, kw)
     n = kw["num_images"]

@@ -1,0 +1,120 @@
+"""The ``specimg`` command: its commands, and how any error ends (one line, exit status 2)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+import warnings
+from typing import Any
+
+import attrs
+import click
+
+from specimg.cli.bench import bench
+from specimg.cli.generate import generate
+from specimg.cli.train import make_drafter_data_command, train_demo, train_drafter_command
+from specimg.cli.tune import tune
+from specimg.errors import SpecimgError
+from specimg.methods import AR
+from specimg.plugins import get_plugin_manager
+from specimg.relax import BudgetError
+
+_NO_ARGS = getattr(click.exceptions, "NoArgsIsHelpError", ())
+"""What click (8.2 and later) raises for a bare ``specimg``: the help, not a one-line error."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: user errors end with one line on stderr and exit status 2, and so does
+    a method that breaks its budget, naming the package to blame; warnings take one line."""
+    with warnings.catch_warnings():
+        warnings.showwarning = _one_line_warning
+        _run(argv)
+
+
+def _quiet_stdout() -> None:
+    """Point standard output at /dev/null, so that the interpreter's last flush of what a
+    full disk refused does not add a traceback to the one error line."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
+def _one_line_warning(message: Warning | str, *args: Any, **kwargs: Any) -> None:
+    click.echo(f"specimg: warning: {message}", err=True)
+
+
+def _run(argv: list[str] | None) -> None:
+    try:
+        cli.main(args=argv, prog_name="specimg", standalone_mode=False)
+    except BudgetError as err:
+        provider = get_plugin_manager().provider(err.method)
+        origin = f"plugin {provider.name!r} ({provider.source})" if provider else "its plugin"
+        click.echo(f"specimg: error: {err}, a bug in {origin}: leave {err.method} out of --method and report it to its authors", err=True)
+        sys.exit(2)
+    except SpecimgError as err:
+        click.echo(f"specimg: error: {err}", err=True)
+        sys.exit(2)
+    except _NO_ARGS as err:
+        err.show()
+        sys.exit(2)
+    except click.ClickException as err:
+        hint = f" (see '{err.ctx.command_path} --help')" if isinstance(err, click.UsageError) and err.ctx else ""
+        click.echo(f"specimg: error: {err.format_message()}{hint}", err=True)
+        sys.exit(2)
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        _quiet_stdout()
+        where = f"{err.filename}: " if err.filename else "writing the output: "
+        click.echo(f"specimg: error: {where}{err.strerror}; free space and run the same command again: it resumes", err=True)
+        sys.exit(2)
+    except (click.Abort, KeyboardInterrupt):
+        click.echo("specimg: interrupted; the same command resumes where it stopped", err=True)
+        sys.exit(130)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="specimg")
+def cli() -> None:
+    """Speculative decoding with relaxed acceptance for autoregressive image models."""
+
+
+@cli.command()
+def plugins() -> None:
+    """List installed plugins, where they come from and the methods they register; a
+    faulty plugin is listed with its error (and left out everywhere else)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # each fault is in the listing
+        pm = get_plugin_manager()
+    rows = [("plugin", "package", "methods", "module", "status")] + [
+        (p.name, p.source, " ".join(p.methods) or "-", p.target, f"FAILED: {p.error}" if p.error else "ok") for p in pm.plugins
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    for row in rows:
+        click.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[4])
+
+
+@cli.command()
+def methods() -> None:
+    """List methods with their options and defaults."""
+    click.echo(f"{AR:<12} plain autoregressive decoding, the baseline (core)")
+    for name, spec in sorted(get_plugin_manager().methods().items()):
+        click.echo(f"{name:<12} {spec.description}")
+        for field in attrs.fields(spec.options):
+            click.echo(f"    {name}.{field.name} = {field.default!r}")
+
+
+@cli.command()
+def models() -> None:
+    """List the built-in models, the supported model families and presets, and how to point at each."""
+    from specimg.models.demo import bundle_exists
+    from specimg.models.families import catalogue
+
+    for line in catalogue(demo_installed=bundle_exists()):
+        click.echo(line)
+
+
+for command in (generate, bench, tune, train_demo, make_drafter_data_command, train_drafter_command):
+    cli.add_command(command)

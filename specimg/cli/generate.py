@@ -1,0 +1,165 @@
+"""``specimg generate``: images into a run folder, resumable and dealt over processes."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import attrs
+import click
+import torch
+from tqdm import tqdm
+
+from specimg import costs
+from specimg.cli.conditions import Conditions, conditions_for, shorten
+from specimg.cli.loading import base_sampling, default_model, models_from, process_device, run_inputs
+from specimg.cli.options import (
+    THREADS, check_tree_fits, condition_options, cuda_graphs_option, device_from, device_options, method_options, model_options,
+    prompt_options, sampling_from, sampling_options, tree_from, tree_options,
+)
+from specimg.engine import Engine
+from specimg.errors import SpecimgError
+from specimg.methods import parse_options
+from specimg.runs.log import RunLog, open_run
+from specimg.stats import ImageStats, RunStats
+
+
+@click.command()
+@click.option("--method", "-m", default="naive", show_default=True, help="'ar' or a method stack such as cascade+lantern")
+@method_options
+@model_options
+@condition_options(num_images=8)
+@prompt_options
+@sampling_options
+@tree_options
+@device_options
+@cuda_graphs_option
+@click.option("--out", type=click.Path(file_okay=False), default="out", show_default=True)
+@click.option("--threads", type=THREADS, default=None, help="torch CPU threads [default: 1 for the built-in models, which one thread runs fastest; torch's choice for --target]")
+def generate(**kw: Any) -> None:
+    """Generate images and write PNGs, a labelled grid and a JSONL manifest.  A c2i target
+    takes --class-labels, a t2i one --prompt / --prompts with --text-encoder.  Under
+    `torchrun --nproc_per_node N -m specimg.cli generate ...` the images are dealt over
+    the processes (the same images as one process gives; resumable on any process count)."""
+    from accelerate import PartialState
+
+    device, dtype = device_from(kw)
+    state = PartialState(cpu=device.type == "cpu")  # one process, or one per image slice under torchrun / accelerate launch
+    device = process_device(device, state)
+    if kw["threads"] or not kw["target"]:  # after PartialState, which sets (cores / processes) threads
+        torch.set_num_threads(kw["threads"] or 1)
+    model = kw["model"] or default_model()
+    tree = tree_from(kw)
+    models = models_from(kw, model)
+    check_tree_fits(tree, models.target, models.drafter)
+    conditions = conditions_for(models.target, kw)
+    if models.tokenizer is None and state.is_main_process:
+        click.echo("specimg: note: no --tokenizer, so no PNGs: the manifest keeps the tokens (`specimg models` says what decodes each family)", err=True)
+    engine = Engine(
+        models.target, models.drafter, kw["method"], parse_options(kw["options"]),
+        sampling_from(kw, base_sampling(model, kw["target"], models.target)), tree,
+        delta=kw["delta"], tokenizer=models.tokenizer, device=device, dtype=dtype, cuda_graphs=kw["cuda_graphs"],
+    )
+    write_run(engine, models, conditions, kw["seed"], kw["out"], state, run_inputs(kw, model))
+
+
+def write_run(engine: Engine, models: Any, conditions: Conditions, seed: int, out: str, state: Any, inputs: dict[str, Any]) -> None:
+    """Generate the images ``out`` lacks, dealt over the processes of ``state`` (image i to
+    process i mod N: per-image seeds make them those of one process); the main process
+    writes the grid and the summary.  The run owns ``out`` while it works."""
+    with open_run(out, _settings(engine, models, seed, inputs), state) as log:
+        _refuse_other_conditions(log, conditions)
+        todo = [i for i in range(len(conditions.keys)) if i not in log.done]
+        if not todo:
+            if state.is_main_process:
+                click.echo(f"{engine.method}: {out} already holds these {len(conditions.keys)} images; nothing to do (more images: raise -n)")
+            return
+        start = time.perf_counter()
+        engine.prepare(conditions.values[0], state)
+        images = _write_images(engine, models, conditions, seed, log, todo[state.process_index :: state.num_processes], state.is_main_process)
+        if state.num_processes > 1:
+            from accelerate.utils import gather_object
+
+            state.wait_for_everyone()
+            images = gather_object(images)
+        if state.is_main_process:
+            _report(engine, models, log, RunStats(tuple(images)), len(todo), time.perf_counter() - start)
+
+
+def _settings(engine: Engine, models: Any, seed: int, inputs: dict[str, Any]) -> dict[str, Any]:
+    """What decides the images: a folder holding images made otherwise is refused."""
+    settings = {
+        "model": models.name, "inputs": inputs, "method": engine.method,
+        "options": engine.stack.options_dict() if engine.stack else {}, "delta": engine.stack.delta if engine.stack else 0.0,
+        "sampling": attrs.asdict(engine.sampling), "tree": attrs.asdict(engine.tree_config), "seed": seed,
+        "device": engine.device.type, "dtype": str(engine.target.input_embeddings().dtype),
+    }
+    if engine.auto_tree:  # auto trees depend on the cost model: a resumed run must use the same one
+        settings["tree"]["cost_model"] = costs.cost_key(engine.target, engine.drafter, engine.sampling)[0]
+    return settings
+
+
+def _key(conditions: Conditions) -> str:
+    return "prompt" if conditions.prompts is not None else "condition"
+
+
+def _refuse_other_conditions(log: RunLog, conditions: Conditions) -> None:
+    key = _key(conditions)
+    mismatch = log.first_mismatch([{key: k} for k in conditions.keys])
+    if mismatch is not None:
+        index, _, there, here = mismatch
+        held = f"of class {there}, this run asks for class {here}: its --class-labels" if key == "condition" else f"for the prompt {there!r}, this run asks for {here!r}: its prompts"
+        raise SpecimgError(f"{log.out} holds image {index} {held} differ; give another --out or remove {log.out}")
+
+
+def _write_images(engine: Engine, models: Any, conditions: Conditions, seed: int, log: RunLog, mine: list[int], main: bool) -> list[ImageStats]:
+    from specimg.runs.images import save_png_atomic, to_pil
+
+    key = _key(conditions)
+    if models.tokenizer is not None:
+        os.makedirs(os.path.join(log.out, "images"), exist_ok=True)
+    images: list[ImageStats] = []
+    with tqdm(total=len(mine) * models.target.num_tokens, unit="tok", desc=engine.method, disable=None if main else True) as bar:
+        for index in mine:
+            result = engine.generate([conditions.values[index]], seed=seed + index, progress=bar.update)
+            images.append(result.stats.images[0])
+            if models.tokenizer is not None:
+                save_png_atomic(to_pil(_decode(models.tokenizer, result.tokens))[0], os.path.join(log.out, "images", f"{index:05d}.png"))
+            log.add(index, {key: conditions.keys[index], "seed": seed + index, "tokens": result.tokens[0].tolist(), "stats": images[-1].as_dict()})
+    return images
+
+
+def _report(engine: Engine, models: Any, log: RunLog, run: RunStats, images: int, wall: float) -> None:
+    """The grid of every image in the folder, and the run's summary lines."""
+    from specimg.runs.images import make_grid, save_png_atomic
+
+    if models.tokenizer is not None:
+        entries = log.all_entries()
+        codes = torch.tensor([e["tokens"] for e in entries])
+        labels = [shorten(e["prompt"]) if "prompt" in e else f"class {e['condition']}" for e in entries]
+        grid = make_grid(_decode(models.tokenizer, codes), nrow=min(8, len(entries)), labels=labels)
+        save_png_atomic(grid, os.path.join(log.out, "grid.png"))
+    s = engine.sampling
+    click.echo(
+        f"{engine.method}: tau {run.tau:.2f} | {run.target_forwards} target forwards for {run.tokens} tokens | {images} images in {wall:.2f}s "
+        f"| cfg {s.cfg_scale:g}, temperature {s.temperature:g}, top-k {s.top_k}, top-p {s.top_p:g} -> {log.out}"
+    )
+    if engine.stack is not None:
+        click.echo(f"tree: {_tree_summary(engine, run)}")
+
+
+def _tree_summary(engine: Engine, stats: RunStats) -> str:
+    """The tree a run used: auto trees by share of steps, with the cost model's prediction."""
+    if not engine.auto_tree or engine.own_tree:
+        return engine.tree_label
+    steps = stats.trees()
+    total = sum(steps.values()) or 1
+    shares = ", ".join(f"{tree} ({100 * n / total:.0f}% of steps)" for tree, n in list(steps.items())[:3])
+    assert engine.cost_model is not None and stats.predicted_speedup is not None
+    return f"auto: {shares}; predicted speedup {stats.predicted_speedup:.2f}x (cost model {engine.cost_model.key}: {engine.cost_model.machine})"
+
+
+def _decode(tokenizer: Any, codes: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return tokenizer.decode(codes)
