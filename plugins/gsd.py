@@ -16,6 +16,11 @@ windows) with no budget:
     accept x_i with probability min(1, p_i({x_i} + G(x_i)) / q_i({x_i} + G(x_i)))
     at the first rejection, emit y ~ norm(max(0, p_i - q_i)) and stop
     (the whole chain accepted: emit y ~ p at its last node)
+
+``mode="paper"`` is that rule with the released code's groups (junhyukso/GSD): the tokens
+at positions [r-w, r+w) of p_u's ascending order, r the draft's position, with
+|p_u(t) - p_u(x)| < p_thr and squared L2 distance of input embeddings < emb_thr.  It
+has no TVD budget (``GSDOptions.budgeted`` is False).
 """
 
 from __future__ import annotations
@@ -37,13 +42,21 @@ class GSDOptions:
     similarity of input embeddings to c (scale-free, unlike the paper's squared L2 < 0.5,
     which is tied to Lumina-mGPT's embedding scale); delta: TVD budget per node.
     acceptance: "budget" moves G(c)'s mass onto c within delta (any tree); "group" is the
-    paper's group acceptance on sampled chains, unbounded (delta 0 turns grouping off)."""
+    paper's group acceptance on sampled chains, unbounded (delta 0 turns grouping off).
+    mode: "specimg" (the above) or "paper" (group acceptance with the released code's
+    groups; emb_thr is then the squared-L2 bound, the paper's 0.5)."""
 
     w: int = attrs.field(default=7, validator=v.ge(1))
     p_thr: float = 0.15
     emb_thr: float = 0.5
     delta: float = 0.5
     acceptance: str = attrs.field(default="budget", validator=v.in_(("budget", "group")))
+    mode: str = attrs.field(default="specimg", validator=v.in_(("specimg", "paper")))
+
+    @property
+    def budgeted(self) -> bool:
+        """Whether every node stays within delta in TVD (the group rules have no budget)."""
+        return self.mode == "specimg" and self.acceptance == "budget"
 
 
 @hookimpl
@@ -55,7 +68,7 @@ def register_methods(register: Callable[[MethodSpec], None]) -> None:
 def build_relaxed_dist(
     dist: Tensor, target_dist: Tensor, budget: Tensor, tree: DraftTree, target: Target, options: GSDOptions
 ) -> Tensor | None:
-    if options.acceptance == "group":  # the groups act in the acceptance, not on q_R
+    if not options.budgeted:  # the groups act in the acceptance, not on q_R
         return None
     candidates = tree.candidates()[0].to(dist.device)
     donors = group_donors(target_dist, candidates, target.input_embeddings(), options)
@@ -91,11 +104,29 @@ def group_donors(probs: Tensor, candidates: Tensor, embeddings: Tensor, options:
     return donors
 
 
+def released_group_donors(probs: Tensor, candidates: Tensor, embeddings: Tensor, options: GSDOptions) -> Tensor:
+    """The released code's G(x) for every candidate: donors [n, C, 2w - 1], -1 where none
+    (module docstring; x itself, at offset 0, is not a donor)."""
+    vocab = probs.shape[-1]
+    safe = candidates.clamp(min=0)
+    order = probs.argsort(dim=1, stable=True)  # ascending, as the released code sorts logits
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(vocab, device=probs.device).expand_as(order))
+    offsets = torch.cat([torch.arange(-options.w, 0), torch.arange(1, options.w)]).to(probs.device)
+    pos = rank.gather(1, safe)[..., None] + offsets
+    inside = (pos >= 0) & (pos < vocab)
+    tokens = order.gather(1, pos.clamp(0, vocab - 1).flatten(1)).view_as(pos)
+    p_close = (probs.gather(1, tokens.flatten(1)).view_as(tokens) - probs.gather(1, safe)[..., None]).abs() < options.p_thr
+    emb = embeddings.to(probs.device).float()
+    e_close = (emb[tokens] - emb[safe][..., None, :]).square().sum(-1) < options.emb_thr
+    keep = inside & p_close & e_close & (candidates >= 0)[..., None]
+    return torch.where(keep, tokens, torch.full_like(tokens, -1))
+
+
 @hookimpl
 def accept(
     tree: DraftTree, dist: Tensor, sampling: Sampling, generator: torch.Generator, exact: bool, target: Target, options: GSDOptions
 ) -> Acceptance | None:
-    if options.acceptance != "group" or sampling.greedy:
+    if options.budgeted or sampling.greedy:
         return None
     return group_acceptance(tree, dist, target.input_embeddings(), generator, options, grouping=not exact)
 
@@ -111,7 +142,8 @@ def group_acceptance(
     candidates, ids = (t.to(probs.device) for t in tree.candidates())
     group = candidates[..., None]
     if grouping:
-        group = torch.cat([group, group_donors(probs, candidates, embeddings, options)], dim=-1)
+        donors = released_group_donors if options.mode == "paper" else group_donors
+        group = torch.cat([group, donors(probs, candidates, embeddings, options)], dim=-1)
     members = group[:, 0].clamp(min=0)
     inside = (group[:, 0] >= 0).to(probs.dtype)
     draft = tree.draft_probs.to(probs.device)

@@ -14,6 +14,11 @@ not emitted (computed under the then-prefix, so q = that p), and topped up to L 
 tokens drawn uniformly (q = 1/V).  The tree is a sampled chain that carries q as its
 draft distributions; the core's recursive rejection on a one-child-per-node tree is the
 rule above, and at temperature 0 the core's greedy walk reproduces AR's tokens.
+
+``mode="paper"`` follows the released code (tyshiwo1/Accelerating-T2I-AR-with-SJD): the
+window of L counts the committed token (L - 1 drafts), and a freshly drawn token x is
+given a one-hot q, so it is accepted with probability p(x) and a rejection draws from
+norm(max(0, p - onehot(x))).  That is still exact: it spends no TVD.
 """
 
 from __future__ import annotations
@@ -29,9 +34,16 @@ from specimg import DraftTree, MethodSpec, Sampling, Step, hookimpl
 
 @attrs.frozen
 class SJDOptions:
-    """window: L, the draft tokens after the accepted prefix (each step's chain)."""
+    """window: L, the draft tokens after the accepted prefix (each step's chain); in
+    mode "paper" L counts the committed token, as the released code's 16 does."""
 
     window: int = attrs.field(default=16, validator=v.ge(1))
+    mode: str = attrs.field(default="specimg", validator=v.in_(("specimg", "paper")))
+
+    @property
+    def drafts(self) -> int:
+        """The drafts a window verifies (the released code's window includes the committed token)."""
+        return self.window - 1 if self.mode == "paper" else self.window
 
 
 @hookimpl
@@ -43,7 +55,8 @@ def register_methods(register: Callable[[MethodSpec], None]) -> None:
 def propose_tree(
     root_token: int, max_depth: int, previous: Step, sampling: Sampling, generator: torch.Generator, options: SJDOptions
 ) -> DraftTree:
-    return jacobi_window(previous, root_token, min(options.window, max_depth), generator, sampling.greedy)
+    length = min(options.drafts, max_depth)
+    return jacobi_window(previous, root_token, length, generator, sampling.greedy, one_hot_fresh=options.mode == "paper")
 
 
 def window_drafts(previous: Step, length: int) -> torch.Tensor:
@@ -55,8 +68,11 @@ def window_drafts(previous: Step, length: int) -> torch.Tensor:
     return torch.cat([carried, fresh])
 
 
-def jacobi_window(previous: Step, root_token: int, length: int, generator: torch.Generator, greedy: bool) -> DraftTree:
-    """The chain root -> x_1 -> ... -> x_length with x_i ~ q_i (argmax q_i when greedy)."""
+def jacobi_window(
+    previous: Step, root_token: int, length: int, generator: torch.Generator, greedy: bool, one_hot_fresh: bool = False
+) -> DraftTree:
+    """The chain root -> x_1 -> ... -> x_length with x_i ~ q_i (argmax q_i when greedy);
+    with ``one_hot_fresh`` the uniform rows then become one-hot at their draws (paper mode)."""
     device = previous.scores.probs.device
     q = window_drafts(previous, length)
     if length == 0:
@@ -65,6 +81,9 @@ def jacobi_window(previous: Step, root_token: int, length: int, generator: torch
         drafts = q.argmax(dim=-1)
     else:
         drafts = torch.multinomial(q, 1, generator=generator).squeeze(1)
+    if one_hot_fresh:
+        carried = min(length, max(previous.scores.probs.shape[0] - len(previous.acceptance.path), 0))
+        q = torch.cat([q[:carried], torch.nn.functional.one_hot(drafts[carried:], q.shape[-1]).to(q.dtype)])
     tokens = torch.cat([torch.tensor([root_token], device=device), drafts])
     depths = torch.arange(length + 1, device=device)
     draft_probs = torch.cat([q, torch.zeros(1, q.shape[-1], device=device)])  # row u: what u's child was drawn from

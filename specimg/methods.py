@@ -51,6 +51,12 @@ class Member:
         node by more than their ``delta`` (a budget per candidate), else ``delta``."""
         return float(getattr(self.options, "node_delta", getattr(self.options, "delta", 0.0)))
 
+    @property
+    def budgeted(self) -> bool:
+        """False where the options run a rule with no TVD budget (a paper mode), which
+        their ``budgeted`` property says; such a member is held to its own published law."""
+        return bool(getattr(self.options, "budgeted", True))
+
 
 @attrs.frozen
 class Stack:
@@ -67,6 +73,11 @@ class Stack:
     def drafter_free(self) -> str | None:
         """The member that drafts without a drafter, if any (its trees come from the target)."""
         return next((m.spec.name for m in self.members if not m.spec.drafter), None)
+
+    @property
+    def budgeted(self) -> bool:
+        """Whether every node keeps within ``delta`` in TVD (no member runs an unbudgeted rule)."""
+        return all(m.budgeted for m in self.members)
 
     def options_dict(self) -> dict[str, dict[str, Any]]:
         return {m.spec.name: attrs.asdict(m.options) for m in self.members}

@@ -1,0 +1,126 @@
+"""mode=paper: gsd's group acceptance with the released code's groups, held exactly (every
+draft and every draw enumerated, so no false failures) against a separate transcription
+of the published rule, and a wrong grouping (specimg's symmetric window) failing it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specimg import DraftTree, Engine, SpecimgError
+from specimg.accept import recursive_rejection
+from specimg.step import Acceptance, Scores, Step
+from specimg.plugins import PluginManager
+from specimg.testing import statistics
+from specimg.testing.conformance import emission
+from specimg_plugins import gsd, sjd
+
+P = torch.tensor([0.02, 0.20, 0.05, 0.18, 0.25, 0.10, 0.12, 0.08])
+Q = torch.tensor([0.10, 0.05, 0.20, 0.15, 0.10, 0.15, 0.05, 0.20])
+EMBEDDINGS = torch.tensor([[0.0, 0.0], [0.1, 0.2], [0.6, 0.0], [0.2, 0.1], [0.3, 0.3], [0.0, 0.9], [0.4, 0.2], [0.1, 0.1]])
+PAPER = gsd.GSDOptions(mode="paper", w=2)
+
+
+def published_group(x: int, p: list[float], emb: list[list[float]], w: int, p_thr: float, l2_thr: float) -> list[int]:
+    """GSD's group of x as the paper and the released code define it: x and the tokens at
+    positions [r - w, r + w) of the ascending order of p (r: x's position), with a
+    probability gap below p_thr and squared L2 embedding distance below l2_thr."""
+    ascending = sorted(range(len(p)), key=lambda t: (p[t], t))
+    r = ascending.index(x)
+    window = [ascending[i] for i in range(max(0, r - w), min(len(p), r + w)) if i != r]
+    near = [t for t in window if abs(p[t] - p[x]) < p_thr and sum((a - b) ** 2 for a, b in zip(emb[t], emb[x])) < l2_thr]
+    return [x] + near
+
+
+def published_law(x: int, w: int) -> torch.Tensor:
+    """The token emitted after draft x ~ q: x with min(1, p(G)/q(G)), else norm(max(0, p - q))."""
+    group = published_group(x, P.tolist(), EMBEDDINGS.tolist(), w, 0.15, 0.5)
+    ratio = min(1.0, float(P[group].sum() / Q[group].sum()))
+    residual = (P - Q).clamp(min=0).double()
+    law = (1 - ratio) * residual / residual.sum()
+    law[x] += ratio
+    return law
+
+
+def plugin_law(x: int, options: gsd.GSDOptions) -> torch.Tensor:
+    tree = DraftTree.from_parents([0, x], [-1, 0], draft_probs=torch.stack([Q, torch.zeros_like(Q)]), sampled=True)
+    _, joint = emission(lambda g: gsd.group_acceptance(tree, torch.stack([P, P]), EMBEDDINGS, g, options), tree, P.shape[0])
+    return joint[0]
+
+
+@pytest.mark.parametrize("x", range(P.shape[0]))
+def test_paper_gsd_follows_the_published_law(x: int):
+    assert torch.allclose(plugin_law(x, PAPER), published_law(x, PAPER.w), atol=1e-12)
+
+
+def test_the_example_has_groups():
+    sizes = [len(published_group(x, P.tolist(), EMBEDDINGS.tolist(), 2, 0.15, 0.5)) for x in range(P.shape[0])]
+    assert max(sizes) >= 3
+
+
+def test_a_symmetric_window_fails_the_published_law():
+    """Power: specimg's own grouping (+-w ranks, cosine) is not the released rule here."""
+    wrong = gsd.GSDOptions(acceptance="group", w=2)
+    assert any(not torch.allclose(plugin_law(x, wrong), published_law(x, 2), atol=1e-6) for x in range(P.shape[0]))
+
+
+def test_paper_mode_declares_no_budget():
+    plugins = PluginManager()
+    assert not plugins.stack("sjd+gsd", {"gsd": {"mode": "paper"}}).budgeted
+    assert plugins.stack("sjd+gsd").budgeted
+
+
+def test_an_unknown_mode_is_refused():
+    with pytest.raises((SpecimgError, ValueError)):
+        gsd.GSDOptions(mode="published")
+
+
+# --- sjd mode=paper: one-hot q for fresh tokens, the window counts the committed token ---
+
+SJD_PROBLEM = 10
+
+
+def _paper_sjd(window: int, **kwargs) -> Engine:
+    problem = statistics.markov_problem(SJD_PROBLEM, **kwargs)
+    return Engine(problem.target, None, "sjd", {"sjd": {"window": window, "mode": "paper"}}, statistics.SAMPLING,
+                  tokenizer=problem.tokenizer)
+
+
+def test_paper_sjd_follows_the_ar_law():
+    """A uniform draw x accepted with p(x), else y ~ norm(max(0, p - onehot(x))), emits y
+    with probability p(y): the released rule is exact (chi-square at statistics.ALPHA)."""
+    statistics.check_exact_law(_paper_sjd(window=3), seed=100)
+
+
+def test_paper_sjd_fresh_rows_are_one_hot_and_the_window_counts_the_committed_token():
+    engine = _paper_sjd(window=4, num_tokens=12)
+    assert max(engine.generate([0] * 4, seed=0).stats.images[0].tree_sizes) == 4  # root + 3 drafts
+    options = sjd.SJDOptions(window=16, mode="paper")
+    assert options.drafts == 15 and sjd.SJDOptions().drafts == 16
+
+
+def published_fresh_acceptance(p: torch.Tensor, x: int) -> float:
+    """The released code's test for a freshly drawn token: q(x) = 1, so min(1, p(x) / 1)."""
+    return min(1.0, float(p[x]))
+
+
+def _fresh_window(one_hot_fresh: bool, seed: int) -> DraftTree:
+    """sjd's window after a prefill step (nothing to carry): one fresh draft."""
+    empty = torch.zeros(1, 1, 2)
+    previous = Step(DraftTree.from_parents([0], [-1]), Scores(P[None], empty, torch.zeros(1, 1, 8)), Acceptance([0], 3))
+    return sjd.jacobi_window(previous, 3, 1, torch.Generator().manual_seed(seed), greedy=False, one_hot_fresh=one_hot_fresh)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_fresh_token_is_accepted_with_p(seed: int):
+    """sjd's paper window through the core's recursive rejection, enumerated exactly: the
+    fresh x is accepted with p(x) and a rejection follows norm(max(0, p - onehot(x))).
+    specimg's uniform q accepts min(1, V p(x)) instead (the power check)."""
+    for one_hot_fresh in (True, False):
+        tree = _fresh_window(one_hot_fresh, seed)
+        x = int(tree.tokens[1])
+        _, joint = emission(lambda g: recursive_rejection(tree, torch.stack([P, P]), g), tree, 8)
+        residual = (P - torch.nn.functional.one_hot(torch.tensor(x), 8)).clamp(min=0).double()
+        want = (1 - published_fresh_acceptance(P, x)) * residual / residual.sum()
+        want[x] += published_fresh_acceptance(P, x)
+        assert torch.allclose(joint[0], want, atol=1e-12) == one_hot_fresh, (x, one_hot_fresh)
