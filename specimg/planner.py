@@ -19,7 +19,7 @@ statistics, never on timings taken during the run, so a seed gives the same imag
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import attrs
 import numpy as np
@@ -109,6 +109,26 @@ def choose(
     if best is None:
         raise ValueError(f"no tree fits {max_nodes} nodes")
     return best
+
+
+def why_ar(cost: CostModel, use: Mapping[tuple[int, int, int], tuple[int, int]], method: str = "") -> str:
+    """Why auto trees ran as AR, in numbers: what the drafted steps of ``use`` ((depth,
+    top-k, nodes) -> (steps, tokens), as ``RunStats.tree_use``) yielded for what the cost
+    model says they cost, against AR's token per AR step."""
+    drafted = {tree: st for tree, st in use.items() if tree[2] > 1}
+    steps = sum(n for n, _ in drafted.values())
+    if not steps:
+        cheapest = float(cost.step(1, 1, 2, method))
+        return (
+            f"no step drafted: the cheapest drafted step ({tree_name(1, 1, 2)}) costs {cheapest:.2f} ms against "
+            f"{cost.ar_ms:.2f} ms for an AR step, so it must yield {cheapest / cost.ar_ms:.2f} tokens, more than the drafts were expected to"
+        )
+    tokens = sum(t for _, t in drafted.values())
+    ms = sum(n * float(cost.step(*tree, method=method)) for tree, (n, _) in drafted.items())
+    return (
+        f"its {steps} drafted steps yielded {tokens / steps:.2f} tokens each in {ms / steps:.2f} ms, against AR's one token in "
+        f"{cost.ar_ms:.2f} ms ({tokens / ms * cost.ar_ms:.2f}x)"
+    )
 
 
 class TreePlanner:

@@ -114,18 +114,36 @@ class RunStats:
         ms = sum(s.predicted_ms for s in self.images)
         return sum(s.predicted_ar_ms for s in self.images) / ms if ms else None
 
-    def tree_steps(self) -> dict[tuple[int, int, int], int]:
-        """How many steps each auto tree (depth, top-k, nodes) ran, most used first."""
-        steps: dict[tuple[int, int, int], int] = defaultdict(int)
+    def tree_use(self) -> dict[tuple[int, int, int], tuple[int, int]]:
+        """Per auto tree (depth, top-k, nodes): the steps it ran and the tokens they gave,
+        most used first."""
+        use: dict[tuple[int, int, int], list[int]] = defaultdict(lambda: [0, 0])
         for s in self.images:
             bounds = [start for start, *_ in s.trees] + [len(s.accepted)]
             for (start, depth, topk, nodes), end in zip(s.trees, bounds[1:]):
-                steps[depth, topk, nodes] += end - start
-        return dict(sorted(steps.items(), key=lambda kv: -kv[1]))
+                use[depth, topk, nodes][0] += end - start
+                use[depth, topk, nodes][1] += sum(s.accepted[start:end]) + end - start
+        return {tree: (steps, tokens) for tree, (steps, tokens) in sorted(use.items(), key=lambda kv: -kv[1][0])}
+
+    def tree_steps(self) -> dict[tuple[int, int, int], int]:
+        """How many steps each auto tree (depth, top-k, nodes) ran, most used first."""
+        return {tree: steps for tree, (steps, _) in self.tree_use().items()}
 
     def trees(self) -> dict[str, int]:
         """``tree_steps`` in words ("depth D, top-k K, N nodes")."""
         return {tree_name(d, k, n): steps for (d, k, n), steps in self.tree_steps().items()}
+
+    def tree_shares(self, top: int = 3) -> str:
+        """The ``top`` most used auto trees with their share of the steps."""
+        steps = self.trees()
+        total = sum(steps.values()) or 1
+        return ", ".join(f"{tree} ({100 * n / total:.0f}% of steps)" for tree, n in list(steps.items())[:top])
+
+    @property
+    def ar_share(self) -> float:
+        """The share of auto-tree steps that ran as AR (the planner's one-node tree)."""
+        steps = self.tree_steps()
+        return sum(n for (_, _, nodes), n in steps.items() if nodes == 1) / max(1, sum(steps.values()))
 
     def seconds(self) -> dict[str, float]:
         total: dict[str, float] = defaultdict(float)

@@ -127,6 +127,37 @@ def test_tune_ranks_candidate_trees_and_names_the_auto_choice(tmp_path, capsys):
     assert (tmp_path / "tune.png").stat().st_size > 0
 
 
+def test_tune_reports_the_trees_generate_picks_on_the_same_images(tmp_path, monkeypatch):
+    from specimg.cli import main
+    from specimg.stats import ImageStats, RunStats
+
+    monkeypatch.setenv("SPECIMG_CACHE_DIR", str(tmp_path / "cache"))  # one cost model for both commands
+    main(["tune", "--model", "tiny-random", "-n", "2", "--seed", "3", "--out", str(tmp_path / "tune")])
+    main(["generate", "--model", "tiny-random", "-n", "2", "--seed", "3", "--out", str(tmp_path / "gen")])
+
+    told = json.loads((tmp_path / "tune" / "tune.json").read_text())["generate_trees"]
+    lines = [json.loads(line) for line in (tmp_path / "gen" / "manifest.jsonl").read_text().splitlines()]
+    ran = RunStats(tuple(ImageStats.from_dict(entry["stats"]) for entry in lines if "stats" in entry))
+    assert told == [{"depth": d, "topk": k, "nodes": n, "steps": steps, "tokens": tokens} for (d, k, n), (steps, tokens) in ran.tree_use().items()]
+
+
+def test_run_stats_count_steps_and_tokens_per_auto_tree():
+    from specimg.stats import ImageStats, RunStats
+
+    image = ImageStats(accepted=[1, 0, 0, 0, 2], tree_sizes=[2, 2, 1, 1, 4], trees=[[0, 1, 1, 2], [2, 0, 0, 1], [4, 1, 3, 4]])
+    run = RunStats((image,))
+    assert run.tree_use() == {(0, 0, 1): (2, 2), (1, 1, 2): (2, 3), (1, 3, 4): (1, 3)}
+    assert run.ar_share == pytest.approx(2 / 5)
+    assert run.tree_shares(top=2) == "depth 1, top-k 1, 2 nodes (40% of steps), AR (no tree pays) (40% of steps)"  # ties: first used first
+
+
+def test_why_ar_gives_the_drafted_steps_yield_against_ar_by_hand():
+    slow = machine({1: 1.0, 2: 2.0, 8: 4.0}, start=0.5, ar=1.0)  # depth 1, top-k 1, 2 nodes: 2.0 + 0.5 ms
+    drafted = planner.why_ar(slow, {(0, 0, 1): (90, 90), (1, 1, 2): (10, 15)})
+    assert "10 drafted steps yielded 1.50 tokens each in 2.50 ms" in drafted and "(0.60x)" in drafted
+    assert "must yield 2.50 tokens" in planner.why_ar(slow, {(0, 0, 1): (90, 90)})
+
+
 def test_each_method_stack_gets_its_step_scale_once(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECIMG_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(costs, "_memory", {})

@@ -11,7 +11,7 @@ import click
 import torch
 from tqdm import tqdm
 
-from specimg import costs
+from specimg import costs, planner
 from specimg.cli.conditions import Conditions, conditions_for, shorten
 from specimg.cli.loading import base_sampling, default_model, models_from, process_device, run_inputs
 from specimg.cli.options import (
@@ -150,14 +150,19 @@ def _report(engine: Engine, models: Any, log: RunLog, run: RunStats, images: int
 
 
 def _tree_summary(engine: Engine, stats: RunStats) -> str:
-    """The tree a run used: auto trees by share of steps, with the cost model's prediction."""
+    """The tree a run used: auto trees by share of steps, with the cost model's prediction,
+    and in plain words why, when most steps ran as AR."""
     if not engine.auto_tree or engine.own_tree:
         return engine.tree_label
-    steps = stats.trees()
-    total = sum(steps.values()) or 1
-    shares = ", ".join(f"{tree} ({100 * n / total:.0f}% of steps)" for tree, n in list(steps.items())[:3])
     assert engine.cost_model is not None and stats.predicted_speedup is not None
-    return f"auto: {shares}; predicted speedup {stats.predicted_speedup:.2f}x (cost model {engine.cost_model.key}: {engine.cost_model.machine})"
+    summary = f"auto: {stats.tree_shares()}; predicted speedup {stats.predicted_speedup:.2f}x (cost model {engine.cost_model.key}: {engine.cost_model.machine})"
+    if stats.ar_share > 0.5 or stats.predicted_speedup < 1:
+        why = planner.why_ar(engine.cost_model, stats.tree_use(), costs.scale_key(engine.stack))
+        summary += (
+            f"\nspeculative decoding does not pay on this machine, so {100 * stats.ar_share:.0f}% of the steps ran as AR: {why} "
+            "(`specimg tune` shows the costs; on a GPU a small tree's verify costs about one AR step)"
+        )
+    return summary
 
 
 def _decode(tokenizer: Any, codes: torch.Tensor) -> torch.Tensor:

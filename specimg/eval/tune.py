@@ -64,10 +64,21 @@ def tune(engine: Engine, conditions: Sequence[Condition], seed: int, out: str, e
     for plan in ranked[:12]:
         echo(f"| {plan.depth} | {plan.topk} | {plan.nodes} | {plan.tokens_per_step:.2f} | {plan.step_ms:.2f} | {plan.speedup:.2f}x |")
     best = planner.choose(cost, rates, max_nodes, max_fed=max_fed, method=scale_name)
-    echo(f"auto would choose: {best} (predicted {best.speedup:.2f}x)")
+    if best.speedup < 1.0 and engine.tree_config.ar_fallback:
+        echo(f"auto would choose: AR for these images' pooled acceptance (no tree pays; the best, {best}, is predicted {best.speedup:.2f}x)")
+    else:
+        echo(f"auto would choose: {best} for these images' pooled acceptance (predicted {best.speedup:.2f}x)")
+    picked = engine.generate(list(conditions), seed=seed).stats
+    echo(
+        f"generate on the same images and seeds (each image plans from its own steps, starting from the prior): {picked.tree_shares()}; "
+        f"tau {picked.tau:.2f}, predicted {picked.predicted_speedup:.2f}x"
+    )
+    if picked.ar_share > 0.5:
+        echo(f"speculative decoding does not pay here: {planner.why_ar(cost, picked.tree_use(), scale_name)}")
     result = {
         "cost_model": json.loads(cost.to_json()), "method": engine.method, "rates": rates.tolist(),
         "candidates": [attrs.asdict(p) for p in ranked], "choice": attrs.asdict(best),
+        "generate_trees": [{"depth": d, "topk": k, "nodes": n, "steps": steps, "tokens": tokens} for (d, k, n), (steps, tokens) in picked.tree_use().items()],
     }
     os.makedirs(out, exist_ok=True)
     with atomic_path(os.path.join(out, "tune.json"), ".json") as tmp, open(tmp, "w") as file:
