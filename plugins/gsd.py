@@ -61,7 +61,15 @@ class GSDOptions:
 
 @hookimpl
 def register_methods(register: Callable[[MethodSpec], None]) -> None:
-    register(MethodSpec("gsd", GSDOptions, "GSD: candidates take the mass of nearby-ranked, similar tokens, grouped per node"))
+    register(MethodSpec(
+        "gsd", GSDOptions, "GSD: candidates take the mass of nearby-ranked, similar tokens, grouped per node",
+        stacked_defaults={"sjd": {"mode": "paper"}},  # on sjd's chains, GSD as published
+        paper={"mode": "paper"},
+        departures=(
+            "alone, on a drafter's trees, gsd keeps a TVD budget (its groups' mass moves onto the draft within delta); the paper's "
+            "group test has no budget and verifies sjd's chains only, so it is the default beside sjd (sjd+gsd)"
+        ),
+    ))
 
 
 @hookimpl
@@ -126,9 +134,9 @@ def released_group_donors(probs: Tensor, candidates: Tensor, embeddings: Tensor,
 def accept(
     tree: DraftTree, dist: Tensor, sampling: Sampling, generator: torch.Generator, exact: bool, target: Target, options: GSDOptions
 ) -> Acceptance | None:
-    if options.budgeted or sampling.greedy:
+    if options.budgeted or sampling.greedy or exact:  # delta 0: no groups, the core's speculative sampling
         return None
-    return group_acceptance(tree, dist, target.input_embeddings(), generator, options, grouping=not exact)
+    return group_acceptance(tree, dist, target.input_embeddings(), generator, options)
 
 
 def group_acceptance(

@@ -6,13 +6,25 @@ each child c of u in draft-rank order:
 
     B_k(c)  = the k codes nearest to c in the tokenizer's codebook (L2, nearest first)
     q_R(c) += mass of B_k(c) under p_u, nearest first, while the node's budget delta lasts
-              (paper mode: whole neighbours only, the longest prefix that fits)
+              (whole neighbours only by default: the longest prefix that fits)
 
 The moved mass leaves the neighbours, so q_R,u stays a distribution within delta of p_u.
 Two of the paper's choices are options: neighbours in the raw codebook (its released code)
 rather than the normalised one the decoder sees, and a budget delta per candidate rather
 than per node (then a node with C candidates moves up to C * delta, so the method
 declares a node budget of 1).
+
+``mode="paper"`` is the rule of the released code (jadohu/LANTERN, on LlamaGen's EAGLE-2
+trees and Lumina-mGPT), neighbours in the raw codebook, with no TVD budget
+(``LanternOptions.budgeted`` is False).  The children x_1, x_2, ... of u were drawn from
+the drafter's q_u (a sampled tree: the only kind that keeps q_u); r starts as p_u; for
+each child x in turn:
+
+    A(x)    = the longest prefix of B_k(x) with r(A(x)) <= delta   (delta per candidate)
+    accept x with probability min(1, (r(x) + r(A(x))) / q(x))
+    else      r <- norm(max(0, r - q) with x and ALL of B_k(x) set to 0)
+              q <- norm(q without x)
+    every child rejected: emit y ~ r
 """
 
 from __future__ import annotations
@@ -21,12 +33,14 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
+import torch
 from attrs import validators as v
 from torch import Tensor
 
-from specimg import CODEBOOKS, DraftTree, MethodSpec, codebook_donors, hookimpl, transfer
+from specimg import CODEBOOKS, DraftTree, MethodSpec, SpecimgError, codebook_donors, hookimpl, transfer
 
 BUDGETS = ("node", "candidate")
+MODES = ("specimg", "paper")
 
 
 @attrs.frozen
@@ -34,24 +48,41 @@ class LanternOptions:
     """k: neighbours per token; delta: TVD budget per node (or per candidate);
     whole_neighbours: move a neighbour's whole mass or none of it (the paper's rule);
     codebook: neighbours in the vectors the decoder sees or in the raw codebook (the
-    released code's); budget: one delta per node, or per candidate (the paper's)."""
+    released code's); budget: one delta per node, or per candidate (the paper's).
+    mode: "specimg" (the above) or "paper" (the released code's rule, module docstring:
+    k and delta as given, the raw codebook; whole_neighbours, codebook and budget unused)."""
 
     k: int = attrs.field(default=1000, validator=v.ge(1))
     delta: float = attrs.field(default=0.1, validator=[v.ge(0.0), v.le(1.0)])
     whole_neighbours: bool = True
     codebook: str = attrs.field(default="normalised", validator=v.in_(CODEBOOKS))
     budget: str = attrs.field(default="node", validator=v.in_(BUDGETS))
+    mode: str = attrs.field(default="specimg", validator=v.in_(MODES))
 
     @property
     def node_delta(self) -> float:
-        """The TVD the stack may spend at a node for this method: delta, or with a budget per
-        candidate 1 (no bound of its own: C candidates may move C * delta)."""
+        """The TVD the stack may spend at a node for this method: delta, or 1 where nothing
+        bounds a node (a budget per candidate: C candidates may move C * delta; the paper's
+        rule: no budget at all)."""
+        if self.mode == "paper":
+            return 1.0
         return self.delta if self.budget == "node" or self.delta == 0 else 1.0
+
+    @property
+    def budgeted(self) -> bool:
+        """Whether every node stays within its budget in TVD (the released rule has none)."""
+        return self.mode == "specimg"
 
 
 @hookimpl
 def register_methods(register: Callable[[MethodSpec], None]) -> None:
-    register(MethodSpec("lantern", LanternOptions, "LANTERN: candidates take the mass of their k nearest codebook neighbours"))
+    register(MethodSpec(
+        "lantern", LanternOptions, "LANTERN: candidates take the mass of their k nearest codebook neighbours", paper={"mode": "paper"},
+        departures=(
+            "the paper budgets delta per candidate and zeroes a rejected draft's k+1 nearest codes in the residual, so a node may "
+            "move more than delta; specimg's default shares one delta per node, in the decoder's normalised codebook"
+        ),
+    ))
 
 
 @hookimpl
@@ -59,7 +90,54 @@ def build_relaxed_dist(
     dist: Tensor, target_dist: Tensor, budget: Tensor, tree: DraftTree, tokenizer: Any, options: LanternOptions
 ) -> Tensor:
     candidates = tree.candidates()[0].to(dist.device)
-    donors = codebook_donors(tokenizer, candidates, options.k, target_dist.shape[-1], "lantern", raw=options.codebook == "raw")
+    raw = options.mode == "paper" or options.codebook == "raw"
+    donors = codebook_donors(tokenizer, candidates, options.k, target_dist.shape[-1], "lantern", raw=raw)
+    if options.mode == "paper":
+        return released_law(dist, target_dist, budget, tree, donors, lambda mass: torch.full_like(mass, options.delta), "lantern")
     # a candidate's mass changes only in its own turn, so capping it at its mass + delta gives it a budget of its own
     cap = dist.gather(1, candidates.clamp(min=0)) + options.delta if options.budget == "candidate" else None
     return transfer(dist, target_dist, candidates, donors, budget.to(dist.device), cap=cap, whole=options.whole_neighbours, distinct=True)[0]
+
+
+def released_law(
+    dist: Tensor, target_dist: Tensor, budget: Tensor, tree: DraftTree, near: Tensor, allowance: Callable[[Tensor], Tensor], method: str
+) -> Tensor:
+    """The law of the token the released rule (module docstring) emits at each node, given
+    the children drawn there, as q_R [n, V]: the core's sample-and-match then emits exactly
+    that law, a child's token drawn being that child accepted.  ``near`` [n, C, k] holds
+    each child's k nearest codes; ``allowance(r(x))`` the most mass A(x) may hold (LANTERN:
+    delta; LANTERN++: (lam - 1) r(x)).  A draft the target masks is never accepted (the
+    core allows no mass where p is 0), and where zeroing leaves r no mass, r stays as it
+    was (as the core's recursive rejection does)."""
+    candidates = tree.candidates()[0].to(target_dist.device)
+    rows = (candidates >= 0).any(dim=1).nonzero().squeeze(1)
+    if rows.numel() == 0:  # nothing drafted (the image's last token): p as it is
+        return target_dist
+    if tree.draft_probs is None:
+        raise SpecimgError(f"{method} mode=paper tests each draft against the drafter's distribution, which only sampled trees keep: "
+                           "add --sample-drafts (TreeConfig(sample=True))")
+    if dist is not target_dist or bool((budget < 1).any()):  # the rule tests drafts against p itself, unbounded
+        raise SpecimgError(f"{method} mode=paper has no TVD budget: run it alone or first in a stack, with no --delta below 1")
+    law = target_dist.clone()
+    p = target_dist[rows].double()
+    r, q = p, tree.draft_probs.to(p.device)[rows].double()
+    emitted = torch.zeros_like(r)
+    reach = torch.ones(rows.numel(), dtype=r.dtype, device=r.device)  # P(every earlier child rejected)
+    at = torch.arange(rows.numel(), device=r.device)
+    tiny = torch.finfo(r.dtype).tiny
+    for j in range(candidates.shape[1]):
+        drafted = candidates[rows, j] >= 0
+        x, ball = candidates[rows, j].clamp(min=0), near[rows, j].clamp(min=0)
+        mass = r.gather(1, ball)
+        lifted = r[at, x] + (mass * (mass.cumsum(1) <= allowance(r[at, x])[:, None])).sum(1)  # r(x) + r(A(x))
+        accept = torch.where(drafted & (p[at, x] > 0), (lifted / q[at, x].clamp(min=tiny)).clamp(max=1.0), 0.0)
+        emitted[at, x] += reach * accept
+        reach = reach * (1 - accept)
+        left = (r - q).clamp(min=0).scatter(1, torch.cat([x[:, None], ball], dim=1), 0.0)  # x and all k nearest
+        total = left.sum(1, keepdim=True)
+        r = torch.where(drafted[:, None] & (total > 0), left / total.clamp(min=tiny), r)
+        dropped = q.scatter(1, x[:, None], 0.0)
+        kept = dropped.sum(1, keepdim=True)
+        q = torch.where(drafted[:, None] & (kept > 0), dropped / kept.clamp(min=tiny), q)
+    law[rows] = (emitted + reach[:, None] * r).to(law.dtype)
+    return law

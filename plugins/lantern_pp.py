@@ -13,6 +13,15 @@ draft-rank order:
 A token the target finds unlikely stays unlikely: the cap scales with p_u(c).  The paper
 has the cap alone; delta = 1 is that rule (no node can move more than its mass off the
 candidates), and the default 0.1 adds the TVD budget every other method keeps.
+
+``mode="paper"`` is the rule of the released code (LANTERN++ is the lambda mode of
+jadohu/LANTERN's code): the static tree and LANTERN's released acceptance (its module
+docstring) with the cap in place of delta, neighbours in the raw codebook, no TVD budget
+(``LanternPPOptions.budgeted`` is False).  For each drawn child x, r the node's residual:
+
+    A(x)    = the longest prefix of B_k(x) with r(A(x)) <= (lam - 1) * r(x)
+    accept x with probability min(1, (r(x) + r(A(x))) / q(x))
+    else      r <- norm(max(0, r - q) with x and ALL of B_k(x) set to 0),  q <- norm(q without x)
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from attrs import validators as v
 from torch import Tensor
 
 from specimg import CODEBOOKS, DraftSession, DraftTree, MethodSpec, TreeConfig, build_static, codebook_donors, hookimpl, transfer
+from specimg_plugins.lantern import MODES, released_law
 
 RankPaths = tuple[tuple[int, ...], ...]
 
@@ -67,18 +77,35 @@ class LanternPPOptions:
     node (1: none, the paper's cap-only rule); tree: the static tree's name (see TREES), or
     auto: the likeliest paths, as many nodes as the run's tree has (with auto trees, the
     size the machine's cost model picks); codebook: neighbours in the vectors the decoder
-    sees or in the raw codebook (the released code's)."""
+    sees or in the raw codebook (the released code's).  mode: "specimg" (the above) or
+    "paper" (the released code's rule, module docstring: k, lam and tree as given, the raw
+    codebook; delta and codebook unused)."""
 
     k: int = attrs.field(default=10, validator=v.ge(1))
     lam: float = attrs.field(default=5.0, validator=v.ge(1.0))
     delta: float = 0.1
     tree: str = attrs.field(default="auto", validator=v.in_(("auto", *TREES)))
     codebook: str = attrs.field(default="normalised", validator=v.in_(CODEBOOKS))
+    mode: str = attrs.field(default="specimg", validator=v.in_(MODES))
+
+    @property
+    def node_delta(self) -> float:
+        """The TVD the stack may spend at a node for this method: delta, or 1 for the
+        paper's rule, which has no budget."""
+        return 1.0 if self.mode == "paper" else self.delta
+
+    @property
+    def budgeted(self) -> bool:
+        """Whether every node stays within delta in TVD (the released rule has no budget)."""
+        return self.mode == "specimg"
 
 
 @hookimpl
 def register_methods(register: Callable[[MethodSpec], None]) -> None:
-    register(MethodSpec("lantern++", LanternPPOptions, "LANTERN++: static draft tree, codebook neighbours, cap lam * p"))
+    register(MethodSpec(
+        "lantern++", LanternPPOptions, "LANTERN++: static draft tree, codebook neighbours, cap lam * p", paper={"mode": "paper"},
+        departures="the paper has the cap lam * p alone; specimg's default adds a TVD budget of delta 0.1 per node",
+    ))
 
 
 @hookimpl
@@ -94,6 +121,9 @@ def build_relaxed_dist(
     dist: Tensor, target_dist: Tensor, budget: Tensor, tree: DraftTree, tokenizer: Any, options: LanternPPOptions
 ) -> Tensor:
     candidates = tree.candidates()[0].to(dist.device)
-    donors = codebook_donors(tokenizer, candidates, options.k, target_dist.shape[-1], "lantern++", raw=options.codebook == "raw")
+    raw = options.mode == "paper" or options.codebook == "raw"
+    donors = codebook_donors(tokenizer, candidates, options.k, target_dist.shape[-1], "lantern++", raw=raw)
+    if options.mode == "paper":
+        return released_law(dist, target_dist, budget, tree, donors, lambda mass: (options.lam - 1) * mass, "lantern++")
     cap = options.lam * target_dist.gather(1, candidates.clamp(min=0))
     return transfer(dist, target_dist, candidates, donors, budget.to(dist.device), cap=cap, whole=True, distinct=True)[0]

@@ -9,4 +9,4 @@ from specimg import MethodSpec, hookimpl
 
 @hookimpl
 def register_methods(register):
-    register(MethodSpec("naive", description="exact speculative decoding (no relaxation, delta 0)"))
+    register(MethodSpec("naive", description="exact speculative decoding (no relaxation, delta 0)", paper={}))

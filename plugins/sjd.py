@@ -48,7 +48,10 @@ class SJDOptions:
 
 @hookimpl
 def register_methods(register: Callable[[MethodSpec], None]) -> None:
-    register(MethodSpec("sjd", SJDOptions, "SJD: draft-free speculative Jacobi decoding over a window of L tokens", drafter=False))
+    register(MethodSpec(
+        "sjd", SJDOptions, "SJD: draft-free speculative Jacobi decoding over a window of L tokens", drafter=False, paper={"mode": "paper"},
+        departures="fresh tokens keep the uniform q they were drawn from (the release gives them a one-hot q), and L counts drafts; both exact",
+    ))
 
 
 @hookimpl

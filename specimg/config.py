@@ -88,5 +88,6 @@ class TreeConfig:
                 object.__setattr__(self, name, default)
 
 
-DYNAMIC_DEFAULTS = {"depth": 6, "topk": 8, "total_tokens": 60}
-"""A dynamic tree's sizes when unset: EAGLE-2's published shape."""
+DYNAMIC_DEFAULTS = {"depth": 5, "topk": 10, "total_tokens": 60}
+"""A dynamic tree's sizes when unset: EAGLE-2's released sampler defaults (60 tokens, depth 5,
+top-k 10; EAGLE-3's release deepens it to 7)."""

@@ -26,14 +26,25 @@ class MethodSpec:
     default; a ``delta`` field is the method's total-variation budget per node, unless the
     class also has a ``node_delta`` property, which then is), a one-line description,
     whether it drafts with a drafter (``drafter=False``: its ``propose_tree`` makes every
-    tree from the target's own previous outputs, as Jacobi decoding does), and the plugin
-    object that implements its hooks (set by the manager)."""
+    tree from the target's own previous outputs, as Jacobi decoding does), option values it
+    takes by default when stacked with another method (``stacked_defaults={"sjd": {"mode":
+    "paper"}}``: with sjd, gsd is the paper's rule unless the user says otherwise), the
+    option values that run its paper as published (``paper``; None: no paper's method) and
+    why its defaults depart from them (``departures``), and the plugin object that
+    implements its hooks (set by the manager)."""
 
     name: str
     options: type = NoOptions
     description: str = ""
     drafter: bool = True
+    stacked_defaults: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict)
+    paper: Mapping[str, Any] | None = None
+    departures: str = ""
     plugin: object = attrs.field(default=None, eq=False, repr=False)
+
+    def defaults_beside(self, names: list[str]) -> dict[str, Any]:
+        """The option values this method takes by default in a stack of ``names``."""
+        return {key: value for other in names if other != self.name for key, value in self.stacked_defaults.get(other, {}).items()}
 
     @property
     def defaults(self) -> Any:
@@ -100,6 +111,19 @@ def check_method_spec(spec: MethodSpec) -> None:
         spec.options()
     except Exception as err:
         raise SpecimgError(f"method {spec.name!r}: its options class cannot be built from its defaults ({err})") from None
+    settings = {f"its defaults beside {other!r}": values for other, values in spec.stacked_defaults.items()}
+    for what, values in {**settings, "its paper settings": spec.paper or {}}.items():
+        try:
+            make_options(spec, values)
+        except SpecimgError as err:
+            raise SpecimgError(f"method {spec.name!r}: {what} are not options it takes ({err})") from None
+
+
+def paper_rows(spec: MethodSpec) -> list[tuple[str, Any, Any]]:
+    """(option, specimg's default, the paper's value) for every option of ``spec``, the
+    paper's value being the default where its ``paper`` settings leave the option alone."""
+    ours, published = spec.defaults, make_options(spec, spec.paper or {})
+    return [(f.name, getattr(ours, f.name), getattr(published, f.name)) for f in attrs.fields(spec.options)]
 
 
 def parse_options(pairs: list[str] | tuple[str, ...]) -> dict[str, dict[str, str]]:
@@ -180,7 +204,7 @@ def resolve_stack(
     for name in options:
         if name not in names:
             raise SpecimgError(f"options given for {name!r}, which is not in the method stack {method!r}")
-    members = tuple(Member(registry[n], make_options(registry[n], options.get(n, {}))) for n in names)
+    members = tuple(Member(registry[n], make_options(registry[n], {**registry[n].defaults_beside(names), **options.get(n, {})})) for n in names)
     for member in members:
         if not 0.0 <= member.delta <= 1.0:
             raise SpecimgError(f"{member.spec.name}.delta must lie in [0, 1], got {member.delta}")

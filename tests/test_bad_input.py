@@ -91,8 +91,8 @@ def test_rank_paths_and_a_static_tree_go_together_from_python(tree):
         (["-n", "99999999999999999999"], "Invalid value for '--num-images' / '-n': 99999999999999999999 is not in the range 1<=x<=1000000"),
         (["--cfg-interval", "99999999999999999999"], "Invalid value for '--cfg-interval': 99999999999999999999 is not in the range -1<=x<=2147483647"),
         (["--threads", "99999999999999999999"], "Invalid value for '--threads': 99999999999999999999 is not in the range 1<=x<=1024"),
-        (["--depth", "20"], "this tree takes up to 152 nodes per step in the drafter's cache, which holds 128: lower --topk or --depth"),
-        (["--topk", "64", "--total-tokens", "128"], "up to 320 nodes per step in the drafter's cache, which holds 128"),
+        (["--depth", "20"], "this tree takes up to 190 nodes per step in the drafter's cache, which holds 128: lower --topk or --depth"),
+        (["--topk", "64", "--total-tokens", "128"], "up to 256 nodes per step in the drafter's cache, which holds 128"),
         (["--total-tokens", "200"], "up to 200 nodes per step in the target's cache, which holds 128: lower --total-tokens, --topk or --depth"),
         (["--tree", "chain", "--depth", "200"], "up to 201 nodes per step in the target's cache, which holds 128: lower --depth"),
         (["--tree", "static", "--rank-paths", " ".join(f"0.{r}" for r in range(128))], "up to 129 nodes per step in the target's cache"),
@@ -305,7 +305,8 @@ def test_a_plugin_that_breaks_its_budget_is_named_with_its_package(tmp_path, cap
 def test_faulty_plugins_break_no_command_and_are_listed(tmp_path, capsys, fake_plugins):
     fake_plugins(naive_again="specimg_fake_plugins:naive_again", misspelled="specimg_fake_plugins:misspelled")
     assert run(["generate", *TINY, "--out", str(tmp_path / "o")]) == 0
-    warnings = capsys.readouterr().err.splitlines()
+    *warnings, bar = capsys.readouterr().err.splitlines()
+    assert bar.startswith("naive: 100% 64/64 [")  # the progress line stderr gets without a terminal
     assert warnings == [
         "specimg: warning: specimg plugin 'naive_again' (fake-plugins 1.0) is left out: it registers method 'naive', which plugin 'naive' (specimg 0.1.0) already provides",
         "specimg: warning: specimg plugin 'misspelled' (fake-plugins 1.0) is left out: it implements 'build_relaxed_distt', which is not a specimg hook (misspelled?)",

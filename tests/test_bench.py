@@ -206,7 +206,7 @@ def test_interleaved_same_seeds_and_results_equal_separate_generation(models, tm
     walls = {lab: sum(r["stats"]["wall_s"] for r in run.records if r["label"] == lab) for lab in ("ar", "naive")}
     assert naive_row["speedup"] == pytest.approx(walls["ar"] / walls["naive"])
     assert naive_row["tau"] == pytest.approx(3 * 64 / sum(r["stats"]["target_forwards"] for r in run.records if r["label"] == "naive"))
-    assert naive_row["resolved"] == {"delta": 0.0, "options": {"naive": {}}} and naive_row["tvd"] == 0.0
+    assert naive_row["resolved"] == {"delta": 0.0, "options": {"naive": {}}, "budgeted": True} and naive_row["tvd"] == 0.0
 
 
 def test_tvd_column_pools_the_budget_spent_per_emitted_token():

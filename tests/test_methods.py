@@ -433,3 +433,34 @@ def test_two_tree_suppliers_are_refused():
     target, drafter, tokenizer = world()
     with pytest.raises(SpecimgError, match="'dummytree' and 'lantern\\+\\+' both implement 'propose_tree'"):
         Engine(target, drafter, method="dummytree+lantern++", tokenizer=tokenizer, plugins=pm)
+
+
+def test_a_method_takes_its_defaults_beside_another_and_the_user_overrides_them():
+    @attrs.frozen
+    class Opts:
+        mode: str = "own"
+        k: int = 1
+
+    class Pair:
+        @hookimpl
+        def register_methods(self, register):
+            register(MethodSpec("host", drafter=True))
+            register(MethodSpec("guest", Opts, stacked_defaults={"host": {"mode": "published"}}))
+
+    plugins = PluginManager(autoload=False)
+    plugins.register(Pair(), name="pair")
+    assert plugins.stack("guest").options_dict()["guest"] == {"mode": "own", "k": 1}
+    assert plugins.stack("host+guest").options_dict()["guest"] == {"mode": "published", "k": 1}
+    assert plugins.stack("host+guest", {"guest": {"mode": "own"}}).options_dict()["guest"]["mode"] == "own"
+
+
+def test_defaults_beside_another_method_must_be_options_the_method_takes():
+    class Bad:
+        @hookimpl
+        def register_methods(self, register):
+            register(MethodSpec("bad", lantern.LanternOptions, stacked_defaults={"naive": {"kk": 3}}))
+
+    plugins = PluginManager(autoload=False)
+    with pytest.raises(SpecimgError, match="defaults beside 'naive'"):
+        plugins.register(Bad(), name="bad")
+        plugins.stack("bad")

@@ -64,10 +64,12 @@ def test_a_symmetric_window_fails_the_published_law():
     assert any(not torch.allclose(plugin_law(x, wrong), published_law(x, 2), atol=1e-6) for x in range(P.shape[0]))
 
 
-def test_paper_mode_declares_no_budget():
+def test_paper_mode_declares_no_budget_and_is_gsd_beside_sjd():
     plugins = PluginManager()
     assert not plugins.stack("sjd+gsd", {"gsd": {"mode": "paper"}}).budgeted
-    assert plugins.stack("sjd+gsd").budgeted
+    assert plugins.stack("sjd+gsd", {"gsd": {"mode": "specimg"}}).budgeted
+    assert plugins.stack("gsd").budgeted  # alone, on a drafter's trees, the budgeted rule
+    assert plugins.stack("sjd+gsd").options_dict()["gsd"]["mode"] == "paper"  # beside sjd, GSD as published
 
 
 def test_an_unknown_mode_is_refused():

@@ -17,6 +17,7 @@ from specimg_plugins import gsd, sjd
 from tests.cli_runner import run
 
 TestSJDConformance = make_conformance_tests("sjd", "sjd+gsd")
+TestSJDBudgetedGSDConformance = make_conformance_tests("sjd+gsd", options={"gsd": {"mode": "specimg"}})
 SAMPLINGS = {"cfg": statistics.SAMPLING, "cfg-topk2": Sampling(cfg_scale=2.0, top_k=2, temperature=0.8)}
 PROBLEM = 10
 """The Markov problem: one where the wrong rule below shifts the law by a chi-square

@@ -8,15 +8,14 @@ import sys
 import warnings
 from typing import Any
 
-import attrs
 import click
 
 from specimg.cli.bench import bench
 from specimg.cli.generate import generate
+from specimg.cli.methods import methods
 from specimg.cli.train import make_drafter_data_command, train_demo, train_drafter_command
 from specimg.cli.tune import tune
 from specimg.errors import SpecimgError
-from specimg.methods import AR
 from specimg.plugins import get_plugin_manager
 from specimg.relax import BudgetError
 
@@ -97,16 +96,6 @@ def plugins() -> None:
 
 
 @cli.command()
-def methods() -> None:
-    """List methods with their options and defaults."""
-    click.echo(f"{AR:<12} plain autoregressive decoding, the baseline (core)")
-    for name, spec in sorted(get_plugin_manager().methods().items()):
-        click.echo(f"{name:<12} {spec.description}")
-        for field in attrs.fields(spec.options):
-            click.echo(f"    {name}.{field.name} = {field.default!r}")
-
-
-@cli.command()
 def models() -> None:
     """List the built-in models, the supported model families and presets, and how to point at each."""
     from specimg.models.demo import bundle_exists
@@ -116,5 +105,5 @@ def models() -> None:
         click.echo(line)
 
 
-for command in (generate, bench, tune, train_demo, make_drafter_data_command, train_drafter_command):
+for command in (methods, generate, bench, tune, train_demo, make_drafter_data_command, train_drafter_command):
     cli.add_command(command)

@@ -1,7 +1,9 @@
 """What each image is conditioned on, from the command line: class labels for a
 class-conditional (c2i) target; prompts (``--prompt TEXT``, ``--prompts FILE``) turned into
 caption features by a text encoder for a text-conditional (t2i) LlamaGen, or passed as
-texts to a target that tokenizes them itself (Janus, Lumina-mGPT).
+texts to a target that tokenizes them itself (Janus, Lumina-mGPT).  Such a target also
+takes whole prompts as token ids (``--prompt-ids``, a ``.jsonl``'s ``ids`` field), so a
+folder without a text tokenizer can be prompted; a run's prompts are all texts or all ids.
 
 ``generate``, ``bench`` and ``make-drafter-data`` share this, so a condition that does not
 fit the target is refused with the same message everywhere, and image i gets the same
@@ -13,15 +15,23 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from specimg.errors import SpecimgError
-from specimg.models.base import Condition, takes_text
+from specimg.models.base import Condition, PromptIds, takes_text
 
 
 class Conditions(NamedTuple):
-    """One condition per image, its JSON key (class id or prompt text) and the prompts (None for c2i)."""
+    """One condition per image, its JSON key (class id, prompt text, or prompt ids as a list)
+    and the prompt texts (None for c2i and for prompt ids)."""
 
     values: list[Condition]
     keys: list[Any]
     prompts: list[str] | None
+
+    @property
+    def field(self) -> str:
+        """The manifest field that records each image's key."""
+        if self.prompts is not None:
+            return "prompt"
+        return "prompt_ids" if self.values and isinstance(self.values[0], tuple) else "condition"
 
 
 def shorten(text: str, width: int = 40) -> str:
@@ -34,6 +44,15 @@ def shorten(text: str, width: int = 40) -> str:
     return cut + "..."
 
 
+def grid_label(entry: dict[str, Any]) -> str:
+    """A manifest entry's label in a grid: its prompt or prompt ids, shortened, or its class."""
+    if "prompt" in entry:
+        return shorten(entry["prompt"])
+    if "prompt_ids" in entry:
+        return shorten("ids " + " ".join(map(str, entry["prompt_ids"])))
+    return f"class {entry['condition']}"
+
+
 def is_t2i(target: Any) -> bool:
     return getattr(getattr(target, "config", None), "model_type", "c2i") == "t2i"
 
@@ -42,24 +61,64 @@ PREVIEW = 40
 """Characters of a ``--prompt`` shown in a message about it (it may be far longer)."""
 
 
-def prompt_texts(kw: dict[str, Any], num: int) -> list[str]:
-    """The ``--prompt`` texts, then those of ``--prompts`` (only ``--prompt-category``'s
-    when given), cycled over ``num`` images; the caller has checked that there are some."""
+def _preview(text: str) -> str:
+    return f"{text[:PREVIEW]!r}{'...' if len(text) > PREVIEW else ''}"
+
+
+def _given_prompts(kw: dict[str, Any]) -> list[tuple[str, str | PromptIds]]:
+    """Each prompt the flags give with its source ("--prompt", "--prompt-ids" or the file):
+    the ``--prompt`` texts, the ``--prompt-ids``, then those of ``--prompts`` (only
+    ``--prompt-category``'s when given)."""
     from specimg.cli.prompts import check_prompt, read_prompts, select_prompts
 
-    texts = list(kw.get("prompt") or ())
-    for text in texts:
-        check_prompt(text, f"--prompt {text[:PREVIEW]!r}{'...' if len(text) > PREVIEW else ''}")
+    given: list[tuple[str, str | PromptIds]] = []
+    for text in kw.get("prompt") or ():
+        check_prompt(text, f"--prompt {_preview(text)}")
+        given.append(("--prompt", text))
+    given += [("--prompt-ids", tuple(ids)) for ids in kw.get("prompt_ids") or ()]
     if kw.get("prompts"):
         file_prompts = read_prompts(kw["prompts"])
-        texts += [p.text for p in select_prompts(file_prompts, len(file_prompts), kw.get("prompt_category"))]
-    return [texts[i % len(texts)] for i in range(num)]
+        given += [(kw["prompts"], p.value) for p in select_prompts(file_prompts, len(file_prompts), kw.get("prompt_category"))]
+    return given
+
+
+def _all_ids(given: list[tuple[str, str | PromptIds]]) -> bool:
+    """Whether the prompts are all token ids, else all texts: a run mixing them is refused,
+    as its manifest records one kind (field ``prompt`` or ``prompt_ids``) to resume on."""
+    texts = [source for source, prompt in given if isinstance(prompt, str)]
+    ids = [source for source, prompt in given if not isinstance(prompt, str)]
+    if texts and ids:
+        mix = f"{texts[0]} holds both texts and token ids" if texts[0] == ids[0] else f"{texts[0]} gives texts and {ids[0]} token ids"
+        raise SpecimgError(f"a run's prompts are all texts or all token ids: {mix}")
+    return bool(ids)
+
+
+def _cycled(prompts: list[Any], num: int) -> list[Any]:
+    return [prompts[i % len(prompts)] for i in range(num)]
+
+
+def _checked_ids(target: Any, given: list[tuple[str, str | PromptIds]]) -> None:
+    """Refuse, before anything runs, prompt ids the target cannot take (an id outside its
+    vocabulary; for Janus, ids not ending in begin-of-image), naming where they came from."""
+    for source, ids in dict.fromkeys(given):
+        try:
+            target.prompt_ids(ids)
+        except SpecimgError as err:
+            shown = _preview(",".join(map(str, ids)))
+            name = f"--prompt-ids {shown}" if source == "--prompt-ids" else f"{source}: the prompt ids {shown}"
+            raise SpecimgError(f"{name}: {err}") from None
+
+
+_T2I_IDS = "{} token ids, which a LlamaGen t2i target cannot take: it encodes prompt texts with --text-encoder; give --prompt or --prompts"
+"""Why a LlamaGen t2i target refuses prompt ids, after what gave them."""
 
 
 def _refuse_unused_flags(target: Any, kw: dict[str, Any]) -> None:
     """Refuse a condition flag this target would ignore, before anything is read or encoded."""
     if kw.get("prompt_category") and not kw.get("prompts"):
         raise SpecimgError("--prompt-category picks among the prompts of --prompts FILE: give the file, or drop --prompt-category")
+    if kw.get("prompt") and kw.get("prompt_ids"):
+        raise SpecimgError("--prompt and --prompt-ids do not go together: give a run's prompts all as texts or all as token ids")
     if takes_text(target):
         if kw.get("class_labels"):
             raise SpecimgError("this target is text-conditional: give --prompt or --prompts, not --class-labels")
@@ -68,28 +127,38 @@ def _refuse_unused_flags(target: Any, kw: dict[str, Any]) -> None:
     elif is_t2i(target):
         if kw.get("class_labels"):
             raise SpecimgError("this target is text-conditional (t2i): give --prompt or --prompts, not --class-labels")
+        if kw.get("prompt_ids"):
+            raise SpecimgError(_T2I_IDS.format("--prompt-ids gives"))
     else:
-        if kw.get("prompt") or kw.get("prompts"):
-            raise SpecimgError("--prompt / --prompts needs a t2i target; this one is class-conditional: give --class-labels")
+        if kw.get("prompt") or kw.get("prompts") or kw.get("prompt_ids"):
+            raise SpecimgError("--prompt / --prompts / --prompt-ids needs a t2i target; this one is class-conditional: give --class-labels")
         if kw.get("text_encoder"):
             raise SpecimgError("--text-encoder is for LlamaGen t2i targets; this one is class-conditional: drop it")
 
 
 def conditions_for(target: Any, kw: dict[str, Any]) -> Conditions:
     """The conditions the flags ask for (``num_images``, ``class_labels``, ``prompt``,
-    ``prompts``, ``prompt_category``, ``text_encoder``), checked against the target."""
+    ``prompt_ids``, ``prompts``, ``prompt_category``, ``text_encoder``), checked against the target."""
     from specimg.cli.prompts import class_labels
     from specimg.models.text_encoder import captions_for_target, load_text_encoder
 
     _refuse_unused_flags(target, kw)
     n = kw["num_images"]
-    wants_prompts = bool(kw.get("prompt") or kw.get("prompts"))
+    wants_prompts = bool(kw.get("prompt") or kw.get("prompts") or kw.get("prompt_ids"))
     if takes_text(target):
         if not wants_prompts:
-            raise SpecimgError("a text-conditional target needs --prompts FILE or --prompt TEXT")
-        if hasattr(target, "text_tokenizer") and target.text_tokenizer is None:  # Janus, Lumina-mGPT: the folder had none
-            raise SpecimgError("this target's folder has no text tokenizer (tokenizer.json or tokenizer.model) to read --prompt / --prompts with")
-        texts = prompt_texts(kw, n)
+            raise SpecimgError("a text-conditional target needs --prompts FILE or --prompt TEXT (or --prompt-ids IDS where its folder has no text tokenizer)")
+        given = _given_prompts(kw)
+        if _all_ids(given):
+            _checked_ids(target, given)
+            ids = _cycled([prompt for _, prompt in given], n)
+            return Conditions(ids, [list(x) for x in ids], None)
+        if getattr(target, "text_tokenizer", True) is None:  # Janus, Lumina-mGPT: the folder had none
+            raise SpecimgError(
+                "this target's folder has no text tokenizer (tokenizer.json or tokenizer.model) to read --prompt / --prompts with: "
+                "give each prompt as token ids (--prompt-ids, or a .jsonl's ids field; see docs/models.md)"
+            )
+        texts = _cycled([prompt for _, prompt in given], n)
         return Conditions(list(texts), list(texts), texts)
     if not is_t2i(target):
         labels = class_labels(kw.get("class_labels"), n, target.config.num_classes)
@@ -98,7 +167,10 @@ def conditions_for(target: Any, kw: dict[str, Any]) -> Conditions:
         raise SpecimgError("a t2i target needs --prompts FILE or --prompt TEXT, and --text-encoder")
     if not kw.get("text_encoder"):
         raise SpecimgError("prompts need --text-encoder: a local T5 folder (flan-t5-xl for LlamaGen) or a specimg text-encoder file")
-    texts = prompt_texts(kw, n)
+    given = _given_prompts(kw)
+    if _all_ids(given):
+        raise SpecimgError(_T2I_IDS.format(f"{kw['prompts']} gives"))
+    texts = _cycled([prompt for _, prompt in given], n)
     config = target.config
     captions = captions_for_target(load_text_encoder(kw["text_encoder"]), texts, config.cls_token_num, config.caption_dim)
     return Conditions(list(captions), list(texts), texts)

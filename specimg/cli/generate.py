@@ -9,10 +9,9 @@ from typing import Any
 import attrs
 import click
 import torch
-from tqdm import tqdm
 
 from specimg import costs, planner
-from specimg.cli.conditions import Conditions, conditions_for, shorten
+from specimg.cli.conditions import Conditions, conditions_for, grid_label
 from specimg.cli.loading import base_sampling, default_model, models_from, process_device, run_inputs
 from specimg.cli.options import (
     THREADS, check_tree_fits, condition_options, cuda_graphs_option, device_from, device_options, method_options, model_options,
@@ -21,6 +20,7 @@ from specimg.cli.options import (
 from specimg.engine import Engine
 from specimg.errors import SpecimgError
 from specimg.methods import parse_options
+from specimg.progress import progress_bar
 from specimg.runs.log import RunLog, open_run
 from specimg.stats import ImageStats, RunStats
 
@@ -92,6 +92,7 @@ def _settings(engine: Engine, models: Any, seed: int, inputs: dict[str, Any]) ->
     settings = {
         "model": models.name, "inputs": inputs, "method": engine.method,
         "options": engine.stack.options_dict() if engine.stack else {}, "delta": engine.stack.delta if engine.stack else 0.0,
+        "budgeted": engine.stack.budgeted if engine.stack else True,
         "sampling": attrs.asdict(engine.sampling), "tree": attrs.asdict(engine.tree_config), "seed": seed,
         "device": engine.device.type, "dtype": str(engine.target.input_embeddings().dtype),
     }
@@ -100,27 +101,27 @@ def _settings(engine: Engine, models: Any, seed: int, inputs: dict[str, Any]) ->
     return settings
 
 
-def _key(conditions: Conditions) -> str:
-    return "prompt" if conditions.prompts is not None else "condition"
-
-
 def _refuse_other_conditions(log: RunLog, conditions: Conditions) -> None:
-    key = _key(conditions)
+    key = conditions.field
     mismatch = log.first_mismatch([{key: k} for k in conditions.keys])
     if mismatch is not None:
         index, _, there, here = mismatch
-        held = f"of class {there}, this run asks for class {here}: its --class-labels" if key == "condition" else f"for the prompt {there!r}, this run asks for {here!r}: its prompts"
+        if key == "condition":
+            held = f"of class {there}, this run asks for class {here}: its --class-labels"
+        else:  # the folder may hold the prompt as text and this run give it as ids, or the other way round
+            entry = log.done[index]
+            held = f"for the prompt {entry.get('prompt', entry.get('prompt_ids'))!r}, this run asks for {here!r}: its prompts"
         raise SpecimgError(f"{log.out} holds image {index} {held} differ; give another --out or remove {log.out}")
 
 
 def _write_images(engine: Engine, models: Any, conditions: Conditions, seed: int, log: RunLog, mine: list[int], main: bool) -> list[ImageStats]:
     from specimg.runs.images import save_png_atomic, to_pil
 
-    key = _key(conditions)
+    key = conditions.field
     if models.tokenizer is not None:
         os.makedirs(os.path.join(log.out, "images"), exist_ok=True)
     images: list[ImageStats] = []
-    with tqdm(total=len(mine) * models.target.num_tokens, unit="tok", desc=engine.method, disable=None if main else True) as bar:
+    with progress_bar(total=len(mine) * models.target.num_tokens, unit="tok", desc=engine.method, show=main) as bar:
         for index in mine:
             result = engine.generate([conditions.values[index]], seed=seed + index, progress=bar.update)
             images.append(result.stats.images[0])
@@ -137,7 +138,7 @@ def _report(engine: Engine, models: Any, log: RunLog, run: RunStats, images: int
     if models.tokenizer is not None:
         entries = log.all_entries()
         codes = torch.tensor([e["tokens"] for e in entries])
-        labels = [shorten(e["prompt"]) if "prompt" in e else f"class {e['condition']}" for e in entries]
+        labels = [grid_label(e) for e in entries]
         grid = make_grid(_decode(models.tokenizer, codes), nrow=min(8, len(entries)), labels=labels)
         save_png_atomic(grid, os.path.join(log.out, "grid.png"))
     s = engine.sampling

@@ -4,6 +4,7 @@ so that a flag means the same thing, with the same default and help, everywhere.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -54,6 +55,26 @@ class RankPaths(click.ParamType):
         return paths
 
 
+class PromptIdsParam(click.ParamType):
+    """A whole prompt as token ids, ``"1,2,3"`` (commas or spaces between them), for a target
+    whose folder has no text tokenizer; the target checks them against its vocabulary."""
+
+    name = "IDS"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[int, ...]:
+        if isinstance(value, tuple):
+            return value
+        words = value.replace(",", " ").split()
+        if not words:
+            self.fail(f"{value!r} names no token id.", param, ctx)
+        if not all(re.fullmatch(r"[0-9]+", word) for word in words):
+            self.fail(f"{value[:40]!r} is not a list of token ids such as '1,2,3' (non-negative integers).", param, ctx)
+        try:
+            return tuple(int(word) for word in words)
+        except ValueError:  # more digits than Python converts
+            self.fail(f"{value[:40]!r} holds a number too long to be a token id.", param, ctx)
+
+
 def _apply(options: list[Callable[[F], F]]) -> Callable[[F], F]:
     def decorate(fn: F) -> F:
         for option in reversed(options):
@@ -97,7 +118,8 @@ def prompt_options(fn: F) -> F:
     """Prompts for a t2i target and the text encoder that turns them into caption features."""
     return _apply([
         click.option("--prompt", multiple=True, metavar="TEXT", help="a prompt for a t2i target (repeatable; cycled over the images)"),
-        click.option("--prompts", type=click.Path(dir_okay=False), help=f"prompts for a t2i target from a UTF-8 file: .txt, .jsonl, COCO captions_*.json or PartiPrompts.tsv (each at most {MAX_PROMPT_CHARS} characters)"),
+        click.option("--prompt-ids", multiple=True, type=PromptIdsParam(), help="a whole prompt as token ids, '1,2,3', for a Janus or Lumina-mGPT folder without a text tokenizer: what the target's template and tokenizer make of a text (repeatable; cycled over the images; not with --prompt)"),
+        click.option("--prompts", type=click.Path(dir_okay=False), help=f"prompts for a t2i target from a UTF-8 file: .txt, .jsonl, COCO captions_*.json or PartiPrompts.tsv (each at most {MAX_PROMPT_CHARS} characters); a .jsonl line may give a prompt's token ids instead, {{\"ids\": [1, 2, 3]}}"),
         click.option("--prompt-category", help="only the --prompts of this category (PartiPrompts' Category column, a .jsonl's category field; needs --prompts)"),
         click.option("--text-encoder", help="LlamaGen t2i targets only: turns prompts into caption features: a local T5 folder (flan-t5-xl) or a specimg text-encoder file"),
     ])(fn)

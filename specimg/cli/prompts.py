@@ -7,7 +7,9 @@ than :data:`MAX_PROMPT_FILE_BYTES` is refused:
 
 - ``*.txt`` (or anything not listed below): one caption per line;
 - ``*.jsonl``: one JSON value per line, a string or an object with a ``caption``,
-  ``prompt`` or ``text`` field (the first of these it has; other fields are kept as metadata);
+  ``prompt`` or ``text`` field (the first of these it has; other fields are kept as metadata),
+  or instead an ``ids`` field: the whole prompt as token ids (``{"ids": [1, 2, 3]}``, non-negative
+  integers), for a target that tokenizes prompts itself but whose folder has no tokenizer;
 - ``*.json``: the COCO captions annotations format (``captions_train2017.json``,
   ``captions_val2014.json``...): ``{"images": [...], "annotations": [{"image_id", "id",
   "caption"}, ...]}``; one caption per image (the one with the lowest annotation id), in
@@ -26,8 +28,10 @@ from typing import Any
 import attrs
 
 from specimg.errors import SpecimgError
+from specimg.models.base import PromptIds
 
 _TEXT_KEYS = ("caption", "prompt", "text")
+IDS_KEY = "ids"
 PARTI_COLUMNS = ("Prompt", "Category", "Challenge", "Note")
 
 MAX_PROMPT_CHARS = 4000
@@ -41,10 +45,17 @@ wrong path (a device, an image archive) than prompts."""
 
 @attrs.frozen
 class Prompt:
-    """One caption and where it came from (``meta``: the file's other fields)."""
+    """One caption and where it came from (``meta``: the file's other fields); a prompt given
+    as token ids has them in ``ids`` and no text."""
 
     text: str
     meta: dict[str, Any] = attrs.field(factory=dict, eq=False)
+    ids: PromptIds | None = None
+
+    @property
+    def value(self) -> str | PromptIds:
+        """The prompt as a target takes it: its ids when it has them, else its text."""
+        return self.ids if self.ids is not None else self.text
 
 
 # ----------------------------------------------------------------------------- class labels
@@ -160,14 +171,30 @@ def _jsonl(text: str, path: str) -> list[Prompt]:
             out.append(Prompt(value, {"line": number}))
             continue
         if not isinstance(value, dict):
-            raise SpecimgError(f"{where} is {_json_kind(value)}, not a string or an object with a {' / '.join(_TEXT_KEYS)} field")
+            raise SpecimgError(f"{where} is {_json_kind(value)}, not a string or an object with a {' / '.join(_TEXT_KEYS)} or {IDS_KEY} field")
         key = next((k for k in _TEXT_KEYS if k in value), None)
+        if IDS_KEY in value:
+            if key is not None:
+                raise SpecimgError(f"{where} has both {key!r} and {IDS_KEY!r}: give a prompt as text or as token ids, not both")
+            out.append(Prompt("", {k: v for k, v in value.items() if k != IDS_KEY}, _ids(value[IDS_KEY], where)))
+            continue
         if key is None or not isinstance(value[key], str):
             found = f": its {key!r} is {_json_kind(value[key])}" if key else ""
             raise SpecimgError(f"{where} has no string field {' / '.join(_TEXT_KEYS)}{found}")
         check_prompt(value[key], where)
         out.append(Prompt(value[key], {k: v for k, v in value.items() if k != key}))
     return out
+
+
+def _ids(value: Any, where: str) -> PromptIds:
+    """A JSON ``ids`` field as prompt ids: a non-empty array of non-negative integers (the
+    target checks them against its vocabulary)."""
+    if not isinstance(value, list) or not value:
+        raise SpecimgError(f"{where}: its {IDS_KEY!r} is {'an empty array' if value == [] else _json_kind(value)}, not an array of token ids")
+    bad = next((i for i, x in enumerate(value) if not (_is_int(x) and x >= 0)), None)
+    if bad is not None:
+        raise SpecimgError(f"{where}: its {IDS_KEY!r} holds {json.dumps(value[bad])[:40]}, not a token id (a non-negative integer)")
+    return tuple(value)
 
 
 def _is_int(value: Any) -> bool:

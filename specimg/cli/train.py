@@ -8,7 +8,6 @@ from typing import Any
 
 import click
 import torch
-from tqdm import tqdm
 
 from specimg.cli.conditions import sample_captions
 from specimg.cli.loading import base_sampling, process_device, train_target
@@ -20,6 +19,7 @@ from specimg.errors import SpecimgError
 from specimg.files import writable_folder
 from specimg.methods import parse_options
 from specimg.models.eagle import DRAFTER_TYPES
+from specimg.progress import progress_bar
 from specimg.runs.folder import claim
 from specimg.train.drafter import TrainConfig
 
@@ -96,10 +96,10 @@ def make_drafter_data_command(**kw: Any) -> None:
         shard_size=kw["shard_size"], batch_size=kw["batch_size"], drafter_type=kw["drafter_type"],
     )
     start = time.perf_counter()
-    with claim(kw["out"], state), tqdm(unit="img", desc="drafter data", disable=None if state.is_main_process else True) as bar:
+    with claim(kw["out"], state), progress_bar(unit="img", desc="drafter data", show=state.is_main_process) as bar:
         meta = make_drafter_data(
             target, kw["out"], spec, process_index=state.process_index, num_processes=state.num_processes,
-            barrier=state.wait_for_everyone, progress=bar.update,
+            barrier=state.wait_for_everyone, progress=bar.update, progress_total=lambda n: setattr(bar, "total", n),
         )
     if state.is_main_process:
         click.echo(
@@ -117,18 +117,18 @@ def make_drafter_data_command(**kw: Any) -> None:
 @click.option("--method", "-m", default=None, help="method stack whose train_loss hooks reweight the loss, e.g. cascade")
 @click.option("--option", "-o", "options", multiple=True, metavar="METHOD.KEY=VALUE", help="a method option (repeatable)")
 @click.option("--drafter-type", type=click.Choice(list(DRAFTER_TYPES)), default="eagle1", show_default=True, help="eagle3 needs data made with --drafter-type eagle3")
-@click.option("--ttt-steps", type=click.IntRange(1, 16), default=TrainConfig().ttt_steps, show_default=True, help="EAGLE-3's unrolled training-time-test steps")
+@click.option("--ttt-steps", type=click.IntRange(1, 16), default=TrainConfig().ttt_steps, show_default=True, help="EAGLE-3's unrolled training-time-test steps (EAGLE-3's own 7)")
 @click.option("--init", type=click.Path(dir_okay=False), help="start from these drafter weights (safetensors)")
 @click.option("--steps", type=click.IntRange(min=1), default=TrainConfig().steps, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=TrainConfig().batch_size, show_default=True, help="global batch (all processes), in images")
-@click.option("--lr", type=FiniteFloat(min=0.0, min_open=True), default=TrainConfig().lr, show_default=True)
+@click.option("--lr", type=FiniteFloat(min=0.0, min_open=True), default=None, help="[default: the drafter type's published one: eagle1 3e-5, eagle3 5e-5]")
 @click.option("--warmup", type=click.IntRange(min=0), default=None, help="warmup steps [default: 5% of --steps]")
 @click.option("--min-lr-ratio", type=FiniteFloat(0.0, 1.0), default=0.0, show_default=True, help="cosine floor, as a fraction of --lr")
 @click.option("--weight-decay", type=FiniteFloat(min=0.0), default=0.0, show_default=True)
 @click.option("--w-cls", type=FiniteFloat(min=0.0), default=None, help="weight of the soft cross-entropy [default: 0.1, EAGLE-1's p_w; 1.0 for eagle3]")
 @click.option("--w-reg", type=FiniteFloat(min=0.0), default=1.0, show_default=True, help="weight of the SmoothL1 feature regression (EAGLE v_w)")
-@click.option("--clip-value", type=FiniteFloat(min=0.0, min_open=True), default=0.5, show_default=True, help="clip gradient values (EAGLE)")
-@click.option("--clip-norm", type=FiniteFloat(min=0.0, min_open=True), default=None, help="clip the gradient norm")
+@click.option("--clip-value", type=FiniteFloat(min=0.0), default=None, help="clip gradient values; 0: off [default: eagle1 0.5 (EAGLE-1), eagle3 off]")
+@click.option("--clip-norm", type=FiniteFloat(min=0.0), default=None, help="clip the gradient norm; 0: off [default: eagle1 off, eagle3 0.5 (EAGLE-3)]")
 @click.option("--noise", type=FiniteFloat(min=0.0), default=0.0, show_default=True, help="width of uniform noise on the input features")
 @click.option("--checkpoint-every", type=click.IntRange(min=1), default=500, show_default=True)
 @click.option("--keep-checkpoints", type=click.IntRange(min=1), default=2, show_default=True)
@@ -143,12 +143,13 @@ def train_drafter_command(**kw: Any) -> None:
 
     from specimg.train.drafter import train_drafter
 
+    by_type = {key: kw[key] for key in ("lr", "w_cls") if kw[key] is not None}  # unset: the drafter type's published value
+    by_type |= {key: kw[key] or None for key in ("clip_value", "clip_norm") if kw[key] is not None}  # 0: off
     config = TrainConfig(
-        steps=kw["steps"], batch_size=kw["batch_size"], lr=kw["lr"], weight_decay=kw["weight_decay"], warmup_steps=kw["warmup"],
-        min_lr_ratio=kw["min_lr_ratio"], w_reg=kw["w_reg"], clip_value=kw["clip_value"], **({"w_cls": kw["w_cls"]} if kw["w_cls"] is not None else {}),
-        clip_norm=kw["clip_norm"], noise=kw["noise"], checkpoint_every=kw["checkpoint_every"],
+        steps=kw["steps"], batch_size=kw["batch_size"], weight_decay=kw["weight_decay"], warmup_steps=kw["warmup"],
+        min_lr_ratio=kw["min_lr_ratio"], w_reg=kw["w_reg"], noise=kw["noise"], checkpoint_every=kw["checkpoint_every"],
         keep_checkpoints=kw["keep_checkpoints"], log_every=kw["log_every"], seed=kw["seed"],
-        mixed_precision=kw["mixed_precision"], drafter_type=kw["drafter_type"], ttt_steps=kw["ttt_steps"],
+        mixed_precision=kw["mixed_precision"], drafter_type=kw["drafter_type"], ttt_steps=kw["ttt_steps"], **by_type,
     )
     writable_folder(kw["out"])
     target = train_target(kw["target"], kw["preset"], kw["target_config"])

@@ -22,13 +22,13 @@ import attrs
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from tqdm import tqdm
 
 from specimg.config import LLAMAGEN_SAMPLING, Sampling
 from specimg.demo.data import NUM_CLASSES, RECIPE, make_dataset
 from specimg.errors import SpecimgError
 from specimg.files import atomic_path
 from specimg.models.demo import load_target_file, save_target
+from specimg.progress import progress_bar
 from specimg.train.schedule import WarmupCosine
 
 MANIFEST = "manifest.json"
@@ -277,7 +277,7 @@ def _train_vq(run: _Run) -> dict[str, Any]:
     used = torch.zeros(k, dtype=torch.bool)
     history: list[dict[str, float]] = []
     schedule = WarmupCosine(opt, 2e-3, s.tokenizer.steps, max(1, s.tokenizer.steps // 20))
-    bar = tqdm(range(s.tokenizer.steps), desc="vq", disable=None)
+    bar = progress_bar(range(s.tokenizer.steps), desc="vq")
     for step in bar:
         idx = torch.randint(0, images.shape[0], (s.tokenizer.batch,), generator=g)
         y, x = torch.randint(0, 64 - s.tokenizer.crop + 1, (2,), generator=g).tolist()
@@ -380,7 +380,7 @@ def _split_structure(trained: Any, split: Any, test: Tensor, per: int) -> dict[s
 def _encode(tok: Any, images: Tensor, batch: int = 128) -> Tensor:
     out = []
     with torch.no_grad():
-        for i in tqdm(range(0, images.shape[0], batch), desc="tokenise", disable=None):
+        for i in progress_bar(range(0, images.shape[0], batch), desc="tokenise"):
             out.append(tok.encode(images[i : i + batch]))
     return torch.cat(out)
 
@@ -428,7 +428,7 @@ def _train_gpt(run: _Run) -> dict[str, Any]:
     history: list[dict[str, float]] = []
     ema = None
     schedule = WarmupCosine(opt, lr, steps, max(1, steps // 20))
-    bar = tqdm(range(steps), desc="gpt", disable=None)
+    bar = progress_bar(range(steps), desc="gpt")
     t0 = time.perf_counter()
     pos = 0
     for step in bar:
@@ -500,7 +500,7 @@ def _train_classifier(run: _Run) -> dict[str, Any]:
     tok = load_tokenizer(run.file(TOKENIZER))
     half = s.classifier.images // 2
     with torch.no_grad():
-        for i in tqdm(range(0, half, 128), desc="vq round trip", disable=None):
+        for i in progress_bar(range(0, half, 128), desc="vq round trip"):
             j = min(half, i + 128)
             with autocast():
                 images[i:j] = tok.decode(tok.encode(images[i:j])).float().clamp(-1, 1)
@@ -510,7 +510,7 @@ def _train_classifier(run: _Run) -> dict[str, Any]:
     g = torch.Generator().manual_seed(s.seed + 32)
     ema = None
     schedule = WarmupCosine(opt, 2e-3, s.classifier.steps, max(1, s.classifier.steps // 20))
-    bar = tqdm(range(s.classifier.steps), desc="classifier", disable=None)
+    bar = progress_bar(range(s.classifier.steps), desc="classifier")
     for step in bar:
         idx = torch.randint(0, images.shape[0], (s.classifier.batch,), generator=g)
         x = images[idx]
@@ -551,7 +551,7 @@ def _drafter_data(run: _Run, drafter_type: str = "eagle1") -> dict[str, Any]:
     path = run.work_file("drafter-tokens.safetensors")
     save_file({"tokens": data["codes"][:m].long().contiguous(), "labels": data["labels"][:m].contiguous()}, path)
     target = load_target_file(run.file(TARGET))
-    with tqdm(total=m, unit="img", desc="drafter data", disable=None) as bar:
+    with progress_bar(total=m, unit="img", desc="drafter data") as bar:
         spec = DataSpec(num_samples=m, tokens_file=path, uncond=True, dtype="bfloat16", batch_size=32, drafter_type=drafter_type)
         meta = make_drafter_data(target, run.work_file(_data_folder(drafter_type)), spec, progress=bar.update)
     flag = "" if drafter_type == "eagle1" else f" --drafter-type {drafter_type}"
@@ -563,6 +563,11 @@ def _data_folder(drafter_type: str) -> str:
     return "drafter-data" if drafter_type == "eagle1" else f"drafter-data-{drafter_type}"
 
 
+DEMO_EAGLE3 = dict(ttt_steps=3, clip_value=0.5, clip_norm=None)
+"""How the shipped EAGLE-3 drafter was trained: 3 unrolled steps and EAGLE-1's value clipping
+(the trainer's defaults are EAGLE-3's published 7 steps and norm clipping)."""
+
+
 def _train_drafter(run: _Run, name: str, method: str, drafter_type: str = "eagle1") -> dict[str, Any]:
     """A drafter with the project's trainer (``specimg train-drafter``; ``--method cascade``
     for CASCADE's loss reweighting, ``--drafter-type eagle3`` for EAGLE-3 on its own data)."""
@@ -571,7 +576,8 @@ def _train_drafter(run: _Run, name: str, method: str, drafter_type: str = "eagle
     s = run.scale
     target = load_target_file(run.file(TARGET))
     config = TrainConfig(steps=s.drafter.steps, batch_size=s.drafter.batch, lr=s.drafter.lr, log_every=max(1, s.drafter.steps // 20),
-                         checkpoint_every=max(1, s.drafter.steps // 2), seed=s.seed + 41, drafter_type=drafter_type)
+                         checkpoint_every=max(1, s.drafter.steps // 2), seed=s.seed + 41, drafter_type=drafter_type,
+                         **(DEMO_EAGLE3 if drafter_type == "eagle3" else {}))
     stack = None if method == "plain" else method
     folder = run.work_file(f"run-{method}" if drafter_type == "eagle1" else f"run-{drafter_type}")
     result = train_drafter(target, run.work_file(_data_folder(drafter_type)), folder, config, method=stack, progress=True)
@@ -581,7 +587,7 @@ def _train_drafter(run: _Run, name: str, method: str, drafter_type: str = "eagle
         log = [json.loads(line) for line in f if line.strip()]
     keep = ("step", "loss", "ce", "reg", "acc") + (tuple(f"acc{i}" for i in range(1, config.ttt_steps)) if drafter_type == "eagle3" else ())
     last = log[-1] if log else {}
-    flags = (f" --method {method}" if stack else "") + ("" if drafter_type == "eagle1" else f" --drafter-type {drafter_type}")
+    flags = (f" --method {method}" if stack else "") + ("" if drafter_type == "eagle1" else f" --drafter-type {drafter_type} --ttt-steps 3 --clip-value 0.5 --clip-norm 0")
     return {"method": method, "drafter_type": drafter_type, "trainer": "specimg.train.drafter.train_drafter",
             "command": f"specimg train-drafter --target demo --data DATA --out RUN{flags} --steps {s.drafter.steps} --batch-size {s.drafter.batch} --lr {s.drafter.lr}",
             "final_loss": round(last.get("loss", float("nan")), 4), "top1_agreement": round(last.get("acc", float("nan")), 4),
@@ -650,7 +656,7 @@ def _sampling_sweep(run: _Run, target: Any, tok: Any, clf: Any, f_real: Tensor) 
     labels = [c for c in range(NUM_CLASSES) for _ in range(q.sweep_per_class)]
     seeds = [20_000 + i for i in range(len(labels))]
     cells = [(cfg, temp, k) for temp in q.temperature_sweep for k in q.top_k_sweep for cfg in q.cfg_sweep]
-    for cfg, temp, top_k in tqdm(cells, desc="sampling sweep", disable=None):
+    for cfg, temp, top_k in progress_bar(cells, desc="sampling sweep"):
         imgs = _decode(tok, target.sample_batch(labels, seeds, Sampling(temp, cfg_scale=cfg, top_k=top_k)))
         acc = (clf.predict(imgs) == torch.tensor(labels)).float().mean().item()
         sweep.append({"cfg_scale": cfg, "temperature": temp, **({"top_k": top_k} if len(q.top_k_sweep) > 1 else {}), "acc": round(acc, 4),
@@ -671,7 +677,7 @@ def _engine_samples(target: Any, tok: Any, sampling: Sampling, wanted: list[int]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one image at a time is latency-bound: extra threads only wait on each other
     try:
-        with tqdm(total=len(wanted) * target.num_tokens, desc="AR samples", unit="tok", disable=None) as bar:
+        with progress_bar(total=len(wanted) * target.num_tokens, desc="AR samples", unit="tok") as bar:
             for i, c in enumerate(wanted):
                 samples.append(engine.generate([c], seed=10_000 + i, progress=bar.update).tokens)
     finally:

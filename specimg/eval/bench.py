@@ -42,6 +42,7 @@ from specimg.files import atomic_path
 from specimg.graphs import CudaGraphs
 from specimg.methods import AR, split_stack
 from specimg.models.base import Caption, Condition
+from specimg.progress import progress_bar
 from specimg.runs.log import RunLog, open_run
 from specimg.stats import PHASES, ImageStats, RunStats
 
@@ -220,14 +221,15 @@ def run_bench(
     *,
     state: Any = None,
     engines: Mapping[str, Engine] | None = None,
-    progress: bool | None = None,
+    progress: bool = True,
     on_record: Callable[[dict[str, Any]], None] | None = None,
 ) -> BenchRun:
     """Generate every (sample, variant) not yet in ``out``'s run log; return all records.
 
     ``state``: an ``accelerate.PartialState`` (default: a fresh one; one process when not
     launched).  Sample i goes to process ``i % num_processes``.  ``on_record`` is called
-    after each record is safely written (tests use it to stop a run).
+    after each record is safely written (tests use it to stop a run); ``progress`` False
+    hides the progress bars.
     """
     if state is None:
         from accelerate import PartialState
@@ -240,7 +242,7 @@ def run_bench(
 
 def _run_claimed(
     models: Any, spec: BenchSpec, log: RunLog, state: Any, engines: dict[str, Engine],
-    progress: bool | None, on_record: Callable[[dict[str, Any]], None] | None,
+    progress: bool, on_record: Callable[[dict[str, Any]], None] | None,
 ) -> BenchRun:
     nv = len(spec.variants)
     expected = [{"condition": spec.condition_keys[i], "label": v.label} for i in range(len(spec.conditions)) for v in spec.variants]
@@ -270,14 +272,12 @@ def _run_claimed(
     return BenchRun(records, computed, engines)
 
 
-def _bar(total: int, desc: str, show: bool | None) -> Any:
-    """A progress bar in tokens; ``show`` None: when the output is a terminal."""
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="tok", disable=None if show is None else not show)
+def _bar(total: int, desc: str, show: bool) -> Any:
+    """A progress bar in tokens."""
+    return progress_bar(total=total, desc=desc, unit="tok", show=show)
 
 
-def _warm_up(engines: Mapping[str, Engine], spec: BenchSpec, per_image: int, show: bool | None) -> None:
+def _warm_up(engines: Mapping[str, Engine], spec: BenchSpec, per_image: int, show: bool) -> None:
     """``spec.warmup`` discarded images per engine, on seeds no sample uses."""
     with _bar(len(engines) * spec.warmup * per_image, "warm-up", show) as bar:
         for engine in engines.values():
@@ -291,7 +291,7 @@ def _generate(
     todo: Sequence[tuple[int, int]],
     log: RunLog,
     per_image: int,
-    show: bool | None,
+    show: bool,
     on_record: Callable[[dict[str, Any]], None] | None,
 ) -> int:
     """Generate each (sample, variant) of ``todo``, adding its record to the run log;
@@ -369,7 +369,7 @@ def summarise(
             "phase_s_per_image": {p: seconds.get(p, 0.0) / max(1, n) for p in PHASES},
         })
         if engine is not None and engine.stack is not None:
-            rows[-1]["resolved"] = {"delta": engine.stack.delta, "options": engine.stack.options_dict()}
+            rows[-1]["resolved"] = {"delta": engine.stack.delta, "options": engine.stack.options_dict(), "budgeted": engine.stack.budgeted}
     summary: dict[str, Any] = {"images": n, "baseline": baseline, "variants": rows, "floors": {}, "notes": []}
     if quality is not None and n:
         samples = {label: torch.tensor([r["tokens"] for r in rs]) for label, rs in by_label.items()}
@@ -419,12 +419,18 @@ def markdown_table(summary: Mapping[str, Any]) -> str:
     for r in rows:
         predicted = r.get("predicted_speedup")
         cells = [
-            r["label"], r.get("tree", "-"), _fmt(r["tau"]), _fmt(r.get("tvd"), 3), _fmt(r["forwards_per_image"], 1), _fmt(r["wall_per_image_s"], 2),
+            r["label"], r.get("tree", "-"), _fmt(r["tau"]), _tvd(r), _fmt(r["forwards_per_image"], 1), _fmt(r["wall_per_image_s"], 2),
             _fmt(r["speedup"]) + "x", "-" if predicted is None else _fmt(predicted) + "x",
         ]
         cells += [_fmt(_q(r, key), 3) if key in ("accuracy", "loglik") else _sig(_q(r, key)) for key, _ in cols]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _tvd(row: Mapping[str, Any]) -> str:
+    """The budget spent; a rule with no budget (a paper mode) moves mass in its acceptance,
+    which this measure does not see."""
+    return _fmt(row.get("tvd"), 3) if row.get("resolved", {}).get("budgeted", True) else "no budget"
 
 
 def _sig(x: float | None) -> str:

@@ -25,13 +25,18 @@ class Caption:
     mask: Tensor
 
 
-Condition = Union[int, Caption, str]
-"""A class label (c2i), a caption (LlamaGen t2i) or a prompt text (a target that tokenizes it)."""
+PromptIds = tuple[int, ...]
+"""A whole prompt as token ids, for a target that tokenizes texts itself: what its
+``prompt_ids`` makes of a text (template and special tokens included), so a folder without
+a text tokenizer can still be prompted."""
+
+Condition = Union[int, Caption, str, PromptIds]
+"""A class label (c2i), a caption (LlamaGen t2i), or a prompt text or its ids (a target that tokenizes texts)."""
 
 
 def takes_text(target: object) -> bool:
     """Whether a target tokenizes prompt texts itself (its ``prompt_ids``: Janus, Lumina-mGPT)
-    rather than taking class labels or a text encoder's captions."""
+    rather than taking class labels or a text encoder's captions; it also takes prompt ids."""
     return callable(getattr(target, "prompt_ids", None))
 
 

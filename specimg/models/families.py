@@ -145,7 +145,7 @@ def catalogue(demo_installed: bool = True) -> list[str]:
         lines.append(f"{'':<10} --target {family.source}")
         lines.append(f"{'':<10} --tokenizer {family.tokenizer_source}")
         if family.model_type:
-            lines.append(f"{'':<10} --prompt / --prompts, tokenized by the folder's own tokenizer (no --text-encoder)")
+            lines.append(f"{'':<10} --prompt / --prompts, tokenized by the folder's own tokenizer (no --text-encoder); without one, --prompt-ids")
         if family.name == "lumina":
             lines.append(f"{'':<10} --target-config image_size=768 (the default; a multiple of 32 with a size token)")
         if family.name == "llamagen":

@@ -1,10 +1,11 @@
 """What the targets over transformers models share: loading a local Hugging Face folder
-(never a download), the 4-D attention mask a draft tree needs, keeping a tree path in a
+(never a download), checking prompt ids, the 4-D attention mask a draft tree needs, keeping a tree path in a
 ``DynamicCache``, the shape and positions of their EAGLE draft layer, and their outputs
 as a TargetOutput."""
 
 from __future__ import annotations
 
+import operator
 import os
 import pickle
 from collections.abc import Callable, Sequence
@@ -108,6 +109,22 @@ def load_pretrained(model_class: type[Model], folder: str | os.PathLike[str], un
 
 def _first_line(err: Exception) -> str:
     return next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+
+
+def given_prompt_ids(condition: Tensor | Sequence[int], vocab_size: int, family: str) -> Tensor:
+    """Prompt ids [L] taken as they are, checked: one non-empty sequence of integers in the
+    language model's vocabulary, as an id past it would index past the embedding table (a
+    traceback on CPU, a device-side assert on a GPU)."""
+    try:
+        ids = [operator.index(i) for i in (condition.tolist() if isinstance(condition, Tensor) else condition)]
+    except TypeError:
+        raise SpecimgError(f"a {family} target takes a prompt text or prompt ids (one sequence of integers), not {type(condition).__name__}") from None
+    if not ids:
+        raise SpecimgError("prompt ids must be one non-empty sequence")
+    bad = next((i for i in ids if not 0 <= i < vocab_size), None)
+    if bad is not None:
+        raise SpecimgError(f"prompt id {bad} is outside the model's vocabulary [0, {vocab_size})")
+    return torch.tensor(ids, dtype=torch.long)
 
 
 def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:

@@ -30,7 +30,9 @@ from torch import Tensor, nn
 from specimg.config import Sampling
 from specimg.errors import SpecimgError
 from specimg.models.base import TargetOutput, cfg_rows, exposed_layers
-from specimg.models.hf import HFOptions, additive_mask, draft_config, draft_rope, keep_slots, load_folder, parse_options, target_output
+from specimg.models.hf import (
+    HFOptions, additive_mask, draft_config, draft_rope, given_prompt_ids, keep_slots, load_folder, parse_options, target_output,
+)
 from specimg.models.llamagen import GPTConfig
 
 from transformers import DynamicCache, JanusForConditionalGeneration  # isort: skip (hf explains a missing extra)
@@ -198,7 +200,8 @@ class JanusTarget(nn.Module):
         """The prompt ids [L] in Janus's image template, ending in begin-of-image.
 
         A text is put in the template and tokenized with the folder's tokenizer; ids are taken
-        as they are (as ``JanusProcessor(generation_mode="image")`` returns them)."""
+        as they are (as ``JanusProcessor(generation_mode="image")`` returns them), once checked
+        to lie in the language model's vocabulary."""
         if isinstance(condition, str):
             if self.text_tokenizer is None:
                 raise SpecimgError("this Janus folder has no tokenizer: pass prompt ids instead of text")
@@ -206,12 +209,9 @@ class JanusTarget(nn.Module):
             if not ids or ids[0] != self.bos_id:
                 ids = [self.bos_id, *ids]
             return torch.tensor([*ids, self.boi_id])
-        try:
-            ids = torch.as_tensor(condition, dtype=torch.long)
-        except (TypeError, ValueError):
-            raise SpecimgError(f"a Janus target takes a prompt text or prompt ids, not {type(condition).__name__}") from None
-        if ids.dim() != 1 or ids.numel() == 0 or int(ids[-1]) != self.boi_id:
-            raise SpecimgError(f"prompt ids must be one non-empty sequence ending in begin-of-image ({self.boi_id})")
+        ids = given_prompt_ids(condition, self.model.get_input_embeddings().num_embeddings, "Janus")
+        if int(ids[-1]) != self.boi_id:
+            raise SpecimgError(f"prompt ids must end in begin-of-image ({self.boi_id}), as the template's ids do")
         return ids
 
     # -- internals

@@ -34,7 +34,9 @@ from torch import Tensor, nn
 from specimg.config import Sampling
 from specimg.errors import SpecimgError
 from specimg.models.base import TargetOutput, cfg_rows, exposed_layers
-from specimg.models.hf import HFOptions, additive_mask, draft_config, draft_rope, keep_slots, load_folder, parse_options, target_output
+from specimg.models.hf import (
+    HFOptions, additive_mask, draft_config, draft_rope, given_prompt_ids, keep_slots, load_folder, parse_options, target_output,
+)
 from specimg.models.llamagen import GPTConfig
 
 from transformers import ChameleonForConditionalGeneration, DynamicCache  # isort: skip (hf explains a missing extra)
@@ -218,20 +220,14 @@ class LuminaTarget(nn.Module):
         """The prompt ids [L] in Lumina-mGPT's template, up to and including the turn separator.
 
         A text is put in the template and tokenized with the folder's tokenizer after BOS; ids
-        are taken as they are."""
+        are taken as they are, once checked to lie in the model's vocabulary."""
         if isinstance(condition, str):
             if self.text_tokenizer is None:
                 raise SpecimgError("this Lumina-mGPT folder has no tokenizer: pass prompt ids instead of text")
             text = PROMPT_TEMPLATE.format(size=self.image_size, text=condition.strip()) + TURN_END
             ids = self.text_tokenizer.encode(text, add_special_tokens=False)
             return torch.tensor([int(self.model.config.bos_token_id), *ids])
-        try:
-            ids = torch.as_tensor(condition, dtype=torch.long)
-        except (TypeError, ValueError):
-            raise SpecimgError(f"a Lumina-mGPT target takes a prompt text or prompt ids, not {type(condition).__name__}") from None
-        if ids.dim() != 1 or ids.numel() == 0:
-            raise SpecimgError("prompt ids must be one non-empty sequence")
-        return ids
+        return given_prompt_ids(condition, self.model.model.embed_tokens.num_embeddings, "Lumina-mGPT")
 
     # -- internals
 

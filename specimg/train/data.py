@@ -22,7 +22,7 @@ target's on captions, one per sample, made from prompts by the caller's text enc
 (``label`` = the sample's index in ``settings.prompts``; the captions' digest is part of the
 settings, so a folder is never finished with another encoder's features).  A target that
 tokenizes prompt texts itself (Janus, Lumina-mGPT: any :class:`~specimg.models.eagle.EagleTarget`
-with ``prompt_ids``) takes the prompts as they are; it is sampled by the engine's AR loop
+with ``prompt_ids``) takes the prompts as they are, texts or token ids; it is sampled by the engine's AR loop
 and teacher-forced through the Target contract (:func:`chain_features`).
 
 EAGLE-3 data (``drafter_type`` "eagle3") also stores ``layers`` [N, kD]: the inputs of the
@@ -194,12 +194,12 @@ class DataSpec:
     ``labels`` are cycled over the samples (default 0, 1, 2, ... mod num_classes; a tokens
     file's own labels win).  A LlamaGen t2i target takes ``captions`` instead, one per
     sample, and the ``prompts`` they were made from; a target that tokenizes texts itself
-    takes the ``prompts`` alone."""
+    takes the ``prompts`` alone (texts, or whole prompts as token ids)."""
 
     num_samples: int | None = None
     labels: tuple[int, ...] = ()
     captions: tuple[Caption, ...] = ()
-    prompts: tuple[str, ...] = ()
+    prompts: tuple[str | Sequence[int], ...] = ()
     tokens_file: str | None = None
     sampling: Sampling = Sampling(cfg_scale=4.0)
     seed: int = 0
@@ -247,10 +247,14 @@ def make_drafter_data(
     num_processes: int = 1,
     barrier: Callable[[], None] = lambda: None,
     progress: Callable[[int], None] | None = None,
+    progress_total: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """Generate (or finish generating) a data folder; returns its meta.  With several
     processes, call it in each with its index, the count and a barrier: the shards are
-    shared round-robin.  ``progress`` is called with the samples each batch finished."""
+    shared round-robin.  ``progress`` is called with the samples each batch finished (a
+    resumed run's finished shards count at once); ``progress_total`` first, once, with the
+    samples of this process's shards, all those calls add up to (the number is known only
+    once a tokens file is read)."""
     out = os.fspath(out)
     kind = _target_kind(target)
     source, num, file_tokens, file_labels = _source(target, spec, kind)
@@ -260,7 +264,10 @@ def make_drafter_data(
     layers = _expose_eagle3_layers(target) if plan.eagle3 else None
     meta = _meta(target, plan, _settings(plan, source, layers), fingerprint)
     _open_folder(out, meta, process_index, barrier)
-    for shard in range(process_index, plan.num_shards, num_processes):
+    shards = range(process_index, plan.num_shards, num_processes)
+    if progress_total:
+        progress_total(sum(hi - lo for lo, hi in map(plan.shard_samples, shards)))
+    for shard in shards:
         _make_shard(target, out, shard, plan, progress)
     barrier()
     return meta

@@ -69,6 +69,7 @@ from specimg.errors import SpecimgError
 from specimg.files import atomic_path
 from specimg.models.eagle import DRAFTER_TYPES, EagleTarget, TreeDrafter, build_drafter, load_drafter, save_drafter
 from specimg.plugins import PluginManager, get_plugin_manager
+from specimg.progress import progress_bar
 from specimg.stackhooks import MemberHook, StackHooks
 from specimg.train.data import DrafterData, _atomic_write_json
 from specimg.train.schedule import WarmupCosine
@@ -80,17 +81,18 @@ RUN, STATE, LOG, FINAL = "run.json", "state.json", "log.jsonl", "drafter.safeten
 
 @attrs.frozen
 class TrainConfig:
-    """Hyper-parameters.  Defaults follow EAGLE-1 (EAGLE-3 for its own fields) where it has one (lr 3e-5, AdamW betas
-    (0.9, 0.95), p_w 0.1, v_w 1.0, gradient values clipped at 0.5); EAGLE decays linearly,
-    here warmup + cosine."""
+    """Hyper-parameters.  Defaults are the published ones of the drafter type where it has
+    one: EAGLE-1 lr 3e-5, AdamW betas (0.9, 0.95), p_w 0.1, v_w 1.0, gradient values clipped
+    at 0.5; EAGLE-3 lr 5e-5, 7 training-time-test steps, the gradient norm clipped at 0.5.
+    EAGLE decays linearly, here warmup + cosine."""
 
     drafter_type: str = attrs.field(default="eagle1", validator=v.in_(DRAFTER_TYPES))
-    ttt_steps: int = attrs.field(default=3, validator=[v.ge(1), v.le(16)])
+    ttt_steps: int = attrs.field(default=7, validator=[v.ge(1), v.le(16)])
     """EAGLE-3's unrolled training-time-test steps (ignored by EAGLE-1)."""
     steps: int = attrs.field(default=1000, validator=v.ge(1))
     batch_size: int = attrs.field(default=8, validator=v.ge(1))
     """Global batch (all processes together), in examples (images)."""
-    lr: float = attrs.field(default=3e-5, validator=v.gt(0.0))
+    lr: float = attrs.field(default=attrs.Factory(lambda c: 5e-5 if c.drafter_type == "eagle3" else 3e-5, takes_self=True), validator=v.gt(0.0))
     weight_decay: float = attrs.field(default=0.0, validator=v.ge(0.0))
     betas: tuple[float, float] = (0.9, 0.95)
     warmup_steps: int | None = None
@@ -100,10 +102,10 @@ class TrainConfig:
     w_cls: float = attrs.field(default=attrs.Factory(lambda c: 1.0 if c.drafter_type == "eagle3" else 0.1, takes_self=True), validator=v.ge(0.0))
     """EAGLE-1's p_w 0.1 (against the regression's 1.0); EAGLE-3, which has no regression: 1.0."""
     w_reg: float = attrs.field(default=1.0, validator=v.ge(0.0))
-    clip_value: float | None = 0.5
-    """Clip each gradient element to [-clip_value, clip_value] (EAGLE); None: off."""
-    clip_norm: float | None = None
-    """Clip the global gradient norm; None: off."""
+    clip_value: float | None = attrs.Factory(lambda c: None if c.drafter_type == "eagle3" else 0.5, takes_self=True)
+    """Clip each gradient element to [-clip_value, clip_value] (EAGLE-1); None: off."""
+    clip_norm: float | None = attrs.Factory(lambda c: 0.5 if c.drafter_type == "eagle3" else None, takes_self=True)
+    """Clip the global gradient norm (EAGLE-3); None: off."""
     noise: float = attrs.field(default=0.0, validator=v.ge(0.0))
     """Uniform noise of this width added to the input features (EAGLE's data noise; EAGLE
     uses 0.2 * 512 / length for LLM features)."""
@@ -343,9 +345,7 @@ def train_drafter(
     if state is not None and state.get("done") and os.path.exists(os.path.join(out, FINAL)):
         return TrainResult(training.drafter().eval(), step, os.path.join(out, FINAL))
     training.start_schedule(step)
-    from tqdm import tqdm
-
-    bar = tqdm(total=config.steps, initial=step, unit="step", desc="train-drafter", disable=(not accelerator.is_main_process) or (None if progress else True))
+    bar = progress_bar(total=config.steps, initial=step, unit="step", desc="train-drafter", show=accelerator.is_main_process and progress)
     tick = time.perf_counter()
     while step < config.steps:
         epoch, indices = batches.at(step)

@@ -1,0 +1,276 @@
+"""mode=paper for lantern and lantern++: the released code's acceptance, held against a
+separate transcription of the published rule written here.  At one node, every draw of
+the children and every draw of the acceptance is enumerated, so those checks have no false
+failures; end to end, where the drafter's Gumbel draws cannot be enumerated, a chi-square
+test at statistics.ALPHA.  Wrong rules (a residual that keeps x's other neighbours, the
+core's residual, specimg's budgeted rules) fail the same checks."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Iterator
+
+import attrs
+import pytest
+import torch
+
+from specimg import DraftTree, Engine, Sampling, SpecimgError
+from specimg.plugins import PluginManager
+from specimg.testing import statistics
+from specimg.testing.conformance import accepted, emission, relaxed, step_engine
+from specimg.testing.strategies import CodebookTokenizer, RelaxCase
+from specimg_plugins import lantern, lantern_pp
+
+POSITIONS = [0.0, 1.0, 2.5, 4.5, 7.0, 10.0]
+"""Codes on a line, no two at the same distance from a third: every neighbour order is strict."""
+VOCAB = len(POSITIONS)
+CODEBOOK = CodebookTokenizer(torch.tensor(POSITIONS, dtype=torch.float64)[:, None])
+P = [0.04, 0.06, 0.10, 0.22, 0.18, 0.40]
+Q = [0.25, 0.10, 0.30, 0.05, 0.20, 0.10]
+"""At the root: for some draws A(x) is empty, for others it holds mass and x is still
+rejected at times, and some rejections zero every token r - q exceeds (r then stays)."""
+Q_CHILD = [0.40, 0.05, 0.05, 0.30, 0.10, 0.10]
+P_CHILD = [0.10, 0.10, 0.35, 0.05, 0.25, 0.15]
+
+Allowance = Callable[[float], float]
+"""The most mass A(x) may hold, given r(x)."""
+
+PAPER = {
+    "lantern": ({"mode": "paper", "k": 2, "delta": 0.25}, lambda rx: 0.25),
+    "lantern-k3": ({"mode": "paper", "k": 3, "delta": 0.1}, lambda rx: 0.1),
+    "lantern++": ({"mode": "paper", "k": 3, "lam": 2.0}, lambda rx: (2.0 - 1) * rx),
+}
+
+
+def line_neighbours(k: int) -> list[list[int]]:
+    """Each code's k nearest other codes on the line, nearest first."""
+    return [sorted((t for t in range(VOCAB) if t != x), key=lambda t: abs(POSITIONS[t] - POSITIONS[x]))[:k] for x in range(VOCAB)]
+
+
+def published_law(children: list[int], p: list[float], q: list[float], near: list[list[int]], allowance: Allowance,
+                  zeroed: str = "all") -> list[float]:
+    """The token the released rule emits at a node whose children were drawn in this order:
+    each child x, with r the residual so far (p at first), is accepted with min(1, (r(x) +
+    r(A(x))) / q(x)), A(x) the longest prefix of x's k nearest (``near[x]``) with r(A(x))
+    <= allowance; a rejection sets r to norm(max(0, r - q)) with x and all of its k nearest
+    at 0 (kept as it was if nothing is left) and drops x from q; after the last, a draw
+    from r.  ``zeroed``: "all" (the released rule), "A" (only x and A(x)) or "none" (the
+    core's residual), the last two for the power checks."""
+    law, reach, r, q = [0.0] * len(p), 1.0, list(p), list(q)
+    for x in children:
+        hood, mass = [], 0.0
+        for t in near[x]:
+            if mass + r[t] > allowance(r[x]):
+                break
+            hood.append(t)
+            mass += r[t]
+        a = min(1.0, (r[x] + mass) / q[x])
+        law[x] += reach * a
+        reach *= 1 - a
+        left = [max(0.0, rt - qt) for rt, qt in zip(r, q)]
+        for t in {"all": [x, *near[x]], "A": [x, *hood], "none": []}[zeroed]:
+            left[t] = 0.0
+        if sum(left) > 0:
+            r = [t / sum(left) for t in left]
+        q[x] = 0.0
+        q = [t / sum(q) for t in q]
+    return [lt + reach * rt for lt, rt in zip(law, r)]
+
+
+def draws(q: list[float], count: int) -> Iterator[tuple[float, list[int]]]:
+    """Every ordered draw of ``count`` children without replacement from q, with its probability."""
+    for draw in itertools.permutations([t for t in range(len(q)) if q[t] > 0], count):
+        weight, left = 1.0, sum(q)
+        for t in draw:
+            weight, left = weight * q[t] / left, left - q[t]
+        yield weight, list(draw)
+
+
+def step(tokens: list[int], parents: list[int], draft: list[list[float]], probs: list[list[float]]) -> RelaxCase:
+    """One step on a sampled tree (draft rows: each node's q, zero for leaves), the codes on the line."""
+    tree = DraftTree.from_parents(tokens, parents, draft_probs=torch.tensor(draft, dtype=torch.float64), sampled=True)
+    return attrs.evolve(RelaxCase.of(tree, torch.tensor(probs, dtype=torch.float64)), tokenizer=CODEBOOK)
+
+
+def root_step(children: list[int]) -> RelaxCase:
+    zeros = [0.0] * VOCAB
+    return step([5, *children], [-1] + [0] * len(children), [Q] + [zeros] * len(children), [P] * (1 + len(children)))
+
+
+def engine_law(method: str, options: dict, case: RelaxCase) -> torch.Tensor:
+    """[n, V]: the probability of reaching each node and then emitting each token, through
+    the engine's relaxation fold and accept hook, every draw enumerated."""
+    engine = step_engine(method, case, {method: options})
+    q = relaxed(engine, case.tree, case.scores)
+    return emission(lambda g: accepted(engine, case.tree, q, case.scores, g), case.tree, VOCAB)[1]
+
+
+def method_of(name: str) -> str:
+    return name.split("-")[0]
+
+
+@pytest.mark.parametrize("name", PAPER)
+def test_paper_mode_follows_the_published_law_for_every_draw(name: str):
+    options, allowance = PAPER[name]
+    for _, children in draws(Q, 2):
+        got = engine_law(method_of(name), options, root_step(children))[0]
+        want = torch.tensor(published_law(children, P, Q, line_neighbours(options["k"]), allowance), dtype=torch.float64)
+        assert torch.allclose(got, want, atol=1e-12), (children, got.tolist(), want.tolist())
+
+
+@pytest.mark.parametrize("name", PAPER)
+def test_paper_mode_walks_on_with_each_node_its_own_law(name: str):
+    """Root -> children 2, 4; 2 -> children 0, 3 (drawn from its own q): the law after
+    node 2 is the published law there, times the chance of accepting 2 at the root."""
+    options, allowance = PAPER[name]
+    zeros = [0.0] * VOCAB
+    case = step([5, 2, 4, 0, 3], [-1, 0, 0, 1, 1], [Q, Q_CHILD, zeros, zeros, zeros], [P, P_CHILD, P, P, P])
+    joint = engine_law(method_of(name), options, case)
+    root = published_law([2, 4], P, Q, line_neighbours(options["k"]), allowance)
+    below = published_law([0, 3], P_CHILD, Q_CHILD, line_neighbours(options["k"]), allowance)
+    assert root[2] > 0.1
+    assert torch.allclose(joint[0], torch.tensor(root, dtype=torch.float64), atol=1e-12)
+    assert torch.allclose(joint[1], root[2] * torch.tensor(below, dtype=torch.float64), atol=1e-12)
+
+
+def average_law(law: Callable[[list[int]], list[float]]) -> torch.Tensor:
+    """A node's law over the drafter's draw of its two children."""
+    return sum(weight * torch.tensor(law(children), dtype=torch.float64) for weight, children in draws(Q, 2))
+
+
+@pytest.mark.parametrize("name", PAPER)
+def test_the_example_tells_the_residuals_apart(name: str):
+    """Power: zeroing only x and A(x), or nothing (the core's residual), gives another law
+    here, so a plugin computing either would fail the check above."""
+    options, allowance = PAPER[name]
+    published = average_law(lambda c: published_law(c, P, Q, line_neighbours(options["k"]), allowance))
+    for zeroed in ("A", "none"):
+        wrong = average_law(lambda c: published_law(c, P, Q, line_neighbours(options["k"]), allowance, zeroed=zeroed))
+        assert float((wrong - published).abs().max()) > 0.01, zeroed
+
+
+@pytest.mark.parametrize(("name", "specimg"), [
+    ("lantern", {"k": 2, "delta": 0.25, "budget": "candidate", "codebook": "raw"}),
+    ("lantern", {"k": 2, "delta": 0.25}),
+    ("lantern++", {"k": 3, "lam": 2.0, "delta": 1.0, "codebook": "raw"}),
+])
+def test_the_budgeted_rules_fail_the_published_law(name: str, specimg: dict):
+    """Power: specimg's rules (today's budget per candidate, the per-node budget, lantern++'s
+    cap-only transfer) emit another law than the published one, averaged over the draws."""
+    options, allowance = PAPER[name]
+    published = average_law(lambda c: published_law(c, P, Q, line_neighbours(options["k"]), allowance))
+    ours = sum(w * engine_law(name, specimg, root_step(c))[0] for w, c in draws(Q, 2))
+    assert float((ours - published).abs().max()) > 0.01
+
+
+def test_a_draft_the_target_masks_is_never_accepted():
+    """The one departure within the rule: with p(x) = 0 the rule as written accepts x with r(A(x)) / q(x)
+    (here always: A(0) = {1, 2} holds 0.43 <= 0.5 against q(0) = 0.25); the core allows no
+    mass where p is 0, so x is rejected, and the residual zeroes 0, 1 and 2 as usual."""
+    p = [0.0, 0.30, 0.13, 0.22, 0.15, 0.20]
+    zeros = [0.0] * VOCAB
+    law = engine_law("lantern", {"mode": "paper", "k": 2, "delta": 0.5}, step([5, 0], [-1, 0], [Q, zeros], [p, p]))[0]
+    assert published_law([0], p, Q, line_neighbours(2), lambda rx: 0.5)[0] == 1.0
+    left = torch.tensor([0.0, 0.0, 0.0, 0.17, 0.0, 0.10], dtype=torch.float64)
+    assert torch.allclose(law, left / left.sum(), atol=1e-12)
+
+
+# --- end to end: the engine on a Markov toy, chi-square at statistics.ALPHA -------------------
+
+SAMPLING = Sampling(cfg_scale=2.0)
+"""Guidance on every token: a node's p and q depend on its token alone."""
+SAMPLED_TREE = attrs.evolve(statistics.TREE, sample=True)
+"""Its first step drafts the root's two children alone (3 tokens an image)."""
+PROBLEM = statistics.markov_problem(seed=4)
+END_TO_END = {
+    "lantern": ({"mode": "paper", "k": 1, "delta": 0.1}, lambda rx: 0.1),
+    "lantern++": ({"mode": "paper", "k": 1, "lam": 3.0}, lambda rx: (3.0 - 1) * rx),
+}
+
+
+def second_tokens(method: str, options: dict, seed: int = 30) -> tuple[torch.Tensor, dict[int, list[float]]]:
+    """Images of 3 tokens: the counts of (first, second) token pairs [V * V], the second
+    drawn at the root of the first step, and the drafter's q at each root token."""
+    engine = Engine(PROBLEM.target, PROBLEM.drafter, method, {method: options}, SAMPLING, tree=SAMPLED_TREE, tokenizer=PROBLEM.tokenizer)
+    drafts: dict[int, list[float]] = {}
+
+    def record(tree: DraftTree, dist: torch.Tensor, path: list[int]) -> None:
+        if tree.draft_probs is not None:
+            drafts.setdefault(int(tree.tokens[0]), tree.draft_probs[0].double().tolist())
+
+    engine.on_step = record
+    tokens = engine.generate([0] * statistics.IMAGES, seed=seed).tokens
+    vocab = PROBLEM.target.vocab_size
+    return torch.bincount(tokens[:, 0] * vocab + tokens[:, 1], minlength=vocab * vocab), drafts
+
+
+def pair_pvalue(observed: torch.Tensor, drafts: dict[int, list[float]], k: int, allowance: Allowance, zeroed: str = "all") -> float:
+    """Pearson's chi-square of the pairs against the published law: the first token by the
+    target, the second by the rule at the root, averaged over the drafter's two children."""
+    first, steps = statistics.next_token_laws(PROBLEM.target, SAMPLING)
+    vocab = PROBLEM.target.vocab_size
+    codes = PROBLEM.tokenizer.codebook.tolist()
+    near = [sorted((t for t in range(vocab) if t != x), key=lambda t: math.dist(codes[t], codes[x]))[:k] for x in range(vocab)]
+    expected = torch.zeros(vocab, vocab, dtype=torch.float64)
+    for a in range(vocab):
+        for weight, children in draws(drafts[a], 2):
+            law = published_law(children, steps[0, a].tolist(), drafts[a], near, allowance, zeroed)
+            expected[a] += float(first[a]) * weight * torch.tensor(law, dtype=torch.float64)
+    return statistics.chi_square_pvalue(observed, int(observed.sum()) * expected)
+
+
+@pytest.mark.parametrize("method", END_TO_END)
+def test_paper_mode_end_to_end_follows_the_published_law(method: str):
+    """And power at the same sample size: a law whose residual keeps x's neighbour is rejected."""
+    options, allowance = END_TO_END[method]
+    observed, drafts = second_tokens(method, options)
+    assert pair_pvalue(observed, drafts, options["k"], allowance) >= statistics.ALPHA
+    assert pair_pvalue(observed, drafts, options["k"], allowance, zeroed="A") < statistics.ALPHA
+
+
+def test_todays_rule_fails_the_published_law_end_to_end():
+    """Power: specimg's budget per candidate (raw codebook) at the same k and delta."""
+    options, allowance = END_TO_END["lantern"]
+    observed, drafts = second_tokens("lantern", {"k": 1, "delta": 0.1, "budget": "candidate", "codebook": "raw"})
+    assert pair_pvalue(observed, drafts, options["k"], allowance) < statistics.ALPHA
+
+
+# --- what paper mode declares and refuses ----------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["lantern", "lantern++"])
+def test_paper_mode_declares_no_budget(method: str):
+    plugins = PluginManager()
+    paper = plugins.stack(method, {method: {"mode": "paper"}})
+    assert not paper.budgeted and paper.delta == 1.0
+    default = plugins.stack(method)
+    assert default.budgeted and default.delta == 0.1 and default.members[0].options.mode == "specimg"
+
+
+def test_paper_mode_keeps_the_published_defaults():
+    assert (lantern.LanternOptions().k, lantern.LanternOptions().delta) == (1000, 0.1)
+    assert (lantern_pp.LanternPPOptions().k, lantern_pp.LanternPPOptions().lam) == (10, 5.0)
+
+
+@pytest.mark.parametrize("method", ["lantern", "lantern++"])
+def test_paper_mode_needs_a_sampled_tree(method: str):
+    case = root_step([2, 4])
+    top_k = attrs.evolve(case, tree=DraftTree.from_parents([5, 2, 4], [-1, 0, 0]))
+    with pytest.raises(SpecimgError, match="--sample-drafts"):
+        relaxed(step_engine(method, top_k, {method: {"mode": "paper"}}), top_k.tree, top_k.scores)
+
+
+def test_paper_mode_refuses_a_budget_and_delta_0_is_exact():
+    case = root_step([2, 4])
+    paper = {"lantern": {"mode": "paper", "k": 2}}
+    for engine in (step_engine("lantern", case, paper, delta=0.5), step_engine("cascade+lantern", case, {**paper, "cascade": {"delta": 0.5}})):
+        with pytest.raises(SpecimgError, match="no TVD budget"):
+            relaxed(engine, case.tree, case.scores)
+    assert relaxed(step_engine("lantern", case, paper, delta=0.0), case.tree, case.scores) is case.p
+
+
+def test_an_unknown_mode_is_refused():
+    for options in (lantern.LanternOptions, lantern_pp.LanternPPOptions):
+        with pytest.raises(ValueError):
+            options(mode="published")
