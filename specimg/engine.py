@@ -310,7 +310,8 @@ class Engine:
                     session = DraftSession(drafter, sampling, root_logits, len(tokens) - 1, filtered=tree_config.sample)
                 tree = self.hooks.propose(
                     session=session, root_token=tokens[-1], tree_config=tree_config,
-                    max_depth=target.num_tokens - len(tokens) - 1, previous=previous, sampling=sampling, generator=generator,
+                    max_depth=target.num_tokens - len(tokens) - 1, previous=previous, image_tokens=tokens, target=target,
+                    sampling=sampling, generator=generator,
                 )
             with self._timed(stats, "verify"):
                 scores = self.hooks.score(target=target, tree=tree, sampling=sampling, token_index=len(tokens))

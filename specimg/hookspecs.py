@@ -12,7 +12,7 @@ attrs options instance of the method being called.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -47,6 +47,8 @@ def propose_tree(
     tree_config: TreeConfig,
     max_depth: int,
     previous: Step,
+    image_tokens: Sequence[int],
+    target: Target,
     sampling: Sampling,
     generator: torch.Generator,
     options: Any,
@@ -56,7 +58,9 @@ def propose_tree(
 
     ``previous`` is the image's last step (before the first, the prefill as a one-node
     step): what a drafter-free method (``MethodSpec(drafter=False)``, whose ``session`` is
-    None) drafts from; ``sampling`` the run's sampling settings (greedy or not).
+    None) drafts from, with ``image_tokens``, the image's tokens so far (the root's is the
+    last: a spatial prior reads the row above), and ``target`` (its ``num_tokens``: the
+    grid); ``sampling`` the run's sampling settings (greedy or not).
 
     ``tree_config`` is this step's shape: the user's, or with auto trees the EAGLE-2 tree
     the planner chose for this step (a method with its own tree may take its size).

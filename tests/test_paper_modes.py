@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specimg import DraftTree, Engine, SpecimgError
+from specimg import DraftTree, Engine, MethodSpec, SpecimgError, hookimpl
 from specimg.accept import recursive_rejection
 from specimg.step import Acceptance, Scores, Step
 from specimg.plugins import PluginManager
@@ -126,3 +126,56 @@ def test_a_fresh_token_is_accepted_with_p(seed: int):
         want = (1 - published_fresh_acceptance(P, x)) * residual / residual.sum()
         want[x] += published_fresh_acceptance(P, x)
         assert torch.allclose(joint[0], want, atol=1e-12) == one_hot_fresh, (x, one_hot_fresh)
+
+
+# --- sjd's repeat_horizon: new positions start as the token a row above --------------------
+
+
+def test_repeat_horizon_copies_the_row_above_from_the_image_and_the_window():
+    image = [5, 6, 7, 8, 9]  # a 3-wide grid: the window's drafts sit at image indices 5, 6, 7, 8
+    drafts, repeated = sjd.repeat_horizon(torch.tensor([1, 2, 3, 4]), carried=1, image=image, width=3)
+    # index 5 is carried; 6 <- 3 (8), 7 <- 4 (9), 8 <- 5 (the carried draft, 1)
+    assert drafts.tolist() == [1, 8, 9, 1] and repeated.tolist() == [False, True, True, True]
+    first_row, repeated = sjd.repeat_horizon(torch.tensor([1, 2]), carried=0, image=[4], width=3)
+    assert first_row.tolist() == [1, 2] and not repeated.any()  # indices 1, 2: nothing above
+
+
+def _sjd_on_a_grid(init: str, mode: str = "specimg", plugins: PluginManager | None = None, method: str = "sjd") -> Engine:
+    problem = statistics.markov_problem(10, num_tokens=4)  # a 2 x 2 grid: the second row repeats the first
+    options = {method: {"window": 3, "init": init, "mode": mode}}
+    return Engine(problem.target, None, method, options, statistics.SAMPLING, tokenizer=problem.tokenizer, plugins=plugins)
+
+
+@pytest.mark.parametrize("mode", ["specimg", "paper"])
+def test_repeat_horizon_keeps_the_ar_law(mode: str):
+    statistics.check_exact_law(_sjd_on_a_grid("repeat_horizon", mode), seed=7)
+
+
+class UniformQForRepeats:
+    """repeat_horizon's drafts, but the repeated tokens keep the uniform q they were not drawn from."""
+
+    @hookimpl
+    def register_methods(self, register):
+        register(MethodSpec("wrong-horizon", sjd.SJDOptions, "a wrong q", drafter=False))
+
+    @hookimpl
+    def propose_tree(self, root_token, max_depth, previous, image_tokens, generator, options):
+        length = min(options.window, max_depth)
+        tree = sjd.jacobi_window(previous, root_token, length, generator, greedy=False)
+        drafts, _ = sjd.repeat_horizon(tree.tokens[1:], sjd.window_drafts(previous, length)[1], image_tokens, 2)
+        return DraftTree.from_tensors(torch.cat([tree.tokens[:1], drafts]), tree.parents, tree.depths, tree.logprobs,
+                                      tree.draft_probs, sampled=True, width=1, height=length)
+
+
+def test_repeats_with_the_q_they_were_not_drawn_from_fail_the_law():
+    plugins = PluginManager(autoload=False)
+    plugins.register(UniformQForRepeats(), name="wrong-horizon")
+    engine = _sjd_on_a_grid("random", plugins=plugins, method="wrong-horizon")
+    assert statistics.exact_law_pvalue(engine, seed=7) < statistics.ALPHA
+
+
+def test_repeat_horizon_needs_a_square_grid():
+    problem = statistics.markov_problem(10, num_tokens=3)
+    engine = Engine(problem.target, None, "sjd", {"sjd": {"init": "repeat_horizon"}}, statistics.SAMPLING, tokenizer=problem.tokenizer)
+    with pytest.raises(SpecimgError, match="square token grid"):
+        engine.generate([0], seed=0)
