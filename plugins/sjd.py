@@ -59,6 +59,7 @@ def register_methods(register: Callable[[MethodSpec], None]) -> None:
     register(MethodSpec(
         "sjd", SJDOptions, "SJD: draft-free speculative Jacobi decoding over a window of L tokens", drafter=False,
         paper={"mode": "paper", "init": "repeat_horizon"},
+        stacked_defaults={"gsd": {"mode": "paper"}},  # GSD's released code runs on SJD's (whose Lumina-mGPT init is random)
         departures=(
             "fresh tokens are drawn uniformly and keep that q (the release gives them a one-hot q and, in its LlamaGen scripts, "
             "starts them from the row above; its Lumina-mGPT scripts draw them at random: -o sjd.init=random), and L counts drafts; all exact"

@@ -70,6 +70,8 @@ def test_paper_mode_declares_no_budget_and_is_gsd_beside_sjd():
     assert plugins.stack("sjd+gsd", {"gsd": {"mode": "specimg"}}).budgeted
     assert plugins.stack("gsd").budgeted  # alone, on a drafter's trees, the budgeted rule
     assert plugins.stack("sjd+gsd").options_dict()["gsd"]["mode"] == "paper"  # beside sjd, GSD as published
+    assert plugins.stack("sjd+gsd").options_dict()["sjd"] == {"window": 16, "mode": "paper", "init": "random"}  # on SJD as released
+    assert plugins.stack("sjd").options_dict()["sjd"]["mode"] == "specimg"
 
 
 def test_an_unknown_mode_is_refused():
