@@ -83,8 +83,7 @@ def context_donors(tree: DraftTree, hidden: Tensor, ids: Tensor, tau_pos: float,
     other_branch = (gap == 0) & (parents[None, None, :] != parents[node][..., None])
     s = sim[node]
     keep = ((other_branch & (s >= tau_pos)) | ((gap.abs() == 1) & (s >= tau_seq))) & (ids >= 0)[..., None]
-    width = max(1, int(keep.sum(dim=-1).max()))
-    order = torch.where(keep, s, torch.full_like(s, -torch.inf)).argsort(dim=-1, descending=True, stable=True)[..., :width]
+    order = torch.where(keep, s, torch.full_like(s, -torch.inf)).argsort(dim=-1, descending=True, stable=True)  # every node a slot: no host read
     return torch.where(keep.gather(-1, order), tokens[order], torch.full_like(order, -1))
 
 

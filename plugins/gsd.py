@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from attrs import validators as v
 from torch import Tensor
 
-from specimg import Acceptance, DraftTree, MethodSpec, Sampling, SpecimgError, Target, hookimpl, transfer
+from specimg import Acceptance, DraftTree, MethodSpec, Sampling, SpecimgError, Target, candidate_rows, hookimpl, transfer
 
 
 @attrs.frozen
@@ -84,16 +84,12 @@ def build_relaxed_dist(
 
 
 def group_donors(probs: Tensor, candidates: Tensor, embeddings: Tensor, options: GSDOptions) -> Tensor:
-    """G(c) for every candidate at once: donors [n, C, 2w], -1 where none.  Only nodes
-    with children are ranked (one sort of their rows)."""
-    n, width = candidates.shape
+    """G(c) for every candidate at once: donors [n, C, 2w], -1 where none.  The nodes of
+    ``candidate_rows`` are ranked (one sort of their rows)."""
     vocab = probs.shape[-1]
-    donors = torch.full((n, width, 2 * options.w), -1, dtype=torch.long, device=probs.device)
-    rows = (candidates >= 0).any(dim=1).nonzero().squeeze(1)
-    if rows.numel() == 0:
-        return donors
-    p = probs[rows]
-    cand = candidates[rows]
+    donors = torch.full((*candidates.shape, 2 * options.w), -1, dtype=torch.long, device=probs.device)
+    rows = candidate_rows(candidates)
+    p, cand = probs[rows], candidates[rows]
     safe = cand.clamp(min=0)
     order = p.argsort(dim=1, descending=True, stable=True)
     rank = torch.empty_like(order).scatter_(1, order, torch.arange(vocab, device=p.device).expand_as(order))

@@ -11,12 +11,12 @@ from specimg.hookspecs import hookimpl
 from specimg.methods import MethodSpec
 from specimg.models.base import Target
 from specimg.neighbours import CODEBOOKS, codebook_donors, embedding_donors
-from specimg.relax import transfer
+from specimg.relax import candidate_rows, transfer
 from specimg.step import Acceptance, Scores, Step
 from specimg.tree import DraftSession, DraftTree, build_static
 
 __all__ = [
     "CODEBOOKS", "Acceptance", "DraftSession", "DraftTree", "Engine", "Generation", "MethodSpec", "Sampling", "Scores",
-    "SpecimgError", "Step", "Target", "TreeConfig", "build_static", "codebook_donors", "embedding_donors", "hookimpl", "transfer",
+    "SpecimgError", "Step", "Target", "TreeConfig", "build_static", "candidate_rows", "codebook_donors", "embedding_donors", "hookimpl", "transfer",
 ]
 __version__ = "0.1.0"

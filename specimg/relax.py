@@ -50,27 +50,27 @@ def transfer(
     whole: move only whole donors (the longest prefix of donors that fits), as LANTERN does.
     distinct: each candidate's donor list holds no repeats (codebook neighbours, rank
     windows), which spares the search for them.  A candidate the target masks (p = 0)
-    receives nothing.  Only nodes with candidates are touched.  Returns the new
-    distribution and the mass moved per node.
+    receives nothing; a node without candidates moves nothing.  No host read off the CPU
+    (``candidate_rows``; the loop is over the C candidate slots, not over nodes).  Returns
+    the new distribution and the mass moved per node.
     """
-    n, width = candidates.shape
-    moved = torch.zeros_like(budget, dtype=dist.dtype)
-    rows = (candidates >= 0).any(dim=1).nonzero().squeeze(1)
-    if rows.numel() == 0:
-        return dist, moved
-    part, p = dist[rows], target_dist[rows]
-    cands, donors, left = candidates[rows], donors[rows], budget[rows].to(dist.dtype).clone()
-    at = torch.arange(rows.numel(), device=dist.device)
-    is_candidate = torch.zeros_like(part, dtype=torch.bool)
+    vocab = dist.shape[-1]
+    rows = candidate_rows(candidates)
+    part, p, left = dist[rows], target_dist[rows], budget[rows].to(dist.dtype)
+    cands, donors = candidates[rows], donors[rows]
+    at = torch.arange(rows.shape[0], device=dist.device)
     valid = cands >= 0
-    is_candidate[at[:, None].expand_as(cands)[valid], cands[valid]] = True
+    # which tokens are candidates of each node: a scatter, with no candidate sent to an extra column
+    slots = torch.zeros(rows.shape[0], vocab + 1, dtype=torch.int32, device=dist.device)
+    slots.scatter_add_(1, torch.where(valid, cands, vocab), torch.ones_like(cands, dtype=torch.int32))
+    is_candidate = slots[:, :vocab] > 0
     safe_donors = donors.clamp(min=0)
     donor_ok = (donors >= 0) & ~is_candidate.gather(1, safe_donors.flatten(1)).view_as(donors)
     if not distinct:
         donor_ok &= first_occurrence(donors)
-    for j in range(width):
+    for j in range(cands.shape[1]):
         cand = cands[:, j].clamp(min=0)
-        receives = (cands[:, j] >= 0) & (p[at, cand] > 0)
+        receives = valid[:, j] & (p[at, cand] > 0)
         limit = torch.where(receives, left, torch.zeros_like(left))
         if cap is not None:
             limit = torch.minimum(limit, (cap[rows, j] - part[at, cand]).clamp(min=0))
@@ -84,10 +84,25 @@ def transfer(
         given = take.sum(dim=1)
         part[at, cand] += given
         left -= given
-    out = dist.clone()
+    out, moved = dist.clone(), torch.zeros_like(budget, dtype=dist.dtype)
     out[rows] = part.clamp_(min=0)
     moved[rows] = budget[rows].to(dist.dtype) - left
     return out, moved
+
+
+def host_reads_stall(device: torch.device) -> bool:
+    """Whether reading a tensor's value on ``device`` makes the host wait for queued work
+    (every device but the CPU)."""
+    return device.type != "cpu"
+
+
+def candidate_rows(candidates: Tensor) -> Tensor:
+    """The nodes a relaxation must touch: on the CPU those with candidates (finding them is
+    a host read, free there, and spares the leaves' work); elsewhere every node, since a
+    host read would stall the device."""
+    if host_reads_stall(candidates.device):
+        return torch.arange(candidates.shape[0], device=candidates.device)
+    return (candidates >= 0).any(dim=1).nonzero().squeeze(1)
 
 
 class BudgetError(RuntimeError):
@@ -99,24 +114,34 @@ class BudgetError(RuntimeError):
         self.method = method
 
 
-def check_relaxed(name: str, new: Tensor, before: Tensor, target_dist: Tensor, budget: Tensor, stack_delta: float) -> Tensor:
-    """Enforce the contract on one method's output; return its TVD to the target per node.
+_BROKEN = (
+    "returned something that is not a distribution",
+    "put mass where the target's distribution is zero",
+    "spent more than its budget",
+    "took the stack past its total-variation budget {delta}",
+)
 
-    Runs every step, so it works in float32 with a tolerance for float32 rounding over V
-    entries.
-    """
-    if new.shape != target_dist.shape:
-        raise BudgetError(name, f"returned shape {tuple(new.shape)}, expected {tuple(target_dist.shape)}")
-    if not bool(new.min() >= 0) or bool(((new.sum(-1) - 1).abs() > _TOL).any()):
-        raise BudgetError(name, "returned something that is not a distribution")
-    if bool(new.masked_fill(target_dist > 0, 0).any()):
-        raise BudgetError(name, "put mass where the target's distribution is zero")
-    if bool((0.5 * (new - before).abs().sum(-1) > budget + _TOL).any()):
-        raise BudgetError(name, "spent more than its budget")
+
+def contract_breaches(new: Tensor, before: Tensor, target_dist: Tensor, budget: Tensor, stack_delta: float) -> tuple[Tensor, Tensor]:
+    """One method's output against the contract, on the device: which of ``_BROKEN`` it
+    breaks [4] (bool), and its TVD to the target per node.  Works in float32 with a
+    tolerance for float32 rounding over V entries."""
     distance = 0.5 * (new - target_dist).abs().sum(-1)
-    if bool((distance > stack_delta + _TOL).any()):
-        raise BudgetError(name, f"took the stack past its total-variation budget {stack_delta}")
-    return distance
+    breaches = torch.stack([
+        (new.min() < 0) | ((new.sum(-1) - 1).abs() > _TOL).any(),
+        new.masked_fill(target_dist > 0, 0).any(),
+        (0.5 * (new - before).abs().sum(-1) > budget + _TOL).any(),
+        (distance > stack_delta + _TOL).any(),
+    ])
+    return breaches, distance
+
+
+def raise_breach(names: Sequence[str], breaches: Tensor, stack_delta: float) -> None:
+    """Raise a BudgetError for the first member whose row of ``breaches`` [members, 4] is
+    set: the step's one host read of the contract checks."""
+    for name, row in zip(names, breaches.tolist()):
+        if any(row):
+            raise BudgetError(name, _BROKEN[row.index(True)].format(delta=stack_delta))
 
 
 CHECKS_ENV = "SPECIMG_RELAX_CHECKS"
@@ -135,17 +160,36 @@ def fold(
     check: bool = True,
 ) -> Tensor:
     """Apply relaxations in stack order: each gets the previous result and the budget left
-    (at most its own delta), and is checked before the next one runs (``check``; without
-    it only the distance spent is measured, which the next member's budget needs)."""
+    (at most its own delta).  With ``check`` every output is held to the contract, on the
+    device, and the host reads the verdicts once, after the last member (a breach names the
+    first member that broke it); without it only the distance spent is measured, which the
+    next member's budget needs.  A member with no budget to spend (its delta or the
+    stack's is 0) is skipped; one whose nodes have spent theirs runs and, by the contract,
+    changes nothing."""
     dist = target_dist
     spent = torch.zeros(target_dist.shape[0], dtype=target_dist.dtype, device=target_dist.device)
+    names, breaches = [], []
     for name, delta, relax in members:
-        budget = (stack_delta - spent).clamp(min=0.0, max=delta)
-        if not bool((budget > 0).any()):
+        if delta <= 0 or stack_delta <= 0:
             continue
-        new = relax(dist=dist, budget=budget)
+        budget = (stack_delta - spent).clamp(min=0.0, max=delta)
+        try:
+            new = relax(dist=dist, budget=budget)
+        except Exception:
+            if breaches:  # an earlier member's broken output may be what this one choked on
+                raise_breach(names, torch.stack(breaches), stack_delta)
+            raise
         if new is None:
             continue
-        spent = check_relaxed(name, new, dist, target_dist, budget, stack_delta) if check else 0.5 * (new - target_dist).abs().sum(-1)
+        if new.shape != target_dist.shape:
+            raise BudgetError(name, f"returned shape {tuple(new.shape)}, expected {tuple(target_dist.shape)}")
+        if check:
+            broken, spent = contract_breaches(new, dist, target_dist, budget, stack_delta)
+            names.append(name)
+            breaches.append(broken)
+        else:
+            spent = 0.5 * (new - target_dist).abs().sum(-1)
         dist = new
+    if breaches:
+        raise_breach(names, torch.stack(breaches), stack_delta)
     return dist
