@@ -99,7 +99,7 @@ def model_options(fn: F) -> F:
         click.option("--target", type=click.Path(), help="target checkpoint: a LlamaGen file, or a Hugging Face folder of another family (see `specimg models`)"),
         click.option("--preset", default=None, help="LlamaGen preset of the --target checkpoint (GPT-B ... GPT-7B) [default: what the checkpoint says, else GPT-B]"),
         click.option("--target-config", multiple=True, metavar="KEY=VALUE", help="a loading option: a GPTConfig field for LlamaGen (block_size=576), or dtype, device, attn_implementation (and image_size for Lumina-mGPT) for a Hugging Face folder"),
-        click.option("--drafter", type=click.Path(dir_okay=False), help="EAGLE-1 or EAGLE-3 drafter weights (safetensors; the file records its type), for --target or in place of the --model's own drafter"),
+        click.option("--drafter", type=click.Path(), help="EAGLE-1 or EAGLE-3 drafter weights (safetensors; the file records its type), or an EAGLE-style drafter folder as LANTERN releases them (config.json + weights), for --target or in place of the --model's own drafter"),
         click.option("--tokenizer", type=click.Path(dir_okay=False), help="the file that decodes the --target's codes: a LlamaGen VQ checkpoint, or Chameleon's vqgan.ckpt for Lumina-mGPT (a Janus folder and each built-in --model bring their own; see `specimg models`)"),
         click.option("--tokenizer-config", multiple=True, metavar="KEY=VALUE", help="override a VQConfig field"),
     ])(fn)

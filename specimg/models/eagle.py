@@ -77,7 +77,8 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
     a (state, token) pair runs through its ``layers`` (``_forward``, after ``fc``'s weights
     in device and dtype) and how a state gives logits (``_logits``).
 
-    Cache slot s holds the pair that consumes image token s; speculative nodes of the
+    Cache slot s holds the pair that consumes image token s (slot context + s for a drafter
+    whose ``prefill`` caches pairs of the condition first); speculative nodes of the
     current step follow the committed slots and are forgotten by the next ``start``.  A
     node's input state is its parent's output state (the drafter's own prediction).
 
@@ -92,13 +93,17 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
     fc: nn.Linear
     layers: nn.ModuleList
 
-    def __init__(self, target: EagleTarget, max_tree_nodes: int = 128) -> None:
+    def __init__(self, target: EagleTarget, max_tree_nodes: int = 128, layer_config: GPTConfig | None = None, context: int = 0) -> None:
+        """``layer_config``: the draft layer's own shape (default: the target's,
+        ``draft_config``); ``context``: cache slots its :meth:`prefill` fills before the
+        image's first pair (see :meth:`draft_rope`)."""
         super().__init__()
-        config = target.draft_config()
+        config = layer_config or target.draft_config()
         object.__setattr__(self, "target", target)  # shared, not a submodule: kept out of state_dict
         self.layer_config = config
         self.max_tree_nodes = max_tree_nodes
-        self.capacity = config.block_size + max_tree_nodes
+        self.context = context
+        self.capacity = context + config.block_size + max_tree_nodes
         self._full_kv: list[KVSlot] = []
         self._kv: list[KVSlot] = []
         self._feat = torch.empty(0)  # [2, 1 + max_tree_nodes, D] predicted feature per node (0 = root)
@@ -125,6 +130,11 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
         return self
 
     # -- Drafter protocol
+
+    def draft_rope(self) -> Tensor:
+        """The rotation of each cache slot [slots, head_dim / 2, 2]: the target's (slot k
+        holds the pair consuming image token k) unless the drafter has its own."""
+        return self.target.draft_rope()
 
     @torch.no_grad()
     def prefill(self, condition: Condition, cfg: bool) -> None:
@@ -157,7 +167,7 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
         mask = None
         if m > 1:
             mask = torch.ones(m, s0 + m, dtype=torch.bool, device=self.fc.weight.device).tril(s0)
-        h = self._forward(self._lift(hidden), tokens, self.target.draft_rope()[s0 : s0 + m], mask, s0)
+        h = self._forward(self._lift(hidden), tokens, self.draft_rope()[s0 : s0 + m], mask, s0)
         self._len, self._count, self._root_pos = s0 + m, 0, s0 + m - 1
         self._feat[: self._rows, 0] = h[:, -1]
         return self._logits(h[:, -1]).float()
@@ -176,7 +186,7 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
         self._anc[new, new] = True
         if self.step_mode != "eager":
             return self._expand_fixed(parents, tokens, depth, new)
-        rope = self.target.draft_rope()
+        rope = self.draft_rope()
         positions = (depth + self._root_pos).clamp_(max=rope.shape[0] - 1)  # past the image end: never accepted
         mask = torch.cat([torch.ones(f, s0, dtype=torch.bool, device=device), self._anc[new, 1 : c + f + 1]], dim=1)
         h = self._forward(self._feat[: self._rows, parents], tokens, rope[positions], mask, s0 + c)
@@ -192,7 +202,7 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
         if self.step_mode != "graphs":
             h, logits = step(*inputs)
             return h[:, :n], logits[:, :n]
-        target = (self.target.draft_rope().data_ptr(), self.target.input_embeddings().data_ptr())
+        target = (self.draft_rope().data_ptr(), self.target.input_embeddings().data_ptr())
         if target != self._graphed_target:
             self.graphs.clear()
             self._graphed_target = target
@@ -216,7 +226,7 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
         slots = start + self._slots[:b]
         attn = (self._slots < start).expand(b, -1).clone()
         attn[:, slots] = torch.ones(b, b, dtype=torch.bool, device=attn.device).tril()
-        rope = self.target.draft_rope()
+        rope = self.draft_rope()
         h = self._forward(self._lift(hidden), tokens, rope[slots.clamp(max=rope.shape[0] - 1)], attn, slots)
         return h, self._logits(h).float()
 
@@ -240,10 +250,15 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
         slots = start + self._slots[:b]
         attn = (self._slots < prefix).expand(b, -1).clone()
         attn[:, prefix + self._slots[:n]] = ancestors[:, 1:]
-        rope = self.target.draft_rope()
+        rope = self.draft_rope()
         positions = (depth + prefix - 1).clamp(max=rope.shape[0] - 1)  # the root sits at prefix - 1
         h = self._forward(self._feat[: self._rows, parents], tokens, rope[positions], attn, slots)
         return h, self._logits(h).float()
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        """Its input embedding of image tokens [...] -> [..., D]: the target's unless the
+        drafter has its own table."""
+        return self.target.embed_codes(tokens)
 
     def settings(self) -> dict[str, Any]:
         """What a file must record besides the weights to build this drafter again."""
@@ -269,10 +284,10 @@ class EagleDrafter(TreeDrafter):
 
     kind = "eagle1"
 
-    def __init__(self, target: EagleTarget, max_tree_nodes: int = 128) -> None:
-        super().__init__(target, max_tree_nodes)
+    def __init__(self, target: EagleTarget, max_tree_nodes: int = 128, layer_config: GPTConfig | None = None, context: int = 0, bias: bool = True) -> None:
+        super().__init__(target, max_tree_nodes, layer_config, context)
         config = self.layer_config
-        self.fc = nn.Linear(2 * config.dim, config.dim, bias=True)
+        self.fc = nn.Linear(2 * config.dim, config.dim, bias=bias)
         self.layers = nn.ModuleList([TransformerBlock(config, input_norm=False)])
 
     def _lift(self, hidden: Tensor) -> Tensor:
@@ -287,14 +302,14 @@ class EagleDrafter(TreeDrafter):
         at token t's position and the logits of token t + 1."""
         t = tokens.shape[1]
         mask = torch.ones(t, t, dtype=torch.bool, device=features.device).tril()
-        e = self.target.embed_codes(tokens).to(features.dtype)
+        e = self.embed(tokens).to(features.dtype)
         h = self.fc(torch.cat([e, features], dim=-1))
         for layer in self.layers:
-            h = layer(h, self.target.draft_rope()[:t], mask)
+            h = layer(h, self.draft_rope()[:t], mask)
         return h, self.target.code_logits(h).float()
 
     def _forward(self, features: Tensor, tokens: Tensor, rope: Tensor, mask: Tensor | None, start: int | Tensor) -> Tensor:
-        e = self.target.embed_codes(tokens.to(features.device))[None].expand(features.shape[0], -1, -1)
+        e = self.embed(tokens.to(features.device))[None].expand(features.shape[0], -1, -1)
         h = self.fc(torch.cat([e, features], dim=-1))
         for layer, cache in zip(self.layers, self._kv):
             h = layer(h, rope, mask, cache, start)
@@ -334,6 +349,8 @@ def save_drafter(drafter: TreeDrafter, path: str | os.PathLike[str]) -> None:
     from safetensors.torch import save_file
 
     path = os.fspath(path)
+    if not drafter.kind:
+        raise SpecimgError(f"a {type(drafter).__name__} is loaded from its own folder and is not saved as a specimg drafter file")
     if not path.endswith(".safetensors"):
         raise SpecimgError(f"drafter files are safetensors: name it *.safetensors, not {path}")
     meta = {"format": f"specimg-{drafter.kind}", DRAFTER_KEY: json.dumps({"type": drafter.kind, **drafter.settings()})}
@@ -360,9 +377,13 @@ def drafter_settings(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def load_drafter(target: EagleTarget, path: str | os.PathLike[str], *, max_tree_nodes: int = 128) -> TreeDrafter:
-    """A drafter for ``target`` with weights from ``path``, of the type its header records;
-    a missing, extra or misshapen key (a drafter trained for another target) is a
-    SpecimgError naming it."""
+    """A drafter for ``target`` from ``path``: a specimg drafter file, of the type its header
+    records, or an EAGLE-style folder (:mod:`specimg.models.drafter_folder`); a missing,
+    extra or misshapen key (a drafter trained for another target) is a SpecimgError naming it."""
+    if os.path.isdir(path):
+        from specimg.models.drafter_folder import load_drafter_folder
+
+        return load_drafter_folder(target, path, max_tree_nodes=max_tree_nodes)
     settings = drafter_settings(path)
     drafter = build_drafter(target, max_tree_nodes=max_tree_nodes, kind=settings.pop("type"), **settings)
     w = target.input_embeddings()

@@ -2,9 +2,10 @@
 
 A file (``.pt``, ``.pth``, ``.bin``, ``.safetensors``) is a LlamaGen checkpoint; a folder
 is a Hugging Face model whose ``config.json`` ``model_type`` names the family: ``janus``
-(Janus-Pro) or ``chameleon`` (Lumina-mGPT).  Each family's adapter lives in its own module
-of ``specimg.models``, imported only when a path of that family is loaded, so a family
-whose module is absent is reported as unsupported rather than breaking the others.
+(Janus-Pro), ``chameleon`` (Lumina-mGPT) or ``llama`` (LlamaGen t2i as LANTERN converts
+it).  Each family's adapter lives in its own module of ``specimg.models``, imported only
+when a path of that family is loaded, so a family whose module is absent is reported as
+unsupported rather than breaking the others.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ FAMILIES = {f.name: f for f in (
            tokenizer_source="none: the folder's own VQ model decodes"),
     Family("lumina", "Lumina-mGPT (transformers' Chameleon)", 'a Hugging Face folder, config.json model_type "chameleon"', "specimg.models.lumina", "load_lumina_target", "chameleon",
            tokenizer="specimg.models.chameleon_vq:load_chameleon_vq_decoder", tokenizer_source="Chameleon's VQGAN checkpoint (tokenizer/vqgan.ckpt)"),
+    Family("lantern", "LlamaGen t2i in Hugging Face Llama names (LANTERN's LlamaGen-T2I)", 'a Hugging Face folder, config.json model_type "llama" with input_type "t2i"',
+           "specimg.models.lantern", "load_lantern_target", "llama",
+           tokenizer="specimg.models.vq:load_tokenizer", tokenizer_source="LlamaGen's VQ file (vq_ds16_t2i.pt)"),
 )}
 
 
@@ -144,7 +148,9 @@ def catalogue(demo_installed: bool = True) -> list[str]:
         lines.append(f"{family.name:<10} {family.title}{status}")
         lines.append(f"{'':<10} --target {family.source}")
         lines.append(f"{'':<10} --tokenizer {family.tokenizer_source}")
-        if family.model_type:
+        if family.name == "lantern":
+            lines.append(f"{'':<10} --prompt / --prompts with --text-encoder (a local flan-t5-xl folder); --drafter a LANTERN drafter folder")
+        elif family.model_type:
             lines.append(f"{'':<10} --prompt / --prompts, tokenized by the folder's own tokenizer (no --text-encoder); without one, --prompt-ids")
         if family.name == "lumina":
             lines.append(f"{'':<10} --target-config image_size=768 (the default; a multiple of 32 with a size token)")

@@ -65,6 +65,7 @@ FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "n_kv_head": (lambda v: v is None or _positive_int(v), "a positive integer, or null for n_head"),
     "multiple_of": (_positive_int, "a positive integer"),
     "ffn_dim_multiplier": (lambda v: v is None or (_is_number(v) and v > 0), "a positive number, or null"),
+    "ffn_dim": (lambda v: v is None or _positive_int(v), "a positive integer, or null for LlamaGen's rounding"),
     "rope_base": (lambda v: _is_number(v) and v > 1, "a finite number > 1"),
     "norm_eps": (lambda v: _is_number(v) and v > 0, "a finite number > 0"),
     "initializer_range": (lambda v: _is_number(v) and v >= 0, "a finite number >= 0"),
@@ -101,6 +102,8 @@ class GPTConfig:
     n_kv_head: int | None = None
     multiple_of: int = 256
     ffn_dim_multiplier: float | None = None
+    ffn_dim: int | None = None
+    """The SwiGLU width where a file states it (a Hugging Face ``intermediate_size``); None: LlamaGen's rounding."""
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
     initializer_range: float = 0.02
@@ -138,8 +141,10 @@ class GPTConfig:
 
     @property
     def ffn_hidden(self) -> int:
-        """SwiGLU width, rounded as LlamaGen does: int(2/3 * 4 dim), times the multiplier,
-        up to a multiple of ``multiple_of``."""
+        """SwiGLU width: ``ffn_dim`` if given, else rounded as LlamaGen does: int(2/3 * 4 dim),
+        times the multiplier, up to a multiple of ``multiple_of``."""
+        if self.ffn_dim is not None:
+            return self.ffn_dim
         hidden = int(2 * (4 * self.dim) / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
@@ -377,6 +382,7 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         self._len = 0  # committed cache entries (condition + consumed image tokens)
         self._start = torch.zeros((), dtype=torch.long)  # _len on the cache's device (fixed-shape steps read it there)
         self._pending = 0  # nodes of the last forward_tree
+        self._condition = torch.empty(0)  # the last prefill's last-layer outputs [rows, cls, D]
         self.graphs = GraphSet()
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
@@ -409,9 +415,18 @@ class LlamaGenTarget(FixedSteps, nn.Module):
             self._valid[0, :cls] = caption_mask
             mask = self.condition_mask(caption_mask[None])[0]
         h, fused = self._run(x, self.rope[:cls], mask, 0)
+        self._condition = h
         self._len, self._pending = cls, 0
         self._start.fill_(cls)
         return self._head(h[:, -1:], fused if fused is None else fused[:, -1:])
+
+    def condition_hidden(self) -> Tensor:
+        """The last prefill's states after the final norm at every condition position
+        [rows, cls_token_num, D]: what a drafter that reads the whole condition (LANTERN's)
+        starts from."""
+        if not self._condition.numel():
+            raise RuntimeError("call prefill before condition_hidden")
+        return self.norm(self._condition)
 
     @torch.no_grad()
     def forward_tree(self, tokens: Tensor, depths: Tensor, mask: Tensor) -> TargetOutput:
