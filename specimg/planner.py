@@ -20,6 +20,7 @@ statistics, never on timings taken during the run, so a seed gives the same imag
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 import numpy as np
@@ -30,6 +31,9 @@ from specimg.config import TreeConfig
 from specimg.costs import CostModel
 from specimg.profile import MAX_DEPTH, MAX_TOPK, AcceptanceProfile
 from specimg.tree import DraftTree, tree_name
+
+if TYPE_CHECKING:
+    from specimg.stats import RunStats
 
 REPLAN_EVERY = 16
 
@@ -129,6 +133,16 @@ def why_ar(cost: CostModel, use: Mapping[tuple[int, int, int], tuple[int, int]],
         f"its {steps} drafted steps yielded {tokens / steps:.2f} tokens each in {ms / steps:.2f} ms, against AR's one token in "
         f"{cost.ar_ms:.2f} ms ({tokens / ms * cost.ar_ms:.2f}x)"
     )
+
+
+def not_paying(cost: CostModel, run: RunStats, method: str = "") -> str | None:
+    """The line that says, in numbers, that speculative decoding did not pay for ``run``'s
+    auto trees (most steps ran as AR, or the prediction is under 1x); None when it did."""
+    predicted = run.predicted_speedup
+    if run.ar_share <= 0.5 and (predicted is None or predicted >= 1):
+        return None
+    fell_back = f", so {100 * run.ar_share:.0f}% of the steps ran as AR" if run.ar_share else ""
+    return f"speculative decoding does not pay on this machine{fell_back}: {why_ar(cost, run.tree_use(), method)}"
 
 
 class TreePlanner:

@@ -157,13 +157,9 @@ def _tree_summary(engine: Engine, stats: RunStats) -> str:
         return engine.tree_label
     assert engine.cost_model is not None and stats.predicted_speedup is not None
     summary = f"auto: {stats.tree_shares()}; predicted speedup {stats.predicted_speedup:.2f}x (cost model {engine.cost_model.key}: {engine.cost_model.machine})"
-    if stats.ar_share > 0.5 or stats.predicted_speedup < 1:
-        why = planner.why_ar(engine.cost_model, stats.tree_use(), costs.scale_key(engine.stack))
-        fell_back = f", so {100 * stats.ar_share:.0f}% of the steps ran as AR" if stats.ar_share else ""
-        summary += (
-            f"\nspeculative decoding does not pay on this machine{fell_back}: {why} "
-            "(`specimg tune` shows the costs; on a GPU a small tree's verify costs about one AR step)"
-        )
+    unpaid = planner.not_paying(engine.cost_model, stats, costs.scale_key(engine.stack))
+    if unpaid:
+        summary += f"\n{unpaid} (`specimg tune` shows the costs; on a GPU a small tree's verify costs about one AR step)"
     return summary
 
 

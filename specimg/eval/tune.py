@@ -73,8 +73,9 @@ def tune(engine: Engine, conditions: Sequence[Condition], seed: int, out: str, e
         f"generate on the same images and seeds (each image plans from its own steps, starting from the prior): {picked.tree_shares()}; "
         f"tau {picked.tau:.2f}, predicted {picked.predicted_speedup:.2f}x"
     )
-    if picked.ar_share > 0.5:
-        echo(f"speculative decoding does not pay here: {planner.why_ar(cost, picked.tree_use(), scale_name)}")
+    unpaid = planner.not_paying(cost, picked, scale_name)
+    if unpaid:
+        echo(unpaid)
     result = {
         "cost_model": json.loads(cost.to_json()), "method": engine.method, "rates": rates.tolist(),
         "candidates": [attrs.asdict(p) for p in ranked], "choice": attrs.asdict(best),
