@@ -118,7 +118,8 @@ def jacobi_window(
     if above is not None:
         drafts, repeated = repeat_horizon(drafts, carried, *above)
         one_hot |= repeated
-    q = torch.where(one_hot[:, None], torch.nn.functional.one_hot(drafts, q.shape[-1]).to(q.dtype), q)
+    if one_hot_fresh or above is not None:  # the default window keeps every row's q as drawn
+        q = torch.where(one_hot[:, None], torch.nn.functional.one_hot(drafts, q.shape[-1]).to(q.dtype), q)
     tokens = torch.cat([torch.tensor([root_token], device=device), drafts])
     depths = torch.arange(length + 1, device=device)
     draft_probs = torch.cat([q, torch.zeros(1, q.shape[-1], device=device)])  # row u: what u's child was drawn from
