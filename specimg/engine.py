@@ -23,7 +23,7 @@ from specimg.plugins import PluginManager, get_plugin_manager
 from specimg.sampling import cfg_active_at, probabilities
 from specimg.stackhooks import StackHooks
 from specimg.stats import ImageStats, RunStats
-from specimg.step import Acceptance, Scores, Step
+from specimg.step import Acceptance, Scores, Step, Walked
 from specimg.tree import DraftSession, DraftTree
 
 
@@ -296,7 +296,7 @@ class Engine:
         root = DraftTree.from_tensors(torch.tensor(tokens[-1:], device=device), torch.tensor([-1], device=device),
                                       torch.zeros(1, dtype=torch.long, device=device), torch.zeros(1, device=device), width=0, height=0)
         previous = Step(root, Scores(first, prefill.hidden, prefill.logits, prefill.layers), Acceptance([0], tokens[-1]))  # the prefill as a step
-        new_tokens = tokens[-1:]
+        new_ids, new_tokens = torch.tensor(tokens[-1:], device=device), tokens[-1:]
         spent = torch.zeros((), dtype=torch.float64, device=device)  # TVD(q_R, p) over the walked paths' nodes
         while len(tokens) < target.num_tokens:
             if planner and planner.plan.is_ar:
@@ -306,7 +306,7 @@ class Engine:
             with self._timed(stats, "draft"):
                 session = None
                 if drafter is not None:
-                    root_logits = drafter.start(hidden, torch.tensor(new_tokens, dtype=torch.long, device=device))
+                    root_logits = drafter.start(hidden, new_ids)
                     session = DraftSession(drafter, sampling, root_logits, len(tokens) - 1, filtered=tree_config.sample)
                 tree = self.hooks.propose(
                     session=session, root_token=tokens[-1], tree_config=tree_config,
@@ -320,9 +320,8 @@ class Engine:
             with self._timed(stats, "accept"):
                 result = self.accept(tree, dist, scores, generator)
             with self._timed(stats, "commit"):
-                path = torch.tensor(result.path, dtype=torch.long, device=device)
+                path, new_ids, new_tokens = result.walked or self._walked(tree, result)
                 target.commit(path)
-                new_tokens = tree.tokens[path[1:]].tolist() + [result.next_token]
                 if drafter is not None:
                     hidden = draft_features(drafter, scores)[:, path]
                 tokens.extend(new_tokens)
@@ -339,6 +338,13 @@ class Engine:
             if progress:
                 progress(len(new_tokens))
         stats.tvd = float(spent) / max(1, sum(stats.accepted) + len(stats.accepted))
+
+    @staticmethod
+    def _walked(tree: DraftTree, result: Acceptance) -> Walked:
+        """The device side of a path the rule walked on the host: one copy there, one read back."""
+        path = torch.tensor(result.path, dtype=torch.long, device=tree.tokens.device)
+        new_tokens = tree.tokens[path[1:]].tolist() + [result.next_token]
+        return Walked(path, torch.tensor(new_tokens, device=path.device), new_tokens)
 
     def _finish_ar(self, planner: TreePlanner, tokens: list[int], generator: torch.Generator, stats: ImageStats, progress: Callable[[int], None] | None) -> None:
         """The rest of the image as AR steps (the planner found no tree that pays), booked

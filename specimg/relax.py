@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from specimg import stalls
+
 _TOL = 1e-4
 
 
@@ -90,17 +92,11 @@ def transfer(
     return out, moved
 
 
-def host_reads_stall(device: torch.device) -> bool:
-    """Whether reading a tensor's value on ``device`` makes the host wait for queued work
-    (every device but the CPU)."""
-    return device.type != "cpu"
-
-
 def candidate_rows(candidates: Tensor) -> Tensor:
     """The nodes a relaxation must touch: on the CPU those with candidates (finding them is
     a host read, free there, and spares the leaves' work); elsewhere every node, since a
     host read would stall the device."""
-    if host_reads_stall(candidates.device):
+    if stalls.host_reads_stall(candidates.device):
         return torch.arange(candidates.shape[0], device=candidates.device)
     return (candidates >= 0).any(dim=1).nonzero().squeeze(1)
 

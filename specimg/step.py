@@ -22,12 +22,25 @@ class Scores(NamedTuple):
     layers: Tensor | None = None
 
 
+class Walked(NamedTuple):
+    """What a rule that walked the tree on the device hands the commit, so that it neither
+    copies the path to the device nor reads the tokens back: the ``path`` and the step's
+    ``new_tokens`` (the path's tokens after the root, then the next token) as device
+    tensors, and ``token_list``, those tokens as the walk's one read gave them."""
+
+    path: Tensor
+    new_tokens: Tensor
+    token_list: list[int]
+
+
 class Acceptance(NamedTuple):
     """The accepted root-to-node ``path`` of tree node ids (starting with the root) and the
-    ``next_token`` drawn after it (a correction, or the bonus token at a leaf)."""
+    ``next_token`` drawn after it (a correction, or the bonus token at a leaf); ``walked``
+    where the rule walked on the device."""
 
     path: list[int]
     next_token: int
+    walked: Walked | None = None
 
 
 class Step(NamedTuple):

@@ -16,6 +16,7 @@ import attrs
 import torch
 from torch import Tensor
 
+from specimg import stalls
 from specimg.config import Sampling, TreeConfig
 from specimg.errors import SpecimgError
 from specimg.models.base import Drafter
@@ -27,7 +28,7 @@ class DraftTree:
     """A proposal: per node its token, parent (-1 at the root), depth, the ancestor mask
     [n, n], the drafter's log-prob of the token under its parent's draft distribution
     (0 at the root), each node's children padded with -1 as ``child_ids`` [n, C] (in
-    draft-rank order), and for sampled trees the draft distribution each node's children
+    draft-rank order), the deepest depth ``height``, and for sampled trees the draft distribution each node's children
     were drawn from ([n, V], zero rows for nodes without children)."""
 
     tokens: Tensor
@@ -36,6 +37,7 @@ class DraftTree:
     mask: Tensor
     logprobs: Tensor
     child_ids: Tensor
+    height: int
     draft_probs: Tensor | None = None
     sampled: bool = False
 
@@ -96,7 +98,7 @@ class DraftTree:
         rank = torch.arange(n - 1, device=device) - first[order.values]
         child_ids = torch.full((n, max(1, width)), -1, dtype=torch.long, device=device)
         child_ids[order.values, rank] = order.indices + 1
-        return cls(tokens, parents, depths, mask, logprobs, child_ids, draft_probs, sampled)
+        return cls(tokens, parents, depths, mask, logprobs, child_ids, height, draft_probs, sampled)
 
     @property
     def size(self) -> int:
@@ -170,9 +172,9 @@ class _Growth:
         device = session.device
         self.session = session
         self.parts: list[tuple[Tensor, Tensor, Tensor, Tensor]] = [
-            (torch.tensor([root_token], device=device), torch.tensor([-1], device=device),
+            (torch.full((1,), root_token, device=device), torch.full((1,), -1, device=device),
              torch.zeros(1, device=device), torch.zeros(1, device=device))
-        ]  # (tokens, parents, logq, score) per level
+        ]  # (tokens, parents, logq, score) per level; a fill, not a copy from the host
         self.size, self.levels, self.width = 1, 0, 0
         self._columns: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None
         self.session_of = torch.full((capacity,), -1, dtype=torch.long, device=device)
@@ -242,7 +244,8 @@ def build_dynamic(
     Top-k drafts then keep the ``total_tokens`` best nodes overall (a set closed under
     ancestors, since a child never scores above its parent).  Sampled drafts keep every
     drawn child (recursive rejection needs each node's full draw) and spend the budget by
-    expanding fewer nodes.
+    expanding fewer nodes.  On a device where a host read stalls, drafts of probability 0
+    (all sorted last, parents before children) stay in the tree rather than be counted.
     """
     topk = min(topk, session.root_probs.shape[-1])
     grow = _Growth(session, root_token, capacity=1 + depth * topk * topk)
@@ -271,7 +274,9 @@ def build_dynamic(
         keep = torch.nonzero(scores > -torch.inf).squeeze(1)  # drop picks of probability 0
     else:
         best = torch.sort(scores[1:], descending=True, stable=True)
-        count = min(total_tokens - 1, int((best.values > -torch.inf).sum()))
+        count = min(total_tokens - 1, best.values.shape[0])
+        if not stalls.host_reads_stall(device):  # drop drafts of probability 0 where counting them is free
+            count = min(count, int((best.values > -torch.inf).sum()))
         keep = torch.cat([torch.zeros(1, dtype=torch.long, device=device), best.indices[:count] + 1]).sort().values
     return grow.tree(keep, sampled=sample)
 

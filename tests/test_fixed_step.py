@@ -14,6 +14,7 @@ from specimg.graphs import BUCKETS, bucket, step_mode
 from specimg.models.base import causal_tree_mask
 from specimg.models.eagle import build_drafter
 from specimg.models.llamagen import build_target
+from specimg.models.vq import build_tokenizer
 from specimg.testing.syncs import count_syncs, counting_host_reads
 from specimg.testing.trees import random_tree
 
@@ -196,3 +197,19 @@ def test_graphed_ar_steps_never_wait_for_the_device() -> None:
         engines[block_size].generate([1], seed=0)  # captures
     syncs = {n: min(count_syncs(lambda: engine.generate([1], seed=0)) for _ in range(2)) for n, engine in engines.items()}
     assert syncs[64] <= syncs[16] <= 6, syncs
+
+
+@cuda
+def test_graphed_speculative_steps_wait_for_the_device_at_most_twice() -> None:
+    """docs/architecture.md's count on the graph path: naive waits once a step (the walk's
+    outcome), cascade+lantern twice (with its checks' verdict), plus a few waits an image
+    (as AR's, counted above)."""
+    target = build_target("GPT-B", seed=0, **{**TINY, "block_size": 64}).cuda()
+    drafter = build_drafter(target, seed=1)
+    tokenizer = build_tokenizer(seed=2, codebook_size=TINY["vocab_size"], codebook_embed_dim=8)
+    for method, per_step in (("naive", 1), ("cascade+lantern", 2)):
+        engine = specimg.Engine(target, drafter, method, sampling=specimg.Sampling(cfg_scale=3.0), tokenizer=tokenizer, cuda_graphs="on",
+                                tree=specimg.TreeConfig(kind="dynamic", depth=3, topk=3, total_tokens=12))
+        steps = len(engine.generate([1], seed=0).stats.images[0].accepted)  # captures; the same seed repeats its steps
+        syncs = min(count_syncs(lambda: engine.generate([1], seed=0)) for _ in range(2))
+        assert syncs <= per_step * steps + 6, (method, syncs, steps)

@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
-from specimg import Engine, TreeConfig, relax
+from specimg import Engine, TreeConfig, stalls
 from specimg.models.eagle import build_drafter
 from specimg.models.llamagen import build_target
 from specimg.models.vq import build_tokenizer
@@ -60,7 +60,7 @@ def relaxed_steps(models, method: str, check: bool) -> tuple[list[torch.Tensor],
 @pytest.mark.parametrize("method", METHODS)
 def test_relax_reads_the_device_once_for_its_checks_and_matches_the_cpu_path(models, method, monkeypatch):
     cpu_path, _ = relaxed_steps(models, method, check=True)
-    monkeypatch.setattr(relax, "host_reads_stall", lambda device: True)
+    monkeypatch.setattr(stalls, "host_reads_stall", lambda device: True)
     device_path, reads = relaxed_steps(models, method, check=True)
     assert set(reads) == {1}, reads
     assert all(torch.equal(a, b) for a, b in zip(cpu_path, device_path)) and len(cpu_path) == len(device_path)
