@@ -18,9 +18,11 @@ windows) with no budget:
     (the whole chain accepted: emit y ~ p at its last node)
 
 ``mode="paper"`` is that rule with the released code's groups (junhyukso/GSD): the tokens
-at positions [r-w, r+w) of p_u's ascending order, r the draft's position, with
-|p_u(t) - p_u(x)| < p_thr and squared L2 distance of input embeddings < emb_thr.  It
-has no TVD budget (``GSDOptions.budgeted`` is False).
+at positions [r-w, r+w) of p_u's ascending order, r the draft's position (cut off at the
+top; none at all when r < w, where the release's slice is empty), with
+|p_u(t) - p_u(x)| < p_thr and squared L2 distance of the target's raw input embeddings
+(its LM embedding table, as the release's ``embed_tokens.weight``) < emb_thr.  It has no
+TVD budget (``GSDOptions.budgeted`` is False).
 """
 
 from __future__ import annotations
@@ -110,14 +112,18 @@ def group_donors(probs: Tensor, candidates: Tensor, embeddings: Tensor, options:
 
 def released_group_donors(probs: Tensor, candidates: Tensor, embeddings: Tensor, options: GSDOptions) -> Tensor:
     """The released code's G(x) for every candidate: donors [n, C, 2w - 1], -1 where none
-    (module docstring; x itself, at offset 0, is not a donor)."""
+    (module docstring; x itself, at offset 0, is not a donor).  A draft among the w least
+    likely tokens has none: the release slices the sorted ids with [r - w : r + w], whose
+    negative start leaves the slice empty, and its empty group falls to the plain test
+    p(x) / q(x) (junhyukso/GSD scheduler/jacobi_iteration_lumina_mgpt.py:305-337)."""
     vocab = probs.shape[-1]
     safe = candidates.clamp(min=0)
     order = probs.argsort(dim=1, stable=True)  # ascending, as the released code sorts logits
     rank = torch.empty_like(order).scatter_(1, order, torch.arange(vocab, device=probs.device).expand_as(order))
     offsets = torch.cat([torch.arange(-options.w, 0), torch.arange(1, options.w)]).to(probs.device)
-    pos = rank.gather(1, safe)[..., None] + offsets
-    inside = (pos >= 0) & (pos < vocab)
+    centre = rank.gather(1, safe)[..., None]
+    pos = centre + offsets
+    inside = (pos < vocab) & (centre >= options.w)  # the top end is cut off; a start below 0 empties the window
     tokens = order.gather(1, pos.clamp(0, vocab - 1).flatten(1)).view_as(pos)
     p_close = (probs.gather(1, tokens.flatten(1)).view_as(tokens) - probs.gather(1, safe)[..., None]).abs() < options.p_thr
     emb = embeddings.to(probs.device).float()

@@ -22,9 +22,17 @@ each child x in turn:
 
     A(x)    = the longest prefix of B_k(x) with r(A(x)) <= delta   (delta per candidate)
     accept x with probability min(1, (r(x) + r(A(x))) / q(x))
-    else      r <- norm(max(0, r - q) with x and ALL of B_k(x) set to 0)
+    else      r <- norm(max(0, r - q) with x set to 0, and, where A(x) is not empty
+                   (as an index set: its first neighbour fits), ALL of B_{k+1}(x) too)
+              (r <- uniform over the vocabulary where nothing is left)
               q <- norm(q without x)
     every child rejected: emit y ~ r
+
+That is the released Lumina-mGPT path (models/ea_model_lumina_mgpt.py:661-717 of
+jadohu/LANTERN, EAGLE-1 trees with the drafter's q): ``nearest_latents[x, :k]`` for A(x),
+``nearest_latents[x, :k+1]`` zeroed in r only ``if indices != -1``, and
+``torch.ones_like(gtp)`` when r is left empty; ``nearest_latents`` holds each code's
+nearest other codes (entrypoints/generate_codebook.py:55-59 sets the diagonal to inf).
 """
 
 from __future__ import annotations
@@ -91,24 +99,28 @@ def build_relaxed_dist(
 ) -> Tensor:
     candidates = tree.candidates()[0].to(dist.device)
     raw = options.mode == "paper" or options.codebook == "raw"
+    if options.mode == "paper":  # k nearest for A(x), k + 1 for what a rejection zeroes
+        near = codebook_donors(tokenizer, candidates, options.k + 1, target_dist.shape[-1], "lantern", raw=True)
+        return released_law(dist, target_dist, budget, tree, near, options.k, lambda mass: torch.full_like(mass, options.delta), "lantern")
     donors = codebook_donors(tokenizer, candidates, options.k, target_dist.shape[-1], "lantern", raw=raw)
-    if options.mode == "paper":
-        return released_law(dist, target_dist, budget, tree, donors, lambda mass: torch.full_like(mass, options.delta), "lantern")
     # a candidate's mass changes only in its own turn, so capping it at its mass + delta gives it a budget of its own
     cap = dist.gather(1, candidates.clamp(min=0)) + options.delta if options.budget == "candidate" else None
     return transfer(dist, target_dist, candidates, donors, budget.to(dist.device), cap=cap, whole=options.whole_neighbours, distinct=True)[0]
 
 
 def released_law(
-    dist: Tensor, target_dist: Tensor, budget: Tensor, tree: DraftTree, near: Tensor, allowance: Callable[[Tensor], Tensor], method: str
+    dist: Tensor, target_dist: Tensor, budget: Tensor, tree: DraftTree, near: Tensor, k: int, allowance: Callable[[Tensor], Tensor],
+    method: str,
 ) -> Tensor:
     """The law of the token the released rule (module docstring) emits at each node, given
     the children drawn there, as q_R [n, V]: the core's sample-and-match then emits exactly
-    that law, a child's token drawn being that child accepted.  ``near`` [n, C, k] holds
-    each child's k nearest codes; ``allowance(r(x))`` the most mass A(x) may hold (LANTERN:
-    delta; LANTERN++: (lam - 1) r(x)).  A draft the target masks is never accepted (the
-    core allows no mass where p is 0), and where zeroing leaves r no mass, r stays as it
-    was (as the core's recursive rejection does)."""
+    that law, a child's token drawn being that child accepted.  ``near`` [n, C, k + 1]
+    holds each child's k + 1 nearest codes (fewer where the codebook is smaller): A(x) is
+    a prefix of the first ``k``, a rejection with A(x) not empty zeroes all of them;
+    ``allowance(r(x))`` is the most mass A(x) may hold (LANTERN: delta; LANTERN++:
+    (lam - 1) r(x)).  A draft the target masks is never accepted (the core allows no mass
+    where p is 0); where a rejection leaves r no mass, r becomes uniform, as the release's
+    ``torch.ones_like(gtp)``."""
     candidates = tree.candidates()[0].to(target_dist.device)
     rows = (candidates >= 0).any(dim=1).nonzero().squeeze(1)
     if rows.numel() == 0:  # nothing drafted (the image's last token): p as it is
@@ -125,17 +137,20 @@ def released_law(
     reach = torch.ones(rows.numel(), dtype=r.dtype, device=r.device)  # P(every earlier child rejected)
     at = torch.arange(rows.numel(), device=r.device)
     tiny = torch.finfo(r.dtype).tiny
+    uniform = torch.full_like(r, 1.0 / r.shape[-1])
     for j in range(candidates.shape[1]):
         drafted = candidates[rows, j] >= 0
         x, ball = candidates[rows, j].clamp(min=0), near[rows, j].clamp(min=0)
-        mass = r.gather(1, ball)
-        lifted = r[at, x] + (mass * (mass.cumsum(1) <= allowance(r[at, x])[:, None])).sum(1)  # r(x) + r(A(x))
+        mass = r.gather(1, ball[:, :k])
+        fits = mass.cumsum(1) <= allowance(r[at, x])[:, None]  # a prefix: r >= 0
+        lifted = r[at, x] + (mass * fits).sum(1)  # r(x) + r(A(x))
         accept = torch.where(drafted & (p[at, x] > 0), (lifted / q[at, x].clamp(min=tiny)).clamp(max=1.0), 0.0)
         emitted[at, x] += reach * accept
         reach = reach * (1 - accept)
-        left = (r - q).clamp(min=0).scatter(1, torch.cat([x[:, None], ball], dim=1), 0.0)  # x and all k nearest
+        hood = torch.where(fits[:, :1], ball, x[:, None])  # A(x) not empty: x's k + 1 nearest; else x alone
+        left = (r - q).clamp(min=0).scatter(1, torch.cat([x[:, None], hood], dim=1), 0.0)
         total = left.sum(1, keepdim=True)
-        r = torch.where(drafted[:, None] & (total > 0), left / total.clamp(min=tiny), r)
+        r = torch.where(drafted[:, None], torch.where(total > 0, left / total.clamp(min=tiny), uniform), r)
         dropped = q.scatter(1, x[:, None], 0.0)
         kept = dropped.sum(1, keepdim=True)
         q = torch.where(drafted[:, None] & (kept > 0), dropped / kept.clamp(min=tiny), q)

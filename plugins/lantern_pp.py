@@ -21,7 +21,10 @@ docstring) with the cap in place of delta, neighbours in the raw codebook, no TV
 
     A(x)    = the longest prefix of B_k(x) with r(A(x)) <= (lam - 1) * r(x)
     accept x with probability min(1, (r(x) + r(A(x))) / q(x))
-    else      r <- norm(max(0, r - q) with x and ALL of B_k(x) set to 0),  q <- norm(q without x)
+    else      r <- norm(max(0, r - q) with x set to 0, and ALL of B_{k+1}(x) where A(x) is
+                   not empty; uniform where nothing is left),  q <- norm(q without x)
+
+(``lantern_delta > 1`` in models/ea_model_lumina_mgpt.py:665-668 of jadohu/LANTERN.)
 """
 
 from __future__ import annotations
@@ -122,8 +125,9 @@ def build_relaxed_dist(
 ) -> Tensor:
     candidates = tree.candidates()[0].to(dist.device)
     raw = options.mode == "paper" or options.codebook == "raw"
+    if options.mode == "paper":  # k nearest for A(x), k + 1 for what a rejection zeroes
+        near = codebook_donors(tokenizer, candidates, options.k + 1, target_dist.shape[-1], "lantern++", raw=True)
+        return released_law(dist, target_dist, budget, tree, near, options.k, lambda mass: (options.lam - 1) * mass, "lantern++")
     donors = codebook_donors(tokenizer, candidates, options.k, target_dist.shape[-1], "lantern++", raw=raw)
-    if options.mode == "paper":
-        return released_law(dist, target_dist, budget, tree, donors, lambda mass: (options.lam - 1) * mass, "lantern++")
     cap = options.lam * target_dist.gather(1, candidates.clamp(min=0))
     return transfer(dist, target_dist, candidates, donors, budget.to(dist.device), cap=cap, whole=True, distinct=True)[0]

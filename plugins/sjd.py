@@ -20,29 +20,36 @@ window of L counts the committed token (L - 1 drafts), and a freshly drawn token
 given a one-hot q, so it is accepted with probability p(x) and a rejection draws from
 norm(max(0, p - onehot(x))).  That is still exact: it spends no TVD.
 
-``init="repeat_horizon"`` is the spatial prior of the released LlamaGen scripts: a new
-position starts as the token one grid row above it (from the image so far or from this
-window's drafts), with a one-hot q, since it was not drawn; positions of the first row are
-drawn as with ``init="random"``.  Exact too: q is what each draft came from.
+``init="repeat_horizon"`` is the released code's prior of that name (scheduler/
+jacobi_iteration_lumina_mgpt.py:516-594, ``get_multi_token_for_preparation``): every new
+position starts as the last token before the new ones (the last carried draft, else the
+committed token), with a one-hot q, since it was not drawn.  The release computes each new
+position's source as the position just left of it ("horizon"), clamped to the tokens it
+already has, so all of a window's new positions copy that one token; it skips one slot per
+row of W + 1, which on Lumina-mGPT is the end-of-line token (specimg's token grids have
+none).  Exact too: q is what each draft came from.  Its LlamaGen script selects the scheme
+but never applies it (``img_width`` comes from ``logits_processor[0].w_latent_dim``, which
+LlamaGen's top-k warper lacks, so the branch is skipped): the released LlamaGen runs draw
+new positions at random, and so ``mode="paper"`` keeps ``init="random"``.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import attrs
 import torch
 from attrs import validators as v
 
-from specimg import DraftTree, MethodSpec, Sampling, SpecimgError, Step, Target, hookimpl
+from specimg import DraftTree, MethodSpec, Sampling, Step, hookimpl
 
 
 @attrs.frozen
 class SJDOptions:
     """window: L, the draft tokens after the accepted prefix (each step's chain); in
     mode "paper" L counts the committed token, as the released code's 16 does.  init: how
-    new positions start, "random" (uniform) or "repeat_horizon" (the token a row above)."""
+    new positions start, "random" (uniform) or "repeat_horizon" (the release's prior: a copy
+    of the last token before them)."""
 
     window: int = attrs.field(default=16, validator=v.ge(1))
     mode: str = attrs.field(default="specimg", validator=v.in_(("specimg", "paper")))
@@ -58,32 +65,21 @@ class SJDOptions:
 def register_methods(register: Callable[[MethodSpec], None]) -> None:
     register(MethodSpec(
         "sjd", SJDOptions, "SJD: draft-free speculative Jacobi decoding over a window of L tokens", drafter=False,
-        paper={"mode": "paper", "init": "repeat_horizon"},
-        stacked_defaults={"gsd": {"mode": "paper"}},  # GSD's released code runs on SJD's (whose Lumina-mGPT init is random)
+        paper={"mode": "paper"},  # init random: the release's LlamaGen script names repeat_horizon but never applies it
+        stacked_defaults={"gsd": {"mode": "paper"}},  # GSD's released code runs on SJD's (its Lumina-mGPT init is random)
         departures=(
-            "fresh tokens are drawn uniformly and keep that q (the release gives them a one-hot q and, in its LlamaGen scripts, "
-            "starts them from the row above; its Lumina-mGPT scripts draw them at random: -o sjd.init=random), and L counts drafts; all exact"
+            "fresh tokens are drawn uniformly and keep that q (the release gives them a one-hot q), and L counts drafts; both exact"
         ),
     ))
 
 
 @hookimpl
 def propose_tree(
-    root_token: int, max_depth: int, previous: Step, image_tokens: Sequence[int], target: Target, sampling: Sampling,
-    generator: torch.Generator, options: SJDOptions,
+    root_token: int, max_depth: int, previous: Step, sampling: Sampling, generator: torch.Generator, options: SJDOptions,
 ) -> DraftTree:
     length = min(options.drafts, max_depth)
-    width = grid_width(target.num_tokens) if options.init == "repeat_horizon" else 0
     return jacobi_window(previous, root_token, length, generator, sampling.greedy, one_hot_fresh=options.mode == "paper",
-                         above=(image_tokens, width) if width else None)
-
-
-def grid_width(num_tokens: int) -> int:
-    """The width of a square token grid; repeat_horizon needs one."""
-    width = math.isqrt(num_tokens)
-    if width * width != num_tokens:
-        raise SpecimgError(f"sjd.init=repeat_horizon reads the row above on a square token grid; this target has {num_tokens} tokens: use sjd.init=random")
-    return width
+                         repeat=options.init == "repeat_horizon")
 
 
 def window_drafts(previous: Step, length: int) -> tuple[torch.Tensor, int]:
@@ -98,12 +94,12 @@ def window_drafts(previous: Step, length: int) -> tuple[torch.Tensor, int]:
 
 def jacobi_window(
     previous: Step, root_token: int, length: int, generator: torch.Generator, greedy: bool, one_hot_fresh: bool = False,
-    above: tuple[Sequence[int], int] | None = None,
+    repeat: bool = False,
 ) -> DraftTree:
     """The chain root -> x_1 -> ... -> x_length with x_i ~ q_i (argmax q_i when greedy);
     with ``one_hot_fresh`` the uniform rows then become one-hot at their draws (paper mode);
-    with ``above`` (the image's tokens, the grid width) new positions below the first row
-    repeat the token above them."""
+    with ``repeat`` (init="repeat_horizon") new positions copy the last token before them,
+    one-hot."""
     device = previous.scores.probs.device
     q, carried = window_drafts(previous, length)
     if length == 0:
@@ -115,10 +111,10 @@ def jacobi_window(
     one_hot = torch.zeros(length, dtype=torch.bool, device=device)
     if one_hot_fresh:
         one_hot[carried:] = True
-    if above is not None:
-        drafts, repeated = repeat_horizon(drafts, carried, *above)
+    if repeat:
+        drafts, repeated = repeat_horizon(drafts, carried, root_token)
         one_hot |= repeated
-    if one_hot_fresh or above is not None:  # the default window keeps every row's q as drawn
+    if one_hot_fresh or repeat:  # the default window keeps every row's q as drawn
         q = torch.where(one_hot[:, None], torch.nn.functional.one_hot(drafts, q.shape[-1]).to(q.dtype), q)
     tokens = torch.cat([torch.tensor([root_token], device=device), drafts])
     depths = torch.arange(length + 1, device=device)
@@ -127,17 +123,14 @@ def jacobi_window(
     return DraftTree.from_tensors(tokens, depths - 1, depths, logprobs, draft_probs, sampled=True, width=1 if length else 0, height=length)
 
 
-def repeat_horizon(drafts: torch.Tensor, carried: int, image: Sequence[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The drafts with each new one (index >= ``carried``) below the first row replaced by
-    the token ``width`` positions before it, and which were replaced.  drafts[i] sits at
-    image index len(image) + i."""
+def repeat_horizon(drafts: torch.Tensor, carried: int, root_token: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafts with each new one (index >= ``carried``) replaced by the last token before
+    the new ones: the last carried draft, else ``root_token`` (the committed token); and
+    which were replaced.  The release's source for new position j is j - 1 clamped to the
+    tokens it holds (``last_flatten_indices.clamp(max=last_input_tokens.shape[1] - 1)``),
+    so every new position copies that one token."""
     drafts, repeated = drafts.clone(), torch.zeros(drafts.shape[0], dtype=torch.bool, device=drafts.device)
-    known = torch.tensor(list(image[-width:]), dtype=drafts.dtype, device=drafts.device)  # image indices len(image) - len(known) ...
-    for i in range(carried, drafts.shape[0]):
-        source = len(image) + i - width
-        if source < 0:
-            continue
-        back = source - len(image)  # < 0: a token of the image; else an earlier draft of this window
-        drafts[i] = known[back] if back < 0 else drafts[back]
-        repeated[i] = True
+    if carried < drafts.shape[0]:
+        drafts[carried:] = drafts[carried - 1] if carried > 0 else root_token
+        repeated[carried:] = True
     return drafts, repeated

@@ -59,7 +59,7 @@ def propose_tree(
     ``previous`` is the image's last step (before the first, the prefill as a one-node
     step): what a drafter-free method (``MethodSpec(drafter=False)``, whose ``session`` is
     None) drafts from, with ``image_tokens``, the image's tokens so far (the root's is the
-    last: a spatial prior reads the row above), and ``target`` (its ``num_tokens``: the
+    last: a prior may copy from them), and ``target`` (its ``num_tokens``: the
     grid); ``sampling`` the run's sampling settings (greedy or not).
 
     ``tree_config`` is this step's shape: the user's, or with auto trees the EAGLE-2 tree

@@ -34,8 +34,11 @@ def folder(tmp_path):
     return tmp_path / "LlamaGen-T2I", original
 
 
-def test_the_folder_loads_with_the_original_logits_and_greedy_tokens(folder):
-    path, original = folder
+@pytest.mark.parametrize("shape", [{}, {"rope_base": 500.0, "n_kv_head": 2}])
+def test_the_folder_loads_with_the_original_logits_and_greedy_tokens(tmp_path, shape):
+    """Also with the folder's own rope_base and num_key_value_heads (read, not defaulted)."""
+    path = tmp_path / "LlamaGen-T2I"
+    original = write_target(path, **shape)
     loaded = load_target(path)
     assert isinstance(loaded, LanternTarget) and loaded.config.ffn_hidden == original.config.ffn_hidden
     cond = caption(7)

@@ -1,6 +1,7 @@
 """LANTERN's drafter folders load (``specimg.models.load_drafter``, ``--drafter FOLDER``):
-their first logits match a transcription of LANTERN's drafter forward over the caption
-pairs, greedy naive decoding with them equals greedy ar, and what does not fit is refused."""
+their logits (the first, and at every image token) match a transcription of LANTERN's
+drafter forward over the caption pairs, greedy naive decoding with them equals greedy ar,
+and what does not fit is refused."""
 
 from __future__ import annotations
 
@@ -35,16 +36,16 @@ def lantern_rope(head_dim: int, grid: int, zeros: int) -> torch.Tensor:
     return torch.cat([torch.zeros(zeros, half, 2), torch.stack([cells.cos(), cells.sin()], dim=-1)])
 
 
-def lantern_first_logits(w: dict, hidden: torch.Tensor, t0: int, head: torch.Tensor) -> torch.Tensor:
-    """LANTERN's first draft, transcribed: pairs (state p, id p) for ids 0 x 119 then t0,
-    one causal pass (fc, attention without input norm, post-attention norm, SwiGLU), the
-    target's head on the last state.  hidden [rows, 120, D]."""
+def lantern_draft_logits(w: dict, hidden: torch.Tensor, ids: torch.Tensor, head: torch.Tensor, grid: int = 16) -> torch.Tensor:
+    """LANTERN's drafter forward, transcribed: pairs (hidden p, ids p) at rows 0.. of its own
+    table (119 zero rows, then the ``grid`` x ``grid`` cells), one causal pass (fc, attention
+    without input norm, post-attention norm, SwiGLU), the target's head on every state.
+    hidden [rows, s, D], ids [s] -> logits [rows, s, V]."""
     rows, s, d = hidden.shape
     nh = DRAFTER["num_attention_heads"]
     hd = d // nh
-    ids = torch.tensor([0] * (s - 1) + [t0])
     x = F.linear(torch.cat([w["embed_tokens.weight"][ids].expand(rows, -1, -1), hidden], dim=-1), w["fc.weight"], w.get("fc.bias"))
-    rope = lantern_rope(hd, 16, 119)[:s]
+    rope = lantern_rope(hd, grid, 119)[:s]
 
     def rotate(t: torch.Tensor) -> torch.Tensor:
         t = t.view(rows, s, nh, hd // 2, 2)
@@ -58,7 +59,14 @@ def lantern_first_logits(w: dict, hidden: torch.Tensor, t0: int, head: torch.Ten
     h = x + F.linear(att, w["layers.0.self_attn.o_proj.weight"])
     n = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + DRAFTER["rms_norm_eps"]) * w["layers.0.post_attention_layernorm.weight"]
     h = h + F.linear(F.silu(F.linear(n, w["layers.0.mlp.gate_proj.weight"])) * F.linear(n, w["layers.0.mlp.up_proj.weight"]), w["layers.0.mlp.down_proj.weight"])
-    return F.linear(h[:, -1], head)
+    return F.linear(h, head)
+
+
+def lantern_first_logits(w: dict, hidden: torch.Tensor, t0: int, head: torch.Tensor) -> torch.Tensor:
+    """LANTERN's first draft: pairs (state p, id p) for ids 0 x 119 then t0, the logits of
+    the last.  hidden [rows, 120, D]."""
+    ids = torch.tensor([0] * (hidden.shape[1] - 1) + [t0])
+    return lantern_draft_logits(w, hidden, ids, head)[:, -1]
 
 
 @pytest.fixture
@@ -77,6 +85,27 @@ def test_first_logits_match_lanterns_drafter(tmp_path, target, bias, weights):
     t0 = int(out.logits[0, -1].argmax())
     ours = drafter.start(out.hidden, torch.tensor([t0]))
     theirs = lantern_first_logits(tensors, target.condition_hidden(), t0, target.output.weight)
+    assert (ours - theirs).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("input_type, grid", [("t2i", 16), ("t2i2", 32)])
+def test_logits_at_every_image_token_match_lanterns_drafter(tmp_path, target, input_type, grid):
+    """Image token k is drafted at cell k of the drafter's own grid (slot 119 + k), not at
+    the target's cell: the 4 x 4 target's tokens 4.. sit elsewhere in a 16 x 16 or 32 x 32 table."""
+    tensors = write_drafter(tmp_path / "drafter", target, input_type=input_type)
+    drafter = load_drafter(target, tmp_path / "drafter")
+    tokens = torch.randint(0, target.vocab_size, (target.num_tokens,), generator=torch.Generator().manual_seed(3))
+    out = target.prefill(caption(7), cfg=True)
+    condition, states = target.condition_hidden(), [out.hidden]
+    for t in tokens[:-1]:
+        states.append(target.forward_tree(t[None], torch.tensor([0]), torch.ones(1, 1, dtype=torch.bool)).hidden)
+        target.commit(torch.tensor([0]))
+    states = torch.cat(states, dim=1)
+    drafter.prefill(caption(7), cfg=True)
+    ours = torch.stack([drafter.start(states[:, k : k + 1], t[None]) for k, t in enumerate(tokens)], dim=1)
+    hidden = torch.cat([condition[:, :-1], states], dim=1)
+    ids = torch.cat([torch.zeros(119, dtype=torch.long), tokens])
+    theirs = lantern_draft_logits(tensors, hidden, ids, target.output.weight, grid)[:, 119:]
     assert (ours - theirs).abs().max().item() < 1e-4
 
 

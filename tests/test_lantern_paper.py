@@ -48,19 +48,22 @@ def line_neighbours(k: int) -> list[list[int]]:
     return [sorted((t for t in range(VOCAB) if t != x), key=lambda t: abs(POSITIONS[t] - POSITIONS[x]))[:k] for x in range(VOCAB)]
 
 
-def published_law(children: list[int], p: list[float], q: list[float], near: list[list[int]], allowance: Allowance,
-                  zeroed: str = "all") -> list[float]:
+def published_law(children: list[int], p: list[float], q: list[float], near: list[list[int]], k: int, allowance: Allowance,
+                  zeroed: str = "all", empty: str = "uniform") -> list[float]:
     """The token the released rule emits at a node whose children were drawn in this order:
     each child x, with r the residual so far (p at first), is accepted with min(1, (r(x) +
-    r(A(x))) / q(x)), A(x) the longest prefix of x's k nearest (``near[x]``) with r(A(x))
-    <= allowance; a rejection sets r to norm(max(0, r - q)) with x and all of its k nearest
-    at 0 (kept as it was if nothing is left) and drops x from q; after the last, a draw
-    from r.  ``zeroed``: "all" (the released rule), "A" (only x and A(x)) or "none" (the
-    core's residual), the last two for the power checks."""
+    r(A(x))) / q(x)), A(x) the longest prefix of x's k nearest (``near[x][:k]``) with
+    r(A(x)) <= allowance; a rejection sets r to norm(max(0, r - q)) with x at 0 and, if
+    A(x) is not empty, x's k + 1 nearest (``near[x][:k + 1]``) at 0 too (LANTERN's
+    ``if indices != -1: gtp[nearest_latents[x, :k + 1]] = 0``), r uniform if nothing is
+    left, and drops x from q; after the last, a draw from r.  Wrong rules for the power
+    checks: ``zeroed`` "A" (only x and A(x)), "none" (the core's residual), "k" (x and its
+    k nearest, always) or "always" (x and its k + 1 nearest, A(x) empty or not); ``empty``
+    "stay" (r kept as it was when nothing is left)."""
     law, reach, r, q = [0.0] * len(p), 1.0, list(p), list(q)
     for x in children:
         hood, mass = [], 0.0
-        for t in near[x]:
+        for t in near[x][:k]:
             if mass + r[t] > allowance(r[x]):
                 break
             hood.append(t)
@@ -69,10 +72,14 @@ def published_law(children: list[int], p: list[float], q: list[float], near: lis
         law[x] += reach * a
         reach *= 1 - a
         left = [max(0.0, rt - qt) for rt, qt in zip(r, q)]
-        for t in {"all": [x, *near[x]], "A": [x, *hood], "none": []}[zeroed]:
+        zero = {"all": [x, *near[x][: k + 1]] if hood else [x], "A": [x, *hood], "none": [], "k": [x, *near[x][:k]],
+                "always": [x, *near[x][: k + 1]]}[zeroed]
+        for t in zero:
             left[t] = 0.0
         if sum(left) > 0:
             r = [t / sum(left) for t in left]
+        elif empty == "uniform":
+            r = [1.0 / len(r)] * len(r)
         q[x] = 0.0
         q = [t / sum(q) for t in q]
     return [lt + reach * rt for lt, rt in zip(law, r)]
@@ -115,7 +122,7 @@ def test_paper_mode_follows_the_published_law_for_every_draw(name: str):
     options, allowance = PAPER[name]
     for _, children in draws(Q, 2):
         got = engine_law(method_of(name), options, root_step(children))[0]
-        want = torch.tensor(published_law(children, P, Q, line_neighbours(options["k"]), allowance), dtype=torch.float64)
+        want = torch.tensor(published_law(children, P, Q, line_neighbours(options["k"] + 1), options["k"], allowance), dtype=torch.float64)
         assert torch.allclose(got, want, atol=1e-12), (children, got.tolist(), want.tolist())
 
 
@@ -127,8 +134,9 @@ def test_paper_mode_walks_on_with_each_node_its_own_law(name: str):
     zeros = [0.0] * VOCAB
     case = step([5, 2, 4, 0, 3], [-1, 0, 0, 1, 1], [Q, Q_CHILD, zeros, zeros, zeros], [P, P_CHILD, P, P, P])
     joint = engine_law(method_of(name), options, case)
-    root = published_law([2, 4], P, Q, line_neighbours(options["k"]), allowance)
-    below = published_law([0, 3], P_CHILD, Q_CHILD, line_neighbours(options["k"]), allowance)
+    near, k = line_neighbours(options["k"] + 1), options["k"]
+    root = published_law([2, 4], P, Q, near, k, allowance)
+    below = published_law([0, 3], P_CHILD, Q_CHILD, near, k, allowance)
     assert root[2] > 0.1
     assert torch.allclose(joint[0], torch.tensor(root, dtype=torch.float64), atol=1e-12)
     assert torch.allclose(joint[1], root[2] * torch.tensor(below, dtype=torch.float64), atol=1e-12)
@@ -139,15 +147,22 @@ def average_law(law: Callable[[list[int]], list[float]]) -> torch.Tensor:
     return sum(weight * torch.tensor(law(children), dtype=torch.float64) for weight, children in draws(Q, 2))
 
 
-@pytest.mark.parametrize("name", PAPER)
-def test_the_example_tells_the_residuals_apart(name: str):
-    """Power: zeroing only x and A(x), or nothing (the core's residual), gives another law
-    here, so a plugin computing either would fail the check above."""
+def law_gap(name: str, wrong: dict) -> float:
+    """The largest difference, over the draws of two children, between the published law
+    and a wrong rule's, in configuration ``name``."""
     options, allowance = PAPER[name]
-    published = average_law(lambda c: published_law(c, P, Q, line_neighbours(options["k"]), allowance))
-    for zeroed in ("A", "none"):
-        wrong = average_law(lambda c: published_law(c, P, Q, line_neighbours(options["k"]), allowance, zeroed=zeroed))
-        assert float((wrong - published).abs().max()) > 0.01, zeroed
+    near, k = line_neighbours(options["k"] + 1), options["k"]
+    return max(max(abs(a - b) for a, b in zip(published_law(c, P, Q, near, k, allowance), published_law(c, P, Q, near, k, allowance, **wrong)))
+               for _, c in draws(Q, 2))
+
+
+@pytest.mark.parametrize("wrong", [{"zeroed": "A"}, {"zeroed": "none"}, {"zeroed": "k"}, {"zeroed": "always"}, {"empty": "stay"}], ids=str)
+def test_the_example_tells_the_residuals_apart(wrong: dict):
+    """Power: zeroing only x and A(x), nothing (the core's residual), x and its k nearest
+    (not k + 1), or the k + 1 nearest even where A(x) is empty, or keeping r where a
+    rejection leaves nothing (not uniform): each gives another law for some draw in some
+    configuration here, so a plugin computing it would fail the check above."""
+    assert max(law_gap(name, wrong) for name in PAPER) > 0.01
 
 
 @pytest.mark.parametrize(("name", "specimg"), [
@@ -159,7 +174,7 @@ def test_the_budgeted_rules_fail_the_published_law(name: str, specimg: dict):
     """Power: specimg's rules (today's budget per candidate, the per-node budget, lantern++'s
     cap-only transfer) emit another law than the published one, averaged over the draws."""
     options, allowance = PAPER[name]
-    published = average_law(lambda c: published_law(c, P, Q, line_neighbours(options["k"]), allowance))
+    published = average_law(lambda c: published_law(c, P, Q, line_neighbours(options["k"] + 1), options["k"], allowance))
     ours = sum(w * engine_law(name, specimg, root_step(c))[0] for w, c in draws(Q, 2))
     assert float((ours - published).abs().max()) > 0.01
 
@@ -167,12 +182,13 @@ def test_the_budgeted_rules_fail_the_published_law(name: str, specimg: dict):
 def test_a_draft_the_target_masks_is_never_accepted():
     """The one departure within the rule: with p(x) = 0 the rule as written accepts x with r(A(x)) / q(x)
     (here always: A(0) = {1, 2} holds 0.43 <= 0.5 against q(0) = 0.25); the core allows no
-    mass where p is 0, so x is rejected, and the residual zeroes 0, 1 and 2 as usual."""
+    mass where p is 0, so x is rejected, and the residual zeroes 0 and its k + 1 = 3 nearest, 1, 2
+    and 3, as usual (A(0) is not empty)."""
     p = [0.0, 0.30, 0.13, 0.22, 0.15, 0.20]
     zeros = [0.0] * VOCAB
     law = engine_law("lantern", {"mode": "paper", "k": 2, "delta": 0.5}, step([5, 0], [-1, 0], [Q, zeros], [p, p]))[0]
-    assert published_law([0], p, Q, line_neighbours(2), lambda rx: 0.5)[0] == 1.0
-    left = torch.tensor([0.0, 0.0, 0.0, 0.17, 0.0, 0.10], dtype=torch.float64)
+    assert published_law([0], p, Q, line_neighbours(3), 2, lambda rx: 0.5)[0] == 1.0
+    left = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.10], dtype=torch.float64)
     assert torch.allclose(law, left / left.sum(), atol=1e-12)
 
 
@@ -211,11 +227,11 @@ def pair_pvalue(observed: torch.Tensor, drafts: dict[int, list[float]], k: int, 
     first, steps = statistics.next_token_laws(PROBLEM.target, SAMPLING)
     vocab = PROBLEM.target.vocab_size
     codes = PROBLEM.tokenizer.codebook.tolist()
-    near = [sorted((t for t in range(vocab) if t != x), key=lambda t: math.dist(codes[t], codes[x]))[:k] for x in range(vocab)]
+    near = [sorted((t for t in range(vocab) if t != x), key=lambda t: math.dist(codes[t], codes[x]))[: k + 1] for x in range(vocab)]
     expected = torch.zeros(vocab, vocab, dtype=torch.float64)
     for a in range(vocab):
         for weight, children in draws(drafts[a], 2):
-            law = published_law(children, steps[0, a].tolist(), drafts[a], near, allowance, zeroed)
+            law = published_law(children, steps[0, a].tolist(), drafts[a], near, k, allowance, zeroed)
             expected[a] += float(first[a]) * weight * torch.tensor(law, dtype=torch.float64)
     return statistics.chi_square_pvalue(observed, int(observed.sum()) * expected)
 

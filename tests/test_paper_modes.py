@@ -9,6 +9,7 @@ import torch
 
 from specimg import DraftTree, Engine, MethodSpec, SpecimgError, hookimpl
 from specimg.accept import recursive_rejection
+from specimg.methods import make_options
 from specimg.step import Acceptance, Scores, Step
 from specimg.plugins import PluginManager
 from specimg.testing import statistics
@@ -21,20 +22,26 @@ EMBEDDINGS = torch.tensor([[0.0, 0.0], [0.1, 0.2], [0.6, 0.0], [0.2, 0.1], [0.3,
 PAPER = gsd.GSDOptions(mode="paper", w=2)
 
 
-def published_group(x: int, p: list[float], emb: list[list[float]], w: int, p_thr: float, l2_thr: float) -> list[int]:
+def published_group(x: int, p: list[float], emb: list[list[float]], w: int, p_thr: float, l2_thr: float,
+                    clamp_bottom: bool = False) -> list[int]:
     """GSD's group of x as the paper and the released code define it: x and the tokens at
     positions [r - w, r + w) of the ascending order of p (r: x's position), with a
-    probability gap below p_thr and squared L2 embedding distance below l2_thr."""
+    probability gap below p_thr and squared L2 embedding distance below l2_thr.  The
+    release takes them as ``ascending[r - w : r + w]``: the top end is cut off, and for
+    r < w the negative start empties the slice, so x stands alone (its except branch:
+    the plain p(x) / q(x)).  ``clamp_bottom``: the wrong reading, a window cut at 0."""
     ascending = sorted(range(len(p)), key=lambda t: (p[t], t))
     r = ascending.index(x)
+    if r - w < 0 and not clamp_bottom:
+        return [x]
     window = [ascending[i] for i in range(max(0, r - w), min(len(p), r + w)) if i != r]
     near = [t for t in window if abs(p[t] - p[x]) < p_thr and sum((a - b) ** 2 for a, b in zip(emb[t], emb[x])) < l2_thr]
     return [x] + near
 
 
-def published_law(x: int, w: int) -> torch.Tensor:
+def published_law(x: int, w: int, clamp_bottom: bool = False) -> torch.Tensor:
     """The token emitted after draft x ~ q: x with min(1, p(G)/q(G)), else norm(max(0, p - q))."""
-    group = published_group(x, P.tolist(), EMBEDDINGS.tolist(), w, 0.15, 0.5)
+    group = published_group(x, P.tolist(), EMBEDDINGS.tolist(), w, 0.15, 0.5, clamp_bottom)
     ratio = min(1.0, float(P[group].sum() / Q[group].sum()))
     residual = (P - Q).clamp(min=0).double()
     law = (1 - ratio) * residual / residual.sum()
@@ -56,6 +63,17 @@ def test_paper_gsd_follows_the_published_law(x: int):
 def test_the_example_has_groups():
     sizes = [len(published_group(x, P.tolist(), EMBEDDINGS.tolist(), 2, 0.15, 0.5)) for x in range(P.shape[0])]
     assert max(sizes) >= 3
+
+
+def test_the_least_likely_drafts_have_no_group():
+    """The two least likely tokens (ranks 0 and 1 < w) stand alone, as the release's empty
+    slice leaves them; a window cut at rank 0 would give them donors here, and fails."""
+    ascending = sorted(range(P.shape[0]), key=lambda t: (float(P[t]), t))
+    for x in ascending[: PAPER.w]:
+        assert published_group(x, P.tolist(), EMBEDDINGS.tolist(), PAPER.w, 0.15, 0.5) == [x]
+        assert len(published_group(x, P.tolist(), EMBEDDINGS.tolist(), PAPER.w, 0.15, 0.5, clamp_bottom=True)) > 1
+        assert torch.allclose(plugin_law(x, PAPER), published_law(x, PAPER.w), atol=1e-12)
+        assert not torch.allclose(plugin_law(x, PAPER), published_law(x, PAPER.w, clamp_bottom=True), atol=1e-6)
 
 
 def test_a_symmetric_window_fails_the_published_law():
@@ -130,16 +148,42 @@ def test_a_fresh_token_is_accepted_with_p(seed: int):
         assert torch.allclose(joint[0], want, atol=1e-12) == one_hot_fresh, (x, one_hot_fresh)
 
 
-# --- sjd's repeat_horizon: new positions start as the token a row above --------------------
+# --- sjd's repeat_horizon: new positions copy the last token before them -----------------
 
 
-def test_repeat_horizon_copies_the_row_above_from_the_image_and_the_window():
-    image = [5, 6, 7, 8, 9]  # a 3-wide grid: the window's drafts sit at image indices 5, 6, 7, 8
-    drafts, repeated = sjd.repeat_horizon(torch.tensor([1, 2, 3, 4]), carried=1, image=image, width=3)
-    # index 5 is carried; 6 <- 3 (8), 7 <- 4 (9), 8 <- 5 (the carried draft, 1)
-    assert drafts.tolist() == [1, 8, 9, 1] and repeated.tolist() == [False, True, True, True]
-    first_row, repeated = sjd.repeat_horizon(torch.tensor([1, 2]), carried=0, image=[4], width=3)
-    assert first_row.tolist() == [1, 2] and not repeated.any()  # indices 1, 2: nothing above
+def released_repeat(known: list[int], new: int) -> list[int]:
+    """The released prior (scheduler/jacobi_iteration_lumina_mgpt.py:539-594 of
+    tyshiwo1/Accelerating-T2I-AR-with-SJD) for ``new`` positions after the ``known`` tokens
+    (the image so far, then the carried drafts): position j takes the token at j - 1,
+    clamped to the last known index, as its index arithmetic does (the end-of-line slot it
+    skips on Lumina-mGPT has no counterpart here)."""
+    start = len(known)
+    return [known[min(j - 1, start - 1)] for j in range(start, start + new)]
+
+
+@pytest.mark.parametrize(("image", "drafts", "carried"), [
+    ([5, 6, 7, 8, 9], [1, 2, 3, 4], 1), ([5, 6], [1, 2, 3], 0), ([4], [1, 2], 2), ([3, 3, 9], [1, 2, 3, 4, 5], 3),
+])
+def test_repeat_horizon_copies_the_last_token_as_released(image: list[int], drafts: list[int], carried: int):
+    got, repeated = sjd.repeat_horizon(torch.tensor(drafts), carried=carried, root_token=image[-1])
+    assert got.tolist() == drafts[:carried] + released_repeat(image + drafts[:carried], len(drafts) - carried)
+    assert repeated.tolist() == [False] * carried + [True] * (len(drafts) - carried)
+
+
+def test_the_row_above_is_not_the_released_prior():
+    """Power: the old reading (the token a grid row above) differs from the release's here."""
+    image, width = [5, 6, 7, 8, 9], 3
+    row_above = [([*image, 1][len(image) + i - width]) for i in range(1, 4)]  # drafts at image indices 6, 7, 8
+    got, _ = sjd.repeat_horizon(torch.tensor([1, 2, 3, 4]), carried=1, root_token=image[-1])
+    assert got.tolist()[1:] == released_repeat([*image, 1], 3) != row_above
+
+
+def test_sjd_as_published_draws_new_positions_at_random():
+    """The release's LlamaGen script names repeat_horizon but reads the grid width from its
+    first logits processor, a top-k warper without one, so the prior is never applied."""
+    spec = PluginManager().methods()["sjd"]
+    published = make_options(spec, spec.paper or {})
+    assert (published.mode, published.init, published.window) == ("paper", "random", 16)
 
 
 def _sjd_on_a_grid(init: str, mode: str = "specimg", plugins: PluginManager | None = None, method: str = "sjd") -> Engine:
@@ -161,10 +205,10 @@ class UniformQForRepeats:
         register(MethodSpec("wrong-horizon", sjd.SJDOptions, "a wrong q", drafter=False))
 
     @hookimpl
-    def propose_tree(self, root_token, max_depth, previous, image_tokens, generator, options):
+    def propose_tree(self, root_token, max_depth, previous, generator, options):
         length = min(options.window, max_depth)
         tree = sjd.jacobi_window(previous, root_token, length, generator, greedy=False)
-        drafts, _ = sjd.repeat_horizon(tree.tokens[1:], sjd.window_drafts(previous, length)[1], image_tokens, 2)
+        drafts, _ = sjd.repeat_horizon(tree.tokens[1:], sjd.window_drafts(previous, length)[1], root_token)
         return DraftTree.from_tensors(torch.cat([tree.tokens[:1], drafts]), tree.parents, tree.depths, tree.logprobs,
                                       tree.draft_probs, sampled=True, width=1, height=length)
 
@@ -176,8 +220,7 @@ def test_repeats_with_the_q_they_were_not_drawn_from_fail_the_law():
     assert statistics.exact_law_pvalue(engine, seed=7) < statistics.ALPHA
 
 
-def test_repeat_horizon_needs_a_square_grid():
+def test_repeat_horizon_needs_no_grid():
     problem = statistics.markov_problem(10, num_tokens=3)
     engine = Engine(problem.target, None, "sjd", {"sjd": {"init": "repeat_horizon"}}, statistics.SAMPLING, tokenizer=problem.tokenizer)
-    with pytest.raises(SpecimgError, match="square token grid"):
-        engine.generate([0], seed=0)
+    assert engine.generate([0], seed=0).tokens.shape == (1, 3)

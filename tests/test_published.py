@@ -26,7 +26,7 @@ def test_methods_marks_a_paper_mode_without_a_budget(capsys):
     assert run("methods") == 0
     out = capsys.readouterr().out
     assert "as published: -o gsd.mode=paper (no TVD budget" in out
-    assert "as published: -o sjd.mode=paper -o sjd.init=repeat_horizon  (" in out  # exact: it keeps the budget of 0
+    assert "as published: -o sjd.mode=paper  (" in out  # exact: it keeps the budget of 0
 
 
 def test_the_trainer_defaults_are_each_drafter_types_published_ones():

@@ -125,9 +125,11 @@ class LanternTarget(LlamaGenTarget):
         """LlamaGen's mask, but a padded caption row attends as LANTERN's float mask makes it:
         every key it may see scores exactly 0 (queries and keys at condition positions are
         rotated by zero), so it attends uniformly over the keys whose mask value is highest:
-        padded keys j <= i carry the weights' dtype minimum, valid keys j > i float32's, a
-        key that is both their sum (-inf).  In float32 the two are equal and it sees both
-        sets; in half precision the dtype's minimum is higher, so only padded keys j <= i."""
+        padded keys j <= i carry the weights' dtype minimum, valid keys j > i float32's
+        (padded keys j > i their sum, never the highest).  In float32 the two are equal and
+        it sees both sets; in half precision the dtype's minimum is higher, so only padded
+        keys j <= i.  That is LANTERN's prefill, whose states its drafters read; in a longer
+        float32 forward its padded rows also see the image tokens, which changes no other state."""
         mask = super().condition_mask(caption_mask, s)
         cls = self.config.cls_token_num
         below = torch.ones(cls, cls, dtype=torch.bool, device=caption_mask.device).tril()
