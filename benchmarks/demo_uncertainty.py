@@ -22,6 +22,7 @@ import attrs
 import torch
 
 from specimg.demo.data import NUM_CLASSES
+from specimg.engine import ar_tokens
 from specimg.eval.uncertainty import ENTROPY_BINS, TOP1_BINS, Uncertainty, sampled_uncertainty
 from specimg.files import atomic_path
 from specimg.models.demo import demo_sampling, load_demo
@@ -77,7 +78,7 @@ def main() -> None:
     results = []
     for sampling in settings:
         with torch.no_grad():
-            tokens = models.target.sample_batch(classes.tolist(), seeds, sampling)
+            tokens = ar_tokens(models.target, classes.tolist(), seeds, sampling)
         u = sampled_uncertainty(models.target, classes, tokens, sampling)
         s = u.summary()
         q = " / ".join(f"{x:.2f}" for x in s["top1_p10_median_p90"])

@@ -17,7 +17,7 @@ from specimg.config import Sampling, TreeConfig
 from specimg.errors import SpecimgError
 from specimg.graphs import CudaGraphs, step_mode
 from specimg.methods import AR, Stack
-from specimg.models.base import Condition, Drafter, Target, TargetOutput, draft_features, placed
+from specimg.models.base import BatchSteps, Condition, Drafter, Target, TargetOutput, draft_features, placed
 from specimg.planner import TreePlanner
 from specimg.plugins import PluginManager, get_plugin_manager
 from specimg.sampling import cfg_active_at, probabilities
@@ -34,6 +34,13 @@ class Generation(NamedTuple):
     stats: RunStats
 
 
+def ar_tokens(target: Target, conditions: Sequence[Condition], seeds: Sequence[int], sampling: Sampling) -> Tensor:
+    """AR images, one per condition, image i drawn with seed ``seeds[i]``: tokens [B,
+    num_tokens], in one batch where the target has batched steps, else one at a time."""
+    batch = len(conditions) if isinstance(target, BatchSteps) else 1
+    return Engine(target, method=AR, sampling=sampling, batch_size=max(1, batch)).generate(conditions, seeds=seeds).tokens
+
+
 class Engine:
     """Generates image tokens with a target, a drafter and a method stack.
 
@@ -47,6 +54,8 @@ class Engine:
     (LlamaGen), "on" insists, "off" runs them eagerly; off a GPU, "auto" leaves the models'
     step modes as they are.  An auto tree (the default) is chosen per step from
     ``cost_model``, measured on first use when not given (see :mod:`specimg.costs`).
+    ``batch_size``: how many images decode together, one forward per token for all of
+    them (method "ar" on a target with batched steps, :class:`~specimg.models.base.BatchSteps`).
     """
 
     def __init__(
@@ -64,6 +73,7 @@ class Engine:
         dtype: torch.dtype | None = None,
         cost_model: costs.CostModel | None = None,
         cuda_graphs: CudaGraphs = "auto",
+        batch_size: int = 1,
     ):
         if device is not None or dtype is not None:
             target, drafter, tokenizer = (placed(m, device, dtype) for m in (target, drafter, tokenizer))
@@ -78,6 +88,13 @@ class Engine:
         self._check_vocabularies()
         self.stack: Stack | None = None
         self.hooks: StackHooks | None = None
+        self.batch_size = batch_size
+        if batch_size < 1:
+            raise SpecimgError(f"batch size {batch_size}: give 1 or more")
+        if batch_size > 1 and method.strip() != AR:
+            raise SpecimgError(f"batch size {batch_size} runs method 'ar' only so far; speculative methods decode one image at a time (batch size 1)")
+        if batch_size > 1 and not isinstance(target, BatchSteps):
+            raise SpecimgError(f"batch size {batch_size} needs a target with batched steps (LlamaGen's); a {type(target).__name__} decodes one image at a time")
         if method.strip() == AR:
             if options:
                 raise SpecimgError("method 'ar' takes no options")
@@ -109,16 +126,26 @@ class Engine:
                 raise SpecimgError(f"the {role} has a vocabulary of {size} tokens, the target {vocab}")
 
     def generate(
-        self, conditions: Sequence[Condition], seed: int = 0, progress: Callable[[int], None] | None = None
+        self, conditions: Sequence[Condition], seed: int = 0, progress: Callable[[int], None] | None = None,
+        seeds: Sequence[int] | None = None,
     ) -> Generation:
-        """Generate one image per condition; image i uses seed ``seed + i``, so results do
-        not depend on how the conditions are batched.  ``progress`` is called with each
-        step's token count."""
+        """Generate one image per condition; image i uses seed ``seed + i`` (or ``seeds[i]``),
+        so results do not depend on how the conditions are batched.  ``progress`` is called
+        with each step's token count."""
+        seeds = [seed + i for i in range(len(conditions))] if seeds is None else [int(s) for s in seeds]
+        if len(seeds) != len(conditions):
+            raise SpecimgError(f"{len(seeds)} seeds for {len(conditions)} conditions: give one per condition")
         rows, stats = [], []
         if self.cost_model is None and conditions:
             self.prepare(conditions[0])
-        for index, condition in enumerate(conditions):
-            tokens, image = self._image(condition, seed + index, progress, self.planner() if self.auto_tree else None)
+        for at in range(0, len(conditions), self.batch_size):
+            batch, batch_seeds = conditions[at : at + self.batch_size], seeds[at : at + self.batch_size]
+            if self.batch_size > 1:
+                tokens, images = self._batch(batch, batch_seeds, progress)
+                rows.extend(tokens)
+                stats.extend(images)
+                continue
+            tokens, image = self._image(batch[0], batch_seeds[0], progress, self.planner() if self.auto_tree else None)
             rows.append(torch.tensor(tokens, dtype=torch.long))
             stats.append(image)
         return Generation(torch.stack(rows) if rows else torch.empty(0, self.target.num_tokens, dtype=torch.long), RunStats(tuple(stats)))
@@ -162,6 +189,33 @@ class Engine:
             tokens = self._decode(condition, generator, stats, progress, planner)
         stats.wall = time.perf_counter() - start
         return tokens, stats
+
+    def _batch(self, conditions: Sequence[Condition], seeds: Sequence[int], progress: Callable[[int], None] | None) -> tuple[Tensor, list[ImageStats]]:
+        """AR for several images at once, image i drawn with its own generator seeded
+        ``seeds[i]`` exactly as one image's AR loop draws it: their tokens [B, num_tokens]
+        (on the CPU) and statistics, each image's wall time its share of the batch's."""
+        target, sampling, n = self.target, self.sampling, len(conditions)
+        assert isinstance(target, BatchSteps)
+        generators = [torch.Generator(self.device).manual_seed(s) for s in seeds]
+        start = time.perf_counter()
+        with torch.inference_mode():
+            drawn = [self._sample_rows(probabilities(target.prefill_batch(conditions, sampling.cfg), sampling), generators)]
+            for index in range(1, target.num_tokens):
+                if progress:
+                    progress(n)
+                logits = target.forward_batch(drawn[-1])
+                drawn.append(self._sample_rows(probabilities(logits, sampling, cfg_active_at(index, sampling)), generators))
+            tokens = torch.stack(drawn, dim=1).cpu()  # the one read: the tokens stay on the device until here
+        if progress:
+            progress(n)
+        wall = (time.perf_counter() - start) / n
+        return tokens, [ImageStats(tokens=target.num_tokens, target_forwards=target.num_tokens, wall=wall) for _ in range(n)]
+
+    def _sample_rows(self, probs: Tensor, generators: Sequence[torch.Generator]) -> Tensor:
+        """One token per row of ``probs`` [B, V], row i drawn with ``generators[i]``: [B]."""
+        if self.sampling.greedy:
+            return probs.argmax(dim=-1)
+        return torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, generators)])
 
     @property
     def drafter_free(self) -> bool:

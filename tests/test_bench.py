@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from specimg.config import Sampling, TreeConfig
-from specimg.engine import Engine
+from specimg.engine import Engine, ar_tokens
 from specimg.errors import SpecimgError
 from specimg.cli import prompts
 from specimg.eval import metrics
@@ -345,10 +345,10 @@ def test_quality_with_a_classifier_and_outputs(models, tmp_path):
     assert naive_q["loglik"] < 0
     assert summary["floors"]["frechet_real"]["n_a"] == 4
     # the AR floor: AR on other seeds against the run's AR samples, what an exact sampler scores
-    ar_tokens = torch.tensor([r["tokens"] for r in run.records if r["label"] == "ar"])
-    again = models.target.sample_batch(list(spec.conditions), [AR_FLOOR_SEED + i for i in range(4)], SAMPLING)
+    run_ar = torch.tensor([r["tokens"] for r in run.records if r["label"] == "ar"])
+    again = ar_tokens(models.target, list(spec.conditions), [AR_FLOOR_SEED + i for i in range(4)], SAMPLING)
     with torch.no_grad():
-        features = [classifier.all_features(models.tokenizer.decode(t).clamp(-1, 1)) for t in (again, ar_tokens)]
+        features = [classifier.all_features(models.tokenizer.decode(t).clamp(-1, 1)) for t in (again, run_ar)]
     assert summary["floors"]["frechet_ar"]["value"] == pytest.approx(frechet_distance(*features).value, rel=1e-5)
     assert summary["floors"]["frechet_ar"]["value"] > 0
     paths = write_outputs(summary, spec, tmp_path, {"model": models.name})

@@ -11,12 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specimg import Engine, MethodSpec, Sampling, hookimpl
+from specimg import MethodSpec, Sampling, hookimpl
+from specimg.engine import ar_tokens
 from specimg.errors import SpecimgError
 from specimg.models.eagle import load_drafter
 from specimg.models.llamagen import LlamaGenTarget, build_target
 from specimg.plugins import PluginManager
-from specimg.train.data import DataSpec, DrafterData, make_drafter_data, sample_tokens, shard_name
+from specimg.train.data import DataSpec, DrafterData, make_drafter_data, shard_name
 from specimg.train.drafter import TrainConfig, train_drafter
 from specimg.train.schedule import WarmupCosine
 
@@ -81,16 +82,6 @@ def weights(path: str) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------- data
 
 
-def test_batched_sampler_equals_engine_ar() -> None:
-    target = tiny()
-    for sampling in (Sampling(cfg_scale=4.0, top_k=20), Sampling(temperature=0.0, cfg_scale=2.0, cfg_interval=4)):
-        labels, seeds = [3, 7, 3], [11, 12, 13]
-        batched = sample_tokens(target, labels, seeds, sampling)
-        engine = Engine(target, method="ar", sampling=sampling)
-        single = torch.cat([engine.generate([label], seed=seed).tokens for label, seed in zip(labels, seeds)])
-        assert torch.equal(batched, single)
-
-
 def test_data_holds_teacher_forced_features_and_resumes(data_dir: str, tmp_path) -> None:
     target = tiny()
     data = DrafterData(data_dir)
@@ -101,7 +92,7 @@ def test_data_holds_teacher_forced_features_and_resumes(data_dir: str, tmp_path)
     with torch.no_grad():
         ref = target.forward_sequence(batch["labels"], batch["tokens"]).hidden
     torch.testing.assert_close(batch["features"], ref, atol=1e-5, rtol=0)
-    sampled = sample_tokens(target, [i % 10 for i in range(16)], [5 + i for i in range(16)], Sampling(cfg_scale=4.0))
+    sampled = ar_tokens(target, [i % 10 for i in range(16)], [5 + i for i in range(16)], Sampling(cfg_scale=4.0))
     assert torch.equal(batch["tokens"][cond], sampled)
 
     # a kill between shards: the run started again only makes what is missing, identically
@@ -411,17 +402,6 @@ def captions(n: int) -> list:
     return captions_for_target(HashTextEncoder(dim=12), [texts[i % len(texts)] for i in range(n)], 5, 12)
 
 
-def test_batched_t2i_sampler_equals_engine_ar() -> None:
-    target = build_target("GPT-B", seed=0, **T2I)
-    caps, seeds = captions(3), [4, 5, 6]
-    assert len({int(c.mask.sum()) for c in caps}) > 1  # the rows are padded differently
-    for sampling in (Sampling(cfg_scale=3.0, top_k=20), Sampling(temperature=0.0, cfg_scale=1.0)):
-        batched = sample_tokens(target, caps, seeds, sampling)
-        engine = Engine(target, method="ar", sampling=sampling)
-        single = torch.cat([engine.generate([c], seed=s).tokens for c, s in zip(caps, seeds)])
-        assert torch.equal(batched, single)
-
-
 def test_t2i_data_holds_caption_and_unconditional_features_and_trains(tmp_path) -> None:
     from specimg.models.base import Caption
 
@@ -433,7 +413,7 @@ def test_t2i_data_holds_caption_and_unconditional_features_and_trains(tmp_path) 
     batch = DrafterData(tmp_path / "d").get(range(8))
     cond = batch["labels"] >= 0
     assert batch["labels"][cond].tolist() == [0, 1, 2, 3] and (batch["labels"][~cond] == -1).sum() == 4
-    assert torch.equal(batch["tokens"][cond], sample_tokens(target, caps, [2, 3, 4, 5], Sampling(cfg_scale=3.0)))
+    assert torch.equal(batch["tokens"][cond], ar_tokens(target, caps, [2, 3, 4, 5], Sampling(cfg_scale=3.0)))
     order = batch["labels"][cond].tolist()
     nulls = [Caption(target.cls_embedding.uncond_embedding, caps[i].mask) for i in order]
     with torch.no_grad():

@@ -35,6 +35,8 @@ from specimg.stats import ImageStats, RunStats
 @tree_options
 @device_options
 @cuda_graphs_option
+@click.option("--batch-size", type=click.IntRange(min=1), default=1, show_default=True,
+              help="images decoded together, one forward per token for all of them (method ar on a LlamaGen target)")
 @click.option("--out", type=click.Path(file_okay=False), default="out", show_default=True)
 @click.option("--threads", type=THREADS, default=None, help="torch CPU threads [default: 1 for the built-in models, which one thread runs fastest; torch's choice for --target]")
 def generate(**kw: Any) -> None:
@@ -59,7 +61,7 @@ def generate(**kw: Any) -> None:
     engine = Engine(
         models.target, models.drafter, kw["method"], parse_options(kw["options"]),
         sampling_from(kw, base_sampling(model, kw["target"], models.target)), tree,
-        delta=kw["delta"], tokenizer=models.tokenizer, device=device, dtype=dtype, cuda_graphs=kw["cuda_graphs"],
+        delta=kw["delta"], tokenizer=models.tokenizer, device=device, dtype=dtype, cuda_graphs=kw["cuda_graphs"], batch_size=kw["batch_size"],
     )
     write_run(engine, models, conditions, kw["seed"], kw["out"], state, run_inputs(kw, model))
 
@@ -122,12 +124,15 @@ def _write_images(engine: Engine, models: Any, conditions: Conditions, seed: int
         os.makedirs(os.path.join(log.out, "images"), exist_ok=True)
     images: list[ImageStats] = []
     with progress_bar(total=len(mine) * models.target.num_tokens, unit="tok", desc=engine.method, show=main) as bar:
-        for index in mine:
-            result = engine.generate([conditions.values[index]], seed=seed + index, progress=bar.update)
-            images.append(result.stats.images[0])
-            if models.tokenizer is not None:
-                save_png_atomic(to_pil(_decode(models.tokenizer, result.tokens))[0], os.path.join(log.out, "images", f"{index:05d}.png"))
-            log.add(index, {key: conditions.keys[index], "seed": seed + index, "tokens": result.tokens[0].tolist(), "stats": images[-1].as_dict()})
+        for at in range(0, len(mine), engine.batch_size):
+            batch = mine[at : at + engine.batch_size]
+            result = engine.generate([conditions.values[i] for i in batch], seeds=[seed + i for i in batch], progress=bar.update)
+            pictures = to_pil(_decode(models.tokenizer, result.tokens)) if models.tokenizer is not None else None
+            for row, (index, stats) in enumerate(zip(batch, result.stats.images)):
+                images.append(stats)
+                if pictures is not None:
+                    save_png_atomic(pictures[row], os.path.join(log.out, "images", f"{index:05d}.png"))
+                log.add(index, {key: conditions.keys[index], "seed": seed + index, "tokens": result.tokens[row].tolist(), "stats": stats.as_dict()})
     return images
 
 
@@ -143,7 +148,8 @@ def _report(engine: Engine, models: Any, log: RunLog, run: RunStats, images: int
         save_png_atomic(grid, os.path.join(log.out, "grid.png"))
     s = engine.sampling
     click.echo(
-        f"{engine.method}: tau {run.tau:.2f} | {run.target_forwards} target forwards for {run.tokens} tokens | {images} images in {wall:.2f}s "
+        f"{engine.method}: tau {run.tau:.2f} | {run.target_forwards} target forwards for {run.tokens} tokens | {images} images in {wall:.2f}s"
+        f"{f' (batches of {engine.batch_size})' if engine.batch_size > 1 else ''} "
         f"| cfg {s.cfg_scale:g}, temperature {s.temperature:g}, top-k {s.top_k}, top-p {s.top_p:g} -> {log.out}"
     )
     if engine.stack is not None:

@@ -644,11 +644,11 @@ def _decode(tok: Any, codes: Tensor) -> Tensor:
 
 
 def _sampling_sweep(run: _Run, target: Any, tok: Any, clf: Any, f_real: Tensor) -> tuple[list[dict[str, float]], Sampling]:
-    """Every (CFG, temperature, top-k) of the scale, sampled with the target's batched
-    sampler (the engine's AR draws); the default is the mildest setting within 0.02 of the
+    """Every (CFG, temperature, top-k) of the scale, sampled by the engine's batched AR; the default is the mildest setting within 0.02 of the
     best accuracy: highest temperature first, then no top-k or the widest, then the smallest
     CFG.  The engine's samples measure the default on other seeds, without the sweep's
     selection bias."""
+    from specimg.engine import ar_tokens
     from specimg.eval.metrics import frechet_distance
 
     q = run.scale.quality
@@ -657,7 +657,7 @@ def _sampling_sweep(run: _Run, target: Any, tok: Any, clf: Any, f_real: Tensor) 
     seeds = [20_000 + i for i in range(len(labels))]
     cells = [(cfg, temp, k) for temp in q.temperature_sweep for k in q.top_k_sweep for cfg in q.cfg_sweep]
     for cfg, temp, top_k in progress_bar(cells, desc="sampling sweep"):
-        imgs = _decode(tok, target.sample_batch(labels, seeds, Sampling(temp, cfg_scale=cfg, top_k=top_k)))
+        imgs = _decode(tok, ar_tokens(target, labels, seeds, Sampling(temp, cfg_scale=cfg, top_k=top_k)))
         acc = (clf.predict(imgs) == torch.tensor(labels)).float().mean().item()
         sweep.append({"cfg_scale": cfg, "temperature": temp, **({"top_k": top_k} if len(q.top_k_sweep) > 1 else {}), "acc": round(acc, 4),
                       "frechet_real_vs_ar": round(frechet_distance(f_real, clf.all_features(imgs)).value, 3)})

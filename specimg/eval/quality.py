@@ -27,9 +27,10 @@ import torch
 from torch import Tensor
 
 from specimg.config import Sampling
+from specimg.engine import ar_tokens
 from specimg.errors import SpecimgError
 from specimg.eval.metrics import Frechet, class_accuracy, frechet_distance, token_log_likelihood
-from specimg.models.base import Condition
+from specimg.models.base import BatchSteps, Condition
 
 LOWER_IS_BETTER = {"fid": True, "frechet_real": True, "frechet_ar": True, "loglik": False, "accuracy": False, "clip": False}
 PRIMARY_ORDER = ("fid", "frechet_real", "frechet_ar", "loglik")
@@ -118,9 +119,9 @@ class Quality:
         n = next(iter(samples.values())).shape[0] if samples else 0
         if real is not None and self.real_images is not None and n >= 2:
             floors["frechet_real"] = frechet_distance(self._features(self.real_images(n, DEMO_REAL_SEED + 1)), real)
-        if baseline in feats and n >= 2 and hasattr(self.target, "sample_batch"):
+        if baseline in feats and n >= 2 and isinstance(self.target, BatchSteps):
             self.log(f"AR floor: {n} AR samples on other seeds")
-            again = self.target.sample_batch(self.conditions, [AR_FLOOR_SEED + i for i in range(n)], self.sampling)
+            again = ar_tokens(self.target, self.conditions, [AR_FLOOR_SEED + i for i in range(n)], self.sampling)
             floors["frechet_ar"] = frechet_distance(self._features(self.decode(again)), feats[baseline])
         return out, floors
 

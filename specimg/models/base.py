@@ -87,6 +87,20 @@ class Target(Protocol):
 
 
 @runtime_checkable
+class BatchSteps(Protocol):
+    """A target that decodes several images in one forward per token (AR at a batch size
+    above 1).  It keeps their cache apart from the tree cache of ``prefill``."""
+
+    def prefill_batch(self, conditions: Sequence[Condition], cfg: bool) -> Tensor:
+        """Start one image per condition; raw logits [rows, B, V] at the last condition
+        position (image i's rows at index i)."""
+
+    def forward_batch(self, tokens: Tensor) -> Tensor:
+        """Consume each image's next token (tokens [B]); raw logits [rows, B, V] for the
+        token after it."""
+
+
+@runtime_checkable
 class Drafter(Protocol):
     """A cheap model that proposes the next tokens given the target's features.
 

@@ -37,7 +37,6 @@ from specimg.graphs import FixedSteps, GraphSet, bucket
 from specimg.models.base import Caption, Condition, TargetOutput, cfg_rows, exposed_layers
 from specimg.models.checkpoint import Checkpoint, Described, agree, load_into, read_checkpoint, settle
 from specimg.models.options import torch_device, torch_dtype
-from specimg.sampling import cfg_active_at, probabilities
 
 ModelType = Literal["c2i", "t2i"]
 
@@ -355,6 +354,17 @@ class CaptionEmbedder(nn.Module):
 # ----------------------------------------------------------------------------- target
 
 
+@attrs.define
+class BatchCache:
+    """The KV cache of ``prefill_batch``'s images, all at the same ``length`` (AR steps
+    keep them in step); ``valid`` [rows * B, slots] for t2i (padded caption slots off)."""
+
+    caches: list[KVSlot]
+    valid: Tensor | None
+    rows: int
+    length: int = 0
+
+
 class LlamaGenTarget(FixedSteps, nn.Module):
     """LlamaGen's ``Transformer`` with the :class:`~specimg.models.base.Target` interface."""
 
@@ -384,12 +394,13 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         self._pending = 0  # nodes of the last forward_tree
         self._condition = torch.empty(0)  # the last prefill's last-layer outputs [rows, cls, D]
         self.graphs = GraphSet()
+        self._batch: BatchCache | None = None  # the images of prefill_batch
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         """Keep the RoPE table float32 on the weights' device and drop stale caches and graphs."""
         super()._apply(fn, recurse)
         self.rope = rope_table(self.config).to(self.tok_embeddings.weight.device)
-        self._cache, self._kv = torch.empty(0), []
+        self._cache, self._kv, self._batch = torch.empty(0), [], None
         self.graphs.clear()
         return self
 
@@ -533,52 +544,45 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         h, fused = self._run(x, self.rope[:s], mask, 0, [None] * len(self.layers))
         return self._head(h[:, cls - 1 :], fused if fused is None else fused[:, cls - 1 :])
 
-    # -- batched sampling
+    # -- batched AR steps (Engine(batch_size=B), method "ar")
 
-    @torch.inference_mode()
-    def sample_batch(self, conditions: Sequence[Condition], seeds: Sequence[int], sampling: Sampling) -> Tensor:
-        """One image per condition, all in one batch with a KV cache of their own: tokens
-        [len(conditions), num_tokens].  Image i draws with a generator seeded ``seeds[i]``
-        exactly as the engine's AR loop does, so it equals ``Engine(target, method="ar",
-        sampling=sampling).generate([conditions[i]], seed=seeds[i])`` (up to floating-point
-        differences between batched and single-row matmuls): drafter data in batches."""
-        c = self.config
-        if len(conditions) != len(seeds):
-            raise ValueError("one seed per condition")
-        n, rows, cls, num = len(conditions), cfg_rows(sampling.cfg), c.cls_token_num, c.block_size
-        w = self.tok_embeddings.weight
-        # the prefill's own condition rows, image i's rows at r * n + i (row 1 unconditional)
-        embedded = [self.embed_condition(x, sampling.cfg) for x in conditions]
+    @torch.no_grad()
+    def prefill_batch(self, conditions: Sequence[Condition], cfg: bool) -> Tensor:
+        """Start one image per condition in a cache of their own (the tree cache is left as
+        it is): raw logits [rows, B, V] at the last condition position, as ``prefill``'s
+        are for one image.  Image i's rows sit at r * B + i (row 1 unconditional)."""
+        c, w = self.config, self.tok_embeddings.weight
+        n, rows, cls = len(conditions), cfg_rows(cfg), c.cls_token_num
+        embedded = [self.embed_condition(x, cfg) for x in conditions]
         prefix = torch.stack([e for e, _ in embedded], dim=1).flatten(0, 1)
-        valid = None  # t2i: [rows * n, cls + num] the slots a query may see (padded caption tokens: none)
+        valid = None  # t2i: [rows * B, slots] the slots a query may see (padded caption tokens: none)
         if c.model_type == "t2i":
-            valid = torch.ones(rows * n, cls + num, dtype=torch.bool, device=w.device)
+            valid = torch.ones(rows * n, cls + c.block_size, dtype=torch.bool, device=w.device)
             valid[:, :cls] = torch.stack([m for _, m in embedded]).repeat(rows, 1)
-        shape = (rows * n, c.kv_heads, cls + num, c.head_dim)
-        caches: list[KVSlot] = [(w.new_zeros(shape), w.new_zeros(shape)) for _ in self.layers]
-        generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
-        out = torch.empty(n, num, dtype=torch.long)
+        shape = (rows * n, c.kv_heads, cls + c.block_size, c.head_dim)
+        self._batch = BatchCache([(w.new_zeros(shape), w.new_zeros(shape)) for _ in self.layers], valid, rows)
+        return self._batch_logits(prefix, None if valid is None else self.condition_mask(valid[:, :cls])[:, None])
 
-        def run(x: Tensor, start: int, width: int, mask: Tensor | None) -> Tensor:
-            rope = self.rope[start : start + width]
-            for layer, cache in zip(self.layers, caches):
-                x = layer(x, rope, mask, cache, start)
-            return self.output(self.norm(x[:, -1])).float().view(rows, n, c.vocab_size)
+    @torch.no_grad()
+    def forward_batch(self, tokens: Tensor) -> Tensor:
+        """Consume each image's next token (tokens [B], image i's at i) and return the raw
+        logits [rows, B, V] for the token after it."""
+        batch = self._batch
+        if batch is None:
+            raise RuntimeError("call prefill_batch before forward_batch (also after moving the target)")
+        x = self.tok_embeddings(tokens.to(self.tok_embeddings.weight.device).repeat(batch.rows))[:, None]
+        return self._batch_logits(x, None if batch.valid is None else batch.valid[:, None, None, : batch.length + 1])
 
-        def draw(logits: Tensor, k: int) -> None:
-            probs = probabilities(logits, sampling, cfg_active_at(k, sampling)).cpu()
-            if sampling.greedy:
-                out[:, k] = probs.argmax(dim=-1)
-                return
-            for i, g in enumerate(generators):
-                out[i, k] = torch.multinomial(probs[i], 1, generator=g)[0]
-
-        draw(run(prefix, 0, cls, None if valid is None else self.condition_mask(valid[:, :cls])[:, None]), 0)
-        for k in range(1, num):
-            last = out[:, k - 1].to(w.device).repeat(rows)
-            start = cls + k - 1
-            draw(run(self.tok_embeddings(last)[:, None], start, 1, None if valid is None else valid[:, None, None, : start + 1]), k)
-        return out
+    def _batch_logits(self, x: Tensor, mask: Tensor | None) -> Tensor:
+        """Run ``x`` [rows * B, width, D] at the batch's next positions; the last position's logits."""
+        batch = self._batch
+        assert batch is not None
+        start, width = batch.length, x.shape[1]
+        rope = self.rope[start : start + width]
+        for layer, cache in zip(self.layers, batch.caches):
+            x = layer(x, rope, mask, cache, start)
+        batch.length = start + width
+        return self.output(self.norm(x[:, -1])).float().view(batch.rows, -1, self.vocab_size)
 
     # -- internals
 

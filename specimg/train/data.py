@@ -60,6 +60,7 @@ import torch
 from torch import Tensor
 
 from specimg.config import Sampling
+from specimg.engine import ar_tokens
 from specimg.errors import SpecimgError
 from specimg.files import atomic_path
 from specimg.models.base import Caption, causal_tree_mask, takes_text
@@ -101,21 +102,6 @@ def _atomic_write_json(path: str, obj: Any) -> None:
 
 
 # ----------------------------------------------------------------------------- sources
-
-
-@torch.inference_mode()
-def sample_tokens(target: EagleTarget, conditions: Sequence[Any], seeds: Sequence[int], sampling: Sampling) -> Tensor:
-    """One image per condition, image i seeded ``seeds[i]``, as ``Engine(target, method="ar",
-    sampling=sampling).generate([conditions[i]], seed=seeds[i])`` draws it: tokens
-    [len(conditions), num_tokens].  A target that samples batches itself (LlamaGen's
-    ``sample_batch``) does; the others go through the engine's AR loop one image at a time."""
-    batched = getattr(target, "sample_batch", None)
-    if batched is not None:
-        return batched(conditions, seeds, sampling)
-    from specimg.engine import Engine
-
-    engine = Engine(target, method="ar", sampling=sampling)
-    return torch.cat([engine.generate([c], seed=int(s)).tokens.cpu() for c, s in zip(conditions, seeds)])
 
 
 @torch.inference_mode()
@@ -461,7 +447,7 @@ def _class_batch(target: LlamaGenTarget, idx: Tensor, plan: _Plan) -> tuple[Tens
     """A c2i target's samples: its sequences (sampled, or a tokens file's) teacher-forced under their classes and the null class ``num_classes``."""
     labels = plan.labels[idx]
     nulls = torch.full_like(labels, target.config.num_classes)
-    tokens = plan.file_tokens[idx] if plan.file_tokens is not None else sample_tokens(target, labels.tolist(), _seeds(plan, idx), plan.spec.sampling)
+    tokens = plan.file_tokens[idx] if plan.file_tokens is not None else ar_tokens(target, labels.tolist(), _seeds(plan, idx), plan.spec.sampling)
     given = [(labels, labels), (nulls, nulls)][: 1 + plan.uncond]
     return tokens, [(variant, *teacher_features(target, conditions, tokens)) for variant, conditions in given]
 
@@ -471,7 +457,7 @@ def _caption_batch(target: LlamaGenTarget, idx: Tensor, plan: _Plan) -> tuple[Te
     ``uncond_embedding`` with each caption's mask (label -1)."""
     labels = plan.labels[idx]
     captions = [plan.spec.captions[int(i)] for i in idx]
-    tokens = sample_tokens(target, captions, _seeds(plan, idx), plan.spec.sampling)
+    tokens = ar_tokens(target, captions, _seeds(plan, idx), plan.spec.sampling)
     given: list[tuple[Tensor, list[Caption]]] = [(labels, captions)]
     if plan.uncond:
         given.append((torch.full_like(labels, -1), [Caption(target.cls_embedding.uncond_embedding, x.mask) for x in captions]))
@@ -483,7 +469,7 @@ def _prompt_batch(target: EagleTarget, idx: Tensor, plan: _Plan) -> tuple[Tensor
     through the Target contract, its unconditional row labelled -1."""
     labels = plan.labels[idx]
     prompts = [plan.spec.prompts[int(i)] for i in idx]
-    tokens = sample_tokens(target, prompts, _seeds(plan, idx), plan.spec.sampling)
+    tokens = ar_tokens(target, prompts, _seeds(plan, idx), plan.spec.sampling)
     hidden, layers = chain_features(target, prompts, tokens, plan.uncond)
     variants = [(labels, 0), (torch.full_like(labels, -1), -1)]
     return tokens, [(variant, hidden[row], layers[row] if plan.eagle3 else None) for variant, row in variants][: 1 + plan.uncond]
