@@ -19,7 +19,7 @@ from specimg.errors import SpecimgError
 from specimg.cli import prompts
 from specimg.eval import metrics
 from specimg.models import text_encoder
-from specimg.eval.bench import BenchSpec, csv_text, markdown_table, plan_variants, run_bench, stack_members, summarise, write_outputs
+from specimg.eval.bench import BenchSpec, build_engines, csv_text, markdown_table, plan_variants, run_bench, stack_members, summarise, write_outputs
 from specimg.eval.metrics import frechet_distance
 from specimg.eval.quality import AR_FLOOR_SEED, Quality
 from specimg.models import loading
@@ -207,6 +207,39 @@ def test_interleaved_same_seeds_and_results_equal_separate_generation(models, tm
     assert naive_row["speedup"] == pytest.approx(walls["ar"] / walls["naive"])
     assert naive_row["tau"] == pytest.approx(3 * 64 / sum(r["stats"]["target_forwards"] for r in run.records if r["label"] == "naive"))
     assert naive_row["resolved"] == {"delta": 0.0, "options": {"naive": {}}, "budgeted": True} and naive_row["tvd"] == 0.0
+
+
+def test_batch_sizes_run_in_blocks_against_ar_at_the_same_size(models, tmp_path):
+    """Every method at every batch size (ar only above 1 so far), in blocks of the largest
+    size; each image is the one of its seed, and a killed run resumes batch by batch."""
+    variants, _ = plan_variants(["ar"], INSTALLED, batch_sizes=[1, 2])
+    assert [(v.label, v.batch_size) for v in variants] == [("ar B=1", 1), ("ar B=2", 2)]
+    spec = spec_for(variants, [2, 5, 2, 7, 1])
+    order = []
+    run = run_bench(models, spec, tmp_path / "run", state=OneProcess(), progress=False, on_record=lambda r: order.append((r["sample"], r["label"])))
+    assert order == [(0, "ar B=1"), (1, "ar B=1"), (0, "ar B=2"), (1, "ar B=2"), (2, "ar B=2"), (3, "ar B=2"), (2, "ar B=1"), (3, "ar B=1"),
+                     (4, "ar B=1"), (4, "ar B=2")]  # blocks of 2 samples, the first variant rotating with the block
+    alone = Engine(models.target, method="ar", sampling=SAMPLING)
+    for r in run.records:
+        assert r["tokens"] == alone.generate([r["condition"]], seed=r["seed"]).tokens[0].tolist()
+    one, two = summarise(run.records, spec)["variants"]
+    assert (one["baseline"], two["baseline"], one["speedup"], two["speedup"]) == ("ar B=1", "ar B=2", 1.0, 1.0)
+    assert two["images_per_s"] == pytest.approx(5 / sum(r["stats"]["wall_s"] for r in run.records if r["label"] == "ar B=2"))
+    stopped = []
+
+    def stop_in_a_batch(record):
+        stopped.append(record)
+        if len(stopped) == 5:  # the first record of the second B=2 batch: sample 3 is made alone on resuming
+            raise Stop
+
+    with pytest.raises(Stop):
+        run_bench(models, spec, tmp_path / "killed", state=OneProcess(), progress=False, on_record=stop_in_a_batch)
+    resumed = run_bench(models, spec, tmp_path / "killed", state=OneProcess(), progress=False)
+    assert resumed.computed == 5 and tokens_of(resumed.records) == tokens_of(run.records)
+    with pytest.raises(SpecimgError, match="method 'ar' only"):
+        build_engines(models, spec_for(plan_variants(["naive"], INSTALLED, batch_sizes=[1, 2])[0], [1]))
+    with pytest.raises(SpecimgError, match="distinct sizes"):
+        plan_variants(["ar"], INSTALLED, batch_sizes=[2, 2])
 
 
 def test_tvd_column_pools_the_budget_spent_per_emitted_token():

@@ -47,6 +47,8 @@ from specimg.relax import checks_enabled
 @click.option("--fid-size", type=click.IntRange(8, 4096), default=299, show_default=True, help="image side the FID extractor sees")
 @click.option("--clip-model", type=click.Path(file_okay=False), help="local Hugging Face CLIP folder, for CLIP score with --prompts")
 @click.option("--quality/--no-quality", default=True, show_default=True, help="compute quality metrics")
+@click.option("--batch-size", "batch_sizes", default="1", show_default=True, metavar="B1,B2,...",
+              help="images decoded together; several sizes run every method at each, against AR at the same size (ar only above 1 so far)")
 @click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True, help="images per method generated and discarded before timing")
 @click.option("--threads", type=THREADS, default=1, show_default=True, help="torch CPU threads per process (more threads slow small models down on a busy machine)")
 @click.option("--out", type=click.Path(file_okay=False), default="bench", show_default=True, help="output folder; a run started again on it resumes")
@@ -70,6 +72,15 @@ def bench(**kw: Any) -> None:
         real = real_images
     sampling = sampling_from(kw, base_sampling(model, kw["target"], models.target))
     bench_command(kw, models, model, sampling, tree, click.echo, real, inputs=run_inputs(kw, model))
+
+
+def batch_sizes(text: str) -> list[int]:
+    """``"1,4,16"`` -> [1, 4, 16]."""
+    try:
+        sizes = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise SpecimgError(f"--batch-size takes sizes such as 1,4,16, not {text!r}") from None
+    return sizes
 
 
 def build_quality(
@@ -136,7 +147,8 @@ def bench_command(
     methods = [m for m in kw["methods"].split(",") if m.strip()] if kw.get("methods") else None
     if methods is not None and not methods:
         raise SpecimgError("--methods names no method")
-    variants, notes = plan_variants(methods, get_plugin_manager().methods(), parse_options(kw.get("options", ())), kw.get("sweep", ()), kw.get("delta"))
+    variants, notes = plan_variants(methods, get_plugin_manager().methods(), parse_options(kw.get("options", ())), kw.get("sweep", ()), kw.get("delta"),
+                                    batch_sizes(kw.get("batch_sizes", "1")))
     conditions, keys, captions = conditions_for(models.target, kw)
     spec = BenchSpec(tuple(variants), tuple(conditions), tuple(keys), kw["seed"], sampling, tree, kw.get("warmup", 1), inputs or {})
     engines = build_engines(models, spec, cuda_graphs=kw.get("cuda_graphs", "auto"))
