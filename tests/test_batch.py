@@ -78,3 +78,15 @@ def test_a_target_without_batched_steps_still_samples_each_image():
     problem = statistics.markov_problem(8, num_tokens=3)
     sampling = statistics.SAMPLING
     assert torch.equal(ar_tokens(problem.target, [0, 0, 0], [5, 6, 7], sampling), one_at_a_time(problem.target, [0, 0, 0], [5, 6, 7], sampling))
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["generate", "--model", "tiny-random", "-m", "naive", "--batch-size", "2"], "method 'ar' only"),
+    (["bench", "--model", "tiny-random", "--methods", "ar", "--batch-size", "2,x", "--no-quality"], "sizes such as 1,4,16"),
+    (["bench", "--model", "tiny-random", "--methods", "ar", "--batch-size", "0", "--no-quality"], "distinct sizes of 1 or more"),
+])
+def test_bad_batch_sizes_are_one_line_errors(tmp_path, capsys, args: list[str], message: str):
+    from cli_runner import one_line_error
+
+    assert message in one_line_error(capsys, [*args, "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()

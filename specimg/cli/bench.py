@@ -21,7 +21,7 @@ from specimg.cli.options import (
 )
 from specimg.config import Sampling, TreeConfig
 from specimg.errors import SpecimgError
-from specimg.eval.bench import DEFAULT_IMAGES, BenchSpec, build_engines, markdown_table, plan_variants, run_bench, save_sample_grid, summarise, write_outputs
+from specimg.eval.bench import DEFAULT_IMAGES, BenchSpec, build_engines, check_batch_sizes, markdown_table, plan_variants, run_bench, save_sample_grid, summarise, write_outputs
 from specimg.eval.plot import MISSING as MISSING_PLOT
 from specimg.methods import parse_options
 from specimg.plugins import get_plugin_manager
@@ -64,6 +64,7 @@ def bench(**kw: Any) -> None:
     tree = tree_from(kw)
     models = placed(models_from(kw, model), device, dtype)
     check_tree_fits(tree, models.target, models.drafter)
+    batch_sizes(kw["batch_sizes"])  # bad input fails before the output folder is made
     writable_folder(kw["out"])
     real = None
     if model.startswith("demo") and not kw["target"]:  # the demo's real images are the quality reference
@@ -75,12 +76,12 @@ def bench(**kw: Any) -> None:
 
 
 def batch_sizes(text: str) -> list[int]:
-    """``"1,4,16"`` -> [1, 4, 16]."""
+    """``"1,4,16"`` -> [1, 4, 16], checked."""
     try:
         sizes = [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
         raise SpecimgError(f"--batch-size takes sizes such as 1,4,16, not {text!r}") from None
-    return sizes
+    return list(check_batch_sizes(sizes))
 
 
 def build_quality(

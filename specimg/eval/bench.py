@@ -104,6 +104,12 @@ def parse_sweep(text: str) -> tuple[str, list[str]]:
     return key, items
 
 
+def check_batch_sizes(sizes: Sequence[int]) -> Sequence[int]:
+    if not sizes or len(set(sizes)) != len(sizes) or min(sizes) < 1:
+        raise SpecimgError(f"--batch-size takes distinct sizes of 1 or more, not {','.join(map(str, sizes))!r}")
+    return sizes
+
+
 def plan_variants(
     methods: Sequence[str] | None,
     installed: Iterable[str],
@@ -116,8 +122,7 @@ def plan_variants(
     skipped, AR added).  With more than one batch size, labels end in `` B=<size>``.
 
     ``methods`` None: DEFAULT_METHODS, keeping the stacks whose members are installed."""
-    if not batch_sizes or len(set(batch_sizes)) != len(batch_sizes) or min(batch_sizes) < 1:
-        raise SpecimgError(f"--batch-size takes distinct sizes of 1 or more, not {','.join(map(str, batch_sizes))}")
+    check_batch_sizes(batch_sizes)
     installed = set(installed)
     notes: list[str] = []
     if methods is None:
