@@ -90,3 +90,21 @@ def test_bad_batch_sizes_are_one_line_errors(tmp_path, capsys, args: list[str], 
 
     assert message in one_line_error(capsys, [*args, "--out", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
+
+
+def test_a_run_continued_with_another_batch_size_keeps_its_images(tmp_path):
+    """generate -n 3 at B = 2, extended to -n 5 at B = 4: the same images as -n 5 at B = 1."""
+    import json
+
+    from cli_runner import run
+
+    def tokens(out) -> dict[int, list[int]]:
+        entries = [json.loads(line) for line in open(out / "manifest.jsonl") if '"tokens"' in line]
+        return {e["seed"]: e["tokens"] for e in entries}
+
+    base = ["generate", "--model", "tiny-random", "-m", "ar", "--class-labels", "1,2,3,4,5"]
+    assert run(*base, "-n", "3", "--batch-size", "2", "--out", str(tmp_path / "b")) == 0
+    first = tokens(tmp_path / "b")
+    assert run(*base, "-n", "5", "--batch-size", "4", "--out", str(tmp_path / "b")) == 0
+    assert run(*base, "-n", "5", "--out", str(tmp_path / "one")) == 0
+    assert len(first) == 3 and tokens(tmp_path / "b") == tokens(tmp_path / "one") and all(tokens(tmp_path / "b")[s] == t for s, t in first.items())
