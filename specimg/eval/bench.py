@@ -105,6 +105,7 @@ def parse_sweep(text: str) -> tuple[str, list[str]]:
 
 
 def check_batch_sizes(sizes: Sequence[int]) -> Sequence[int]:
+    """``sizes`` if they are distinct and positive (a size twice would run a variant twice)."""
     if not sizes or len(set(sizes)) != len(sizes) or min(sizes) < 1:
         raise SpecimgError(f"--batch-size takes distinct sizes of 1 or more, not {','.join(map(str, sizes))!r}")
     return sizes
