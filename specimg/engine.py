@@ -199,7 +199,7 @@ class Engine:
         generators = [torch.Generator(self.device).manual_seed(s) for s in seeds]
         start = time.perf_counter()
         with torch.inference_mode():
-            drawn = [self._sample_rows(probabilities(target.prefill_batch(conditions, sampling.cfg), sampling), generators)]
+            drawn = [self._sample_rows(probabilities(target.prefill_batch(conditions, sampling.cfg).logits, sampling), generators)]
             for index in range(1, target.num_tokens):
                 if progress:
                     progress(n)

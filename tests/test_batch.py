@@ -11,6 +11,7 @@ from specimg.errors import SpecimgError
 from specimg.models.llamagen import build_target
 from specimg.models.text_encoder import HashTextEncoder, captions_for_target
 from specimg.testing import statistics
+from specimg.testing.trees import path_to, random_tree
 
 TINY = dict(dim=64, n_layer=2, n_head=4, vocab_size=64, block_size=16, multiple_of=32, num_classes=10, initializer_range=0.1)
 T2I = dict(TINY, model_type="t2i", cls_token_num=5, caption_dim=12)
@@ -108,3 +109,55 @@ def test_a_run_continued_with_another_batch_size_keeps_its_images(tmp_path):
     assert run(*base, "-n", "5", "--batch-size", "4", "--out", str(tmp_path / "b")) == 0
     assert run(*base, "-n", "5", "--out", str(tmp_path / "one")) == 0
     assert len(first) == 3 and tokens(tmp_path / "b") == tokens(tmp_path / "one") and all(tokens(tmp_path / "b")[s] == t for s, t in first.items())
+
+
+def padded(trees: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Trees of different sizes as one batch: padded nodes see only themselves."""
+    n = max(t.shape[0] for t, _, _ in trees)
+    tokens, depths, mask = torch.zeros(len(trees), n, dtype=torch.long), torch.zeros(len(trees), n, dtype=torch.long), torch.eye(n, dtype=torch.bool).repeat(len(trees), 1, 1)
+    for i, (t, d, m) in enumerate(trees):
+        tokens[i, : t.shape[0]], depths[i, : t.shape[0]], mask[i, : t.shape[0], : t.shape[0]] = t, d, m
+    return tokens, depths, mask
+
+
+@pytest.mark.parametrize("kind", ["c2i-cfg", "t2i-cfg", "c2i"])
+def test_batched_trees_score_as_each_image_alone(kind: str):
+    """Three images, each its own tree sizes and accepted paths, so their cache lengths part
+    after the first step: every real node's logits and states equal those of the image
+    verified alone, in both steps (padding and ragged lengths change nothing)."""
+    target = build_target("GPT-B", seed=2, **(T2I if kind.startswith("t2i") else TINY))
+    cfg = kind.endswith("cfg")
+    conditions = captions_for_target(HashTextEncoder(dim=12), ["a cat", "a long red bus at dawn", "sea"], 5, 12) if kind.startswith("t2i") else [1, 5, 9]
+    steps = [[random_tree(n, 64, seed) for n, seed in zip(sizes, seeds)] for sizes, seeds in (([5, 2, 7], [0, 1, 2]), ([3, 6, 1], [3, 4, 5]))]
+    paths = [path_to(node, steps[0][i][3]) for i, node in enumerate([4, 0, 6])]
+
+    alone = []
+    for i, condition in enumerate(conditions):
+        target.prefill(condition, cfg)
+        first = target.forward_tree(*steps[0][i][:3])
+        target.commit(torch.tensor(paths[i]))
+        alone.append((first, target.forward_tree(*steps[1][i][:3])))
+
+    target.prefill_batch(conditions, cfg, tree_nodes=8)
+    for step, trees in enumerate(steps):
+        out = target.forward_trees(*padded([t[:3] for t in trees]))
+        assert out.logits.shape[:3] == (1 + cfg, 3, max(t[0].shape[0] for t in trees))
+        for i, tree in enumerate(trees):
+            n = tree[0].shape[0]
+            torch.testing.assert_close(out.logits[:, i, :n], alone[i][step].logits, rtol=0, atol=1e-5)
+            torch.testing.assert_close(out.hidden[:, i, :n], alone[i][step].hidden, rtol=0, atol=1e-5)
+        if step == 0:
+            target.commit_trees([torch.tensor(p) for p in paths])
+
+
+def test_tree_steps_refuse_what_does_not_fit():
+    target = build_target("GPT-B", seed=0, **TINY)
+    target.prefill_batch([1, 2], cfg=False, tree_nodes=4)
+    with pytest.raises(ValueError, match="2 images"):
+        target.forward_trees(*padded([random_tree(3, 64, 0)[:3]]))
+    target.forward_trees(*padded([random_tree(3, 64, 0)[:3], random_tree(2, 64, 1)[:3]]))
+    with pytest.raises(ValueError, match="cannot commit 4 nodes"):
+        target.commit_trees([torch.arange(4), torch.arange(1)])
+    target.commit_trees([torch.tensor([0, 1]), torch.tensor([], dtype=torch.long)])
+    with pytest.raises(RuntimeError, match="one length"):
+        target.forward_batch(torch.tensor([1, 2]))

@@ -89,15 +89,33 @@ class Target(Protocol):
 @runtime_checkable
 class BatchSteps(Protocol):
     """A target that decodes several images in one forward per token (AR at a batch size
-    above 1).  It keeps their cache apart from the tree cache of ``prefill``."""
+    above 1).  It keeps their cache apart from the tree cache of ``prefill``; image i's
+    rows sit at index i of the batch dimension."""
 
-    def prefill_batch(self, conditions: Sequence[Condition], cfg: bool) -> Tensor:
-        """Start one image per condition; raw logits [rows, B, V] at the last condition
-        position (image i's rows at index i)."""
+    def prefill_batch(self, conditions: Sequence[Condition], cfg: bool, tree_nodes: int = 0) -> TargetOutput:
+        """Start one image per condition, with room for trees of up to ``tree_nodes``
+        nodes: the outputs at the last condition position, logits [rows, B, V] and states
+        [rows, B, ...]."""
 
     def forward_batch(self, tokens: Tensor) -> Tensor:
-        """Consume each image's next token (tokens [B]); raw logits [rows, B, V] for the
-        token after it."""
+        """Consume each image's next token (tokens [B]; every image at the same length);
+        raw logits [rows, B, V] for the token after it."""
+
+
+@runtime_checkable
+class BatchTrees(BatchSteps, Protocol):
+    """A batch target that also verifies one tree per image in one forward (speculative
+    decoding at a batch size above 1); the images' committed lengths may differ."""
+
+    def forward_trees(self, tokens: Tensor, depths: Tensor, mask: Tensor) -> TargetOutput:
+        """Image i's tree: tokens and depths [B, n], ancestor mask [B, n, n] (node 0 its
+        root, the last committed token; a tree smaller than n padded with nodes that see
+        only themselves).  Outputs per node, logits [rows, B, n, V] and states
+        [rows, B, n, ...], as ``forward_tree``'s are for one image."""
+
+    def commit_trees(self, paths: Sequence[Tensor]) -> None:
+        """Keep image i's accepted nodes ``paths[i]`` (root first; empty: nothing) of the
+        last ``forward_trees``."""
 
 
 @runtime_checkable

@@ -208,11 +208,14 @@ def rope_1d(positions: Tensor, head_dim: int, base: float) -> Tensor:
 
 
 def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
-    """Rotate interleaved pairs of x [B, S, H, hd] by rope [S, hd/2, 2], in float32: each
-    pair (x0, x1) times cos + i sin as one complex product, which computes LlamaGen's
-    (x0 cos - x1 sin, x1 cos + x0 sin) in one kernel instead of six."""
+    """Rotate interleaved pairs of x [B, S, H, hd] by rope [S, hd/2, 2] (or [B, S, hd/2, 2]:
+    each row its own positions), in float32: each pair (x0, x1) times cos + i sin as one
+    complex product, which computes LlamaGen's (x0 cos - x1 sin, x1 cos + x0 sin) in one
+    kernel instead of six."""
     pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
-    return torch.view_as_real(pairs * torch.view_as_complex(rope.contiguous())[None, :, None]).flatten(-2).type_as(x)
+    turns = torch.view_as_complex(rope.contiguous())
+    turns = turns[:, :, None] if turns.dim() == 3 else turns[None, :, None]
+    return torch.view_as_real(pairs * turns).flatten(-2).type_as(x)
 
 
 class RMSNorm(nn.Module):
@@ -280,14 +283,19 @@ class Attention(nn.Module):
         slots [start, start + S) and the queries see slots [0, start + S) under ``mask``
         (bool, True = attend, broadcast to [B, H, S, keys]; None = see all).  ``start`` a
         tensor of S slots instead (a fixed-shape step): the keys go there and the queries
-        see the whole cache under ``mask``."""
+        see the whole cache under ``mask``; a [B, S] tensor gives each row its own slots."""
         s = x.shape[1]
         q, k, v = self.project(x, rope)
         if cache is not None:
             k_cache, v_cache = cache
             if isinstance(start, Tensor):
-                k_cache.index_copy_(2, start, k)
-                v_cache.index_copy_(2, start, v)
+                if start.dim() == 2:
+                    index = start[:, None, :, None].expand_as(k)
+                    k_cache.scatter_(2, index, k)
+                    v_cache.scatter_(2, index, v)
+                else:
+                    k_cache.index_copy_(2, start, k)
+                    v_cache.index_copy_(2, start, v)
                 k, v = k_cache, v_cache
             else:
                 k_cache[:, :, start : start + s] = k
@@ -356,13 +364,20 @@ class CaptionEmbedder(nn.Module):
 
 @attrs.define
 class BatchCache:
-    """The KV cache of ``prefill_batch``'s images, all at the same ``length`` (AR steps
-    keep them in step); ``valid`` [rows * B, slots] for t2i (padded caption slots off)."""
+    """The KV cache of ``prefill_batch``'s images: image i's rows at r * B + i, its
+    committed entries ``lengths[i]`` (AR steps keep them equal, tree steps let them
+    differ), ``valid`` [rows * B, slots] the slots a query may see (t2i: padded caption
+    slots off), ``pending`` the nodes of the last ``forward_trees``."""
 
     caches: list[KVSlot]
     valid: Tensor | None
     rows: int
-    length: int = 0
+    lengths: list[int]
+    pending: int = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.caches[0][0].shape[2]
 
 
 class LlamaGenTarget(FixedSteps, nn.Module):
@@ -547,42 +562,96 @@ class LlamaGenTarget(FixedSteps, nn.Module):
     # -- batched AR steps (Engine(batch_size=B), method "ar")
 
     @torch.no_grad()
-    def prefill_batch(self, conditions: Sequence[Condition], cfg: bool) -> Tensor:
+    def prefill_batch(self, conditions: Sequence[Condition], cfg: bool, tree_nodes: int = 0) -> TargetOutput:
         """Start one image per condition in a cache of their own (the tree cache is left as
-        it is): raw logits [rows, B, V] at the last condition position, as ``prefill``'s
-        are for one image.  Image i's rows sit at r * B + i (row 1 unconditional)."""
+        it is), with room for trees of ``tree_nodes``: the outputs [rows, B, ...] at the
+        last condition position, as ``prefill``'s are for one image."""
         c, w = self.config, self.tok_embeddings.weight
         n, rows, cls = len(conditions), cfg_rows(cfg), c.cls_token_num
+        if tree_nodes > self.max_tree_nodes:
+            raise ValueError(f"trees of {tree_nodes} nodes exceed max_tree_nodes={self.max_tree_nodes}")
         embedded = [self.embed_condition(x, cfg) for x in conditions]
         prefix = torch.stack([e for e, _ in embedded], dim=1).flatten(0, 1)
-        valid = None  # t2i: [rows * B, slots] the slots a query may see (padded caption tokens: none)
+        slots = cls + c.block_size + tree_nodes
+        valid = None
         if c.model_type == "t2i":
-            valid = torch.ones(rows * n, cls + c.block_size, dtype=torch.bool, device=w.device)
+            valid = torch.ones(rows * n, slots, dtype=torch.bool, device=w.device)
             valid[:, :cls] = torch.stack([m for _, m in embedded]).repeat(rows, 1)
-        shape = (rows * n, c.kv_heads, cls + c.block_size, c.head_dim)
-        self._batch = BatchCache([(w.new_zeros(shape), w.new_zeros(shape)) for _ in self.layers], valid, rows)
-        return self._batch_logits(prefix, None if valid is None else self.condition_mask(valid[:, :cls])[:, None])
+        shape = (rows * n, c.kv_heads, slots, c.head_dim)
+        self._batch = BatchCache([(w.new_zeros(shape), w.new_zeros(shape)) for _ in self.layers], valid, rows, [0] * n)
+        return self._batch_last(prefix, None if valid is None else self.condition_mask(valid[:, :cls])[:, None])
 
     @torch.no_grad()
     def forward_batch(self, tokens: Tensor) -> Tensor:
         """Consume each image's next token (tokens [B], image i's at i) and return the raw
         logits [rows, B, V] for the token after it."""
-        batch = self._batch
-        if batch is None:
-            raise RuntimeError("call prefill_batch before forward_batch (also after moving the target)")
+        batch = self._batch_cache("forward_batch")
+        if len(set(batch.lengths)) > 1:
+            raise RuntimeError("forward_batch takes images at one length; tree steps left them apart (use forward_trees)")
         x = self.tok_embeddings(tokens.to(self.tok_embeddings.weight.device).repeat(batch.rows))[:, None]
-        return self._batch_logits(x, None if batch.valid is None else batch.valid[:, None, None, : batch.length + 1])
+        length = batch.lengths[0]
+        return self._batch_last(x, None if batch.valid is None else batch.valid[:, None, None, : length + 1]).logits
 
-    def _batch_logits(self, x: Tensor, mask: Tensor | None) -> Tensor:
-        """Run ``x`` [rows * B, width, D] at the batch's next positions; the last position's logits."""
+    @torch.no_grad()
+    def forward_trees(self, tokens: Tensor, depths: Tensor, mask: Tensor) -> TargetOutput:
+        batch = self._batch_cache("forward_trees")
+        b, n = tokens.shape
+        if b != len(batch.lengths):
+            raise ValueError(f"{b} trees for a batch of {len(batch.lengths)} images")
+        if max(batch.lengths) + n > batch.capacity:
+            raise ValueError(f"trees of {n} nodes overflow the batch cache ({batch.capacity - max(batch.lengths)} slots left)")
+        device, rows = self.tok_embeddings.weight.device, batch.rows
+        start = torch.tensor(batch.lengths, device=device)[:, None]
+        slots = (start + torch.arange(n, device=device)).repeat(rows, 1)  # [rows * B, n]: node j of image i at lengths[i] + j
+        positions = (depths.to(device) + start).clamp_(max=self.rope.shape[0] - 1).repeat(rows, 1)  # past the image end: never accepted
+        seen = (torch.arange(batch.capacity, device=device) < start).repeat(rows, 1)  # the committed prefix
+        if batch.valid is not None:
+            seen &= batch.valid
+        attn = seen[:, None].expand(-1, n, -1).clone()
+        attn.scatter_(2, slots[:, None].expand(-1, n, -1), mask.to(device).repeat(rows, 1, 1))
+        x = self.tok_embeddings(tokens.to(device)).repeat(rows, 1, 1)
+        h, fused = self._run(x, self.rope[positions], additive_mask(attn[:, None], x.dtype), slots, batch.caches)
+        batch.pending = n
+        out = self._head(h, fused)
+        return TargetOutput(*(t if t is None else t.view(rows, b, n, -1) for t in out))
+
+    @torch.no_grad()
+    def commit_trees(self, paths: Sequence[Tensor]) -> None:
+        batch = self._batch_cache("commit_trees")
+        counts = [int(p.shape[0]) for p in paths]
+        if len(counts) != len(batch.lengths):
+            raise ValueError(f"{len(counts)} paths for a batch of {len(batch.lengths)} images")
+        if max(counts) > batch.pending:
+            raise ValueError(f"cannot commit {max(counts)} nodes of {batch.pending}-node trees")
+        device, m = self.tok_embeddings.weight.device, max(counts)
+        if m:
+            start = torch.tensor(batch.lengths, device=device)[:, None]
+            step = torch.arange(m, device=device)
+            nodes = torch.nn.utils.rnn.pad_sequence([p.to(device) for p in paths], batch_first=True)
+            dest = start + step
+            source = torch.where(step < torch.tensor(counts, device=device)[:, None], start + nodes, dest)  # past a path: stays put
+            dest, source = (t.repeat(batch.rows, 1)[:, None, :, None] for t in (dest, source))
+            for cache in (c for kv in batch.caches for c in kv):
+                index = source.expand(-1, cache.shape[1], -1, cache.shape[3])
+                cache.scatter_(2, dest.expand_as(index), cache.gather(2, index))
+        batch.lengths = [n + k for n, k in zip(batch.lengths, counts)]
+        batch.pending = 0
+
+    def _batch_cache(self, caller: str) -> BatchCache:
+        if self._batch is None:
+            raise RuntimeError(f"call prefill_batch before {caller} (also after moving the target)")
+        return self._batch
+
+    def _batch_last(self, x: Tensor, mask: Tensor | None) -> TargetOutput:
+        """Run ``x`` [rows * B, width, D] at the images' next positions (all at one length):
+        the last position's outputs [rows, B, ...]."""
         batch = self._batch
         assert batch is not None
-        start, width = batch.length, x.shape[1]
-        rope = self.rope[start : start + width]
-        for layer, cache in zip(self.layers, batch.caches):
-            x = layer(x, rope, mask, cache, start)
-        batch.length = start + width
-        return self.output(self.norm(x[:, -1])).float().view(batch.rows, -1, self.vocab_size)
+        start, width = batch.lengths[0], x.shape[1]
+        h, fused = self._run(x, self.rope[start : start + width], mask, start, batch.caches)
+        batch.lengths = [start + width] * len(batch.lengths)
+        out = self._head(h[:, -1], None if fused is None else fused[:, -1])
+        return TargetOutput(*(t if t is None else t.view(batch.rows, -1, t.shape[-1]) for t in out))
 
     # -- internals
 
