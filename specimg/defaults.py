@@ -11,8 +11,7 @@ from specimg import accept as acceptance
 from specimg.config import Sampling, TreeConfig
 from specimg.hookspecs import hookimpl
 from specimg.models.base import Target
-from specimg.sampling import cfg_active_at, probabilities
-from specimg.step import Acceptance, Scores
+from specimg.step import Acceptance, Scores, scores_of
 from specimg.tree import DraftSession, DraftTree, build_tree
 
 
@@ -25,9 +24,7 @@ def propose_tree(
 
 @hookimpl(trylast=True)
 def score(target: Target, tree: DraftTree, sampling: Sampling, token_index: int) -> Scores:
-    out = target.forward_tree(tree.tokens, tree.depths, tree.mask)
-    probs = probabilities(out.logits, sampling, cfg_active_at(tree.depths + token_index, sampling))
-    return Scores(probs=probs, hidden=out.hidden, logits=out.logits, layers=out.layers)
+    return scores_of(target.forward_tree(tree.tokens, tree.depths, tree.mask), tree, sampling, token_index)
 
 
 @hookimpl(trylast=True)

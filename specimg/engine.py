@@ -17,14 +17,15 @@ from specimg.config import Sampling, TreeConfig
 from specimg.errors import SpecimgError
 from specimg.graphs import CudaGraphs, step_mode
 from specimg.methods import AR, Stack
-from specimg.models.base import BatchSteps, Condition, Drafter, Target, TargetOutput, draft_features, placed
+from specimg.models.base import BatchSteps, BatchTrees, Condition, Drafter, Target, TargetOutput, placed
 from specimg.planner import TreePlanner
 from specimg.plugins import PluginManager, get_plugin_manager
 from specimg.sampling import cfg_active_at, probabilities
 from specimg.stackhooks import StackHooks
 from specimg.stats import ImageStats, RunStats
-from specimg.step import Acceptance, Scores, Step, Walked
-from specimg.tree import DraftSession, DraftTree
+from specimg.lane import Lane
+from specimg.step import Acceptance, Scores, scores_of
+from specimg.tree import DraftTree, stack_trees
 
 
 class Generation(NamedTuple):
@@ -91,8 +92,6 @@ class Engine:
         self.batch_size = batch_size
         if batch_size < 1:
             raise SpecimgError(f"batch size {batch_size}: give 1 or more")
-        if batch_size > 1 and method.strip() != AR:
-            raise SpecimgError(f"batch size {batch_size} runs method 'ar' only so far; speculative methods decode one image at a time (batch size 1)")
         if batch_size > 1 and not isinstance(target, BatchSteps):
             raise SpecimgError(f"batch size {batch_size} needs a target with batched steps (LlamaGen's); a {type(target).__name__} decodes one image at a time")
         if method.strip() == AR:
@@ -105,6 +104,25 @@ class Engine:
         self.hooks = StackHooks.bind(self.plugins, self.stack)
         if self.drafter_free and self.hooks.propose.owner != self.stack.drafter_free:
             raise SpecimgError(f"method {self.stack.drafter_free!r} drafts without a drafter but does not implement propose_tree")
+        if batch_size > 1:
+            self._check_batch_trees()
+        self._replicas: list[Drafter] = []  # one drafter per image of a batch, made on first use
+
+    def _check_batch_trees(self) -> None:
+        """Speculative decoding at a batch size above 1 verifies every image's tree in one
+        forward of the target's, so it needs the core's scoring and one drafter per image."""
+        assert self.hooks is not None and self.stack is not None
+        size = self.batch_size
+        if not isinstance(self.target, BatchTrees):
+            raise SpecimgError(f"batch size {size} with method {self.stack.name!r} needs a target that verifies a batch of trees (LlamaGen's)")
+        if self.hooks.score.owner is not None:
+            raise SpecimgError(f"method {self.hooks.score.owner!r} scores trees itself, one image at a time: run it at batch size 1")
+        if self.drafter_free:
+            return
+        if not hasattr(self.drafter, "replica"):
+            raise SpecimgError(f"batch size {size} needs a drafter that makes one replica per image; a {type(self.drafter).__name__} drafts for one image at a time")
+        if getattr(self.drafter, "context", 0):
+            raise SpecimgError(f"batch size {size}: this drafter reads the whole condition (LANTERN's released drafters), which batched decoding does not give it yet; run at batch size 1")
 
     def _set_step_mode(self, cuda_graphs: CudaGraphs) -> None:
         """The target's step mode, and the drafter's alike when it has fixed-shape steps."""
@@ -141,7 +159,7 @@ class Engine:
         for at in range(0, len(conditions), self.batch_size):
             batch, batch_seeds = conditions[at : at + self.batch_size], seeds[at : at + self.batch_size]
             if self.batch_size > 1:
-                tokens, images = self._batch(batch, batch_seeds, progress)
+                tokens, images = (self._batch if self.stack is None else self._batch_speculative)(batch, batch_seeds, progress)
                 rows.extend(tokens)
                 stats.extend(images)
                 continue
@@ -210,6 +228,82 @@ class Engine:
             progress(n)
         wall = (time.perf_counter() - start) / n
         return tokens, [ImageStats(tokens=target.num_tokens, target_forwards=target.num_tokens, wall=wall) for _ in range(n)]
+
+    def _batch_speculative(self, conditions: Sequence[Condition], seeds: Sequence[int], progress: Callable[[int], None] | None) -> tuple[Tensor, list[ImageStats]]:
+        """Speculative decoding of several images at once: each image drafts, relaxes and
+        accepts in its own lane (its own drafter replica, generator and planner), as it
+        would alone, and one target forward verifies every image's tree.  An image the
+        planner sent to AR rides along as a one-node tree; one that is finished, too, and
+        commits nothing.  Returns what :meth:`_batch` returns."""
+        target, sampling, n = self.target, self.sampling, len(conditions)
+        assert isinstance(target, BatchTrees)
+        drafters = self._drafters(n)
+        start = time.perf_counter()
+        lanes = []
+        with torch.inference_mode():
+            prefill = target.prefill_batch(conditions, sampling.cfg, tree_nodes=getattr(target, "max_tree_nodes", 128))
+            for i, (condition, seed) in enumerate(zip(conditions, seeds)):
+                out = TargetOutput(*(t if t is None else t[:, i : i + 1] for t in prefill))
+                generator = torch.Generator(self.device).manual_seed(seed)
+                first = probabilities(out.logits, sampling)
+                tokens = [self._draw(first[0], generator)]
+                if progress:
+                    progress(1)
+                planner = self.planner() if self.auto_tree else None
+                lanes.append(Lane(self, drafters[i], condition, out, first, tokens, generator, ImageStats(target_forwards=1), planner, progress))
+            while not all(lane.done for lane in lanes):
+                self._batch_step(lanes)
+        wall = (time.perf_counter() - start) / n
+        for lane in lanes:
+            lane.close()
+            lane.stats.wall = wall
+        return torch.tensor([lane.tokens for lane in lanes]), [lane.stats for lane in lanes]
+
+    def _batch_step(self, lanes: Sequence[Lane]) -> None:
+        """One step of every unfinished image: draft each tree, verify them all in one
+        forward, accept each, commit them all."""
+        target, sampling = self.target, self.sampling
+        assert isinstance(target, BatchTrees)
+        running = [lane for lane in lanes if not lane.done]
+        for lane in running:
+            if lane.goes_ar and not lane.ar_rest:
+                lane.ar_rest = True
+                self._book_ar(lane.planner, lane.stats, target.num_tokens - len(lane.tokens))
+        trees = [lane.propose() if not (lane.done or lane.ar_rest) else lane.root_tree() for lane in lanes]
+        start = time.perf_counter()
+        out = target.forward_trees(*stack_trees(trees))
+        verify = (time.perf_counter() - start) / len(running)
+        paths, accepted = [], []
+        for i, (lane, tree) in enumerate(zip(lanes, trees)):
+            if lane.done:
+                paths.append(tree.tokens[:0])
+                continue
+            lane.stats.seconds["verify"] += verify
+            mine = TargetOutput(*(t if t is None else t[:, i, : tree.size] for t in out))
+            scores = scores_of(mine, tree, sampling, len(lane.tokens))
+            if lane.ar_rest:
+                lane.tokens.append(self._draw(scores.probs[0], lane.generator))
+                lane.stats.target_forwards += 1
+                paths.append(torch.zeros(1, dtype=torch.long, device=self.device))  # the root alone
+                if lane.progress:
+                    lane.progress(1)
+                continue
+            dist, result, walked = lane.accept(tree, scores)
+            paths.append(walked.path)
+            accepted.append((lane, tree, scores, dist, result, walked))
+        target.commit_trees(paths)
+        for lane, *step in accepted:
+            lane.advance(*step)
+
+    def _drafters(self, n: int) -> list[Drafter | None]:
+        """One drafter per image of a batch (replicas sharing the drafter's weights), or none
+        for a drafter-free stack."""
+        if self.drafter_free:
+            return [None] * n
+        assert self.drafter is not None
+        while len(self._replicas) < n:
+            self._replicas.append(self.drafter.replica())  # type: ignore[attr-defined]
+        return list(self._replicas[:n])
 
     def _sample_rows(self, probs: Tensor, generators: Sequence[torch.Generator]) -> Tensor:
         """One token per row of ``probs`` [B, V], row i drawn with ``generators[i]``: [B]."""
@@ -342,78 +436,41 @@ class Engine:
         planner: TreePlanner | None,
     ) -> None:
         assert self.hooks is not None
-        target, sampling, device = self.target, self.sampling, self.device
         drafter = None if self.drafter_free else self.drafter
-        if drafter is not None:
-            drafter.prefill(condition, sampling.cfg)
-            hidden = draft_features(drafter, prefill)
-        root = DraftTree.from_tensors(torch.tensor(tokens[-1:], device=device), torch.tensor([-1], device=device),
-                                      torch.zeros(1, dtype=torch.long, device=device), torch.zeros(1, device=device), width=0, height=0)
-        previous = Step(root, Scores(first, prefill.hidden, prefill.logits, prefill.layers), Acceptance([0], tokens[-1]))  # the prefill as a step
-        new_ids, new_tokens = torch.tensor(tokens[-1:], device=device), tokens[-1:]
-        spent = torch.zeros((), dtype=torch.float64, device=device)  # TVD(q_R, p) over the walked paths' nodes
-        while len(tokens) < target.num_tokens:
-            if planner and planner.plan.is_ar:
+        lane = Lane(self, drafter, condition, prefill, first, tokens, generator, stats, planner, progress)
+        while not lane.done:
+            if lane.goes_ar:
+                assert planner is not None
                 self._finish_ar(planner, tokens, generator, stats, progress)
                 break
-            tree_config = planner.tree if planner else self.tree_config
-            with self._timed(stats, "draft"):
-                session = None
-                if drafter is not None:
-                    root_logits = drafter.start(hidden, new_ids)
-                    session = DraftSession(drafter, sampling, root_logits, len(tokens) - 1, filtered=tree_config.sample)
-                tree = self.hooks.propose(
-                    session=session, root_token=tokens[-1], tree_config=tree_config,
-                    max_depth=target.num_tokens - len(tokens) - 1, previous=previous, image_tokens=tokens, target=target,
-                    sampling=sampling, generator=generator,
-                )
-            with self._timed(stats, "verify"):
-                scores = self.hooks.score(target=target, tree=tree, sampling=sampling, token_index=len(tokens))
-            with self._timed(stats, "relax"):
-                dist = self.relax(tree, scores)
-            with self._timed(stats, "accept"):
-                result = self.accept(tree, dist, scores, generator)
-            with self._timed(stats, "commit"):
-                path, new_ids, new_tokens = result.walked or self._walked(tree, result)
-                target.commit(path)
-                if drafter is not None:
-                    hidden = draft_features(drafter, scores)[:, path]
-                tokens.extend(new_tokens)
-                previous = Step(tree, scores, result)
-            if dist is not scores.probs:
-                spent += relax.tvd(dist[path], scores.probs[path]).sum()
-            if planner:
-                self._plan_step(planner, stats, tree, dist, path)
-            if self.on_step:
-                self.on_step(tree, dist, result.path)
-            stats.target_forwards += 1
-            stats.tree_sizes.append(tree.size)
-            stats.accepted.append(len(result.path) - 1)
-            if progress:
-                progress(len(new_tokens))
-        stats.tvd = float(spent) / max(1, sum(stats.accepted) + len(stats.accepted))
-
-    @staticmethod
-    def _walked(tree: DraftTree, result: Acceptance) -> Walked:
-        """The device side of a path the rule walked on the host: one copy there, one read back."""
-        path = torch.tensor(result.path, dtype=torch.long, device=tree.tokens.device)
-        new_tokens = tree.tokens[path[1:]].tolist() + [result.next_token]
-        return Walked(path, torch.tensor(new_tokens, device=path.device), new_tokens)
+            tree = lane.propose()
+            with lane.timed("verify"):
+                scores = self.hooks.score(target=self.target, tree=tree, sampling=self.sampling, token_index=len(tokens))
+            dist, result, walked = lane.accept(tree, scores)
+            with lane.timed("commit"):
+                self.target.commit(walked.path)
+            lane.advance(tree, scores, dist, result, walked)
+        lane.close()
 
     def _finish_ar(self, planner: TreePlanner, tokens: list[int], generator: torch.Generator, stats: ImageStats, progress: Callable[[int], None] | None) -> None:
         """The rest of the image as AR steps (the planner found no tree that pays), booked
         as one-node steps that accept nothing.  The target has committed every token but
         the last, as after any step."""
-        plan, steps = planner.plan, self.target.num_tokens - len(tokens)
+        self._book_ar(planner, stats, self.target.num_tokens - len(tokens))
+        with self._timed(stats, "verify"):
+            self._decode_ar(tokens, generator, stats, progress)
+
+    @staticmethod
+    def _book_ar(planner: TreePlanner, stats: ImageStats, steps: int) -> None:
+        """Book the rest of an image, ``steps`` AR steps, as one-node steps that accept nothing."""
+        plan = planner.plan
         stats.trees.append([len(stats.accepted), plan.depth, plan.topk, plan.nodes])
         stats.predicted_ms += steps * plan.step_ms
         stats.predicted_ar_ms += steps * planner.cost.ar_ms
-        with self._timed(stats, "verify"):
-            self._decode_ar(tokens, generator, stats, progress)
         stats.tree_sizes.extend([1] * steps)
         stats.accepted.extend([0] * steps)
 
-    def _plan_step(self, planner: TreePlanner, stats: ImageStats, tree: DraftTree, dist: Tensor, path: Tensor) -> None:
+    def plan_step(self, planner: TreePlanner, stats: ImageStats, tree: DraftTree, dist: Tensor, path: Tensor) -> None:
         """Book the step against its plan's prediction, then let the planner learn from it."""
         plan = planner.plan
         if not stats.trees or stats.trees[-1][1:] != [plan.depth, plan.topk, plan.nodes]:

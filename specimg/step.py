@@ -6,6 +6,9 @@ from typing import NamedTuple
 
 from torch import Tensor
 
+from specimg.config import Sampling
+from specimg.models.base import TargetOutput
+from specimg.sampling import cfg_active_at, probabilities
 from specimg.tree import DraftTree
 
 
@@ -20,6 +23,13 @@ class Scores(NamedTuple):
     hidden: Tensor
     logits: Tensor
     layers: Tensor | None = None
+
+
+def scores_of(out: TargetOutput, tree: DraftTree, sampling: Sampling, token_index: int) -> Scores:
+    """The scores of a tree from the target's outputs on it (``forward_tree``'s, or one
+    image's slice of ``forward_trees``), its root predicting image token ``token_index``."""
+    probs = probabilities(out.logits, sampling, cfg_active_at(tree.depths + token_index, sampling))
+    return Scores(probs=probs, hidden=out.hidden, logits=out.logits, layers=out.layers)
 
 
 class Walked(NamedTuple):

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 from torch import Tensor
+from torch.nn import functional as F
 
 from specimg import stalls
 from specimg.config import Sampling, TreeConfig
@@ -114,6 +115,19 @@ class DraftTree:
         a node has fewer than C children; columns are in draft-rank order."""
         ids = self.child_ids
         return torch.where(ids >= 0, self.tokens[ids.clamp(min=0)], torch.full_like(ids, -1)), ids
+
+
+def stack_trees(trees: Sequence[DraftTree]) -> tuple[Tensor, Tensor, Tensor]:
+    """Several images' trees as one batch input: tokens and depths [B, n] and ancestor
+    masks [B, n, n], n the largest tree's size; a smaller tree's padding nodes see only
+    themselves (so no real node sees them, and none is ever accepted)."""
+    n = max(t.size for t in trees)
+    tokens = torch.stack([F.pad(t.tokens, (0, n - t.size)) for t in trees])
+    depths = torch.stack([F.pad(t.depths, (0, n - t.size)) for t in trees])
+    mask = torch.eye(n, dtype=torch.bool, device=tokens.device).repeat(len(trees), 1, 1)
+    for rows, tree in zip(mask, trees):
+        rows[: tree.size, : tree.size] = tree.mask
+    return tokens, depths, mask
 
 
 def tree_name(depth: int, topk: int, nodes: int) -> str:

@@ -5,11 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specimg import Engine, Sampling
+from specimg import Engine, MethodSpec, Sampling, TreeConfig, hookimpl
 from specimg.engine import ar_tokens
 from specimg.errors import SpecimgError
+from specimg.models.eagle import build_drafter
 from specimg.models.llamagen import build_target
+from specimg.models.loading import TINY_VQ
+from specimg.models.vq import build_tokenizer
 from specimg.models.text_encoder import HashTextEncoder, captions_for_target
+from specimg.plugins import PluginManager
 from specimg.testing import statistics
 from specimg.testing.trees import path_to, random_tree
 
@@ -63,13 +67,11 @@ def test_progress_counts_every_token_of_every_image():
 
 def test_batches_are_refused_where_they_are_not_built():
     target = build_target("GPT-B", seed=0, **TINY)
-    with pytest.raises(SpecimgError, match="method 'ar' only"):
-        Engine(target, None, "sjd", batch_size=2)
     with pytest.raises(SpecimgError, match="give 1 or more"):
         Engine(target, method="ar", batch_size=0)
     problem = statistics.markov_problem(8, num_tokens=3)
     with pytest.raises(SpecimgError, match="one image at a time"):
-        Engine(problem.target, method="ar", batch_size=2)
+        Engine(AloneTarget(problem.target), method="ar", batch_size=2)
     with pytest.raises(SpecimgError, match="one per condition"):
         Engine(target, method="ar").generate([1, 2], seeds=[0])
 
@@ -82,7 +84,6 @@ def test_a_target_without_batched_steps_still_samples_each_image():
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["generate", "--model", "tiny-random", "-m", "naive", "--batch-size", "2"], "method 'ar' only"),
     (["bench", "--model", "tiny-random", "--methods", "ar", "--batch-size", "2,x", "--no-quality"], "sizes such as 1,4,16"),
     (["bench", "--model", "tiny-random", "--methods", "ar", "--batch-size", "0", "--no-quality"], "distinct sizes of 1 or more"),
 ])
@@ -161,3 +162,128 @@ def test_tree_steps_refuse_what_does_not_fit():
     target.commit_trees([torch.tensor([0, 1]), torch.tensor([], dtype=torch.long)])
     with pytest.raises(RuntimeError, match="one length"):
         target.forward_batch(torch.tensor([1, 2]))
+
+
+# -- speculative decoding in a batch
+
+METHODS = ["naive", "lantern", "cascade+lantern", "gsd", "sjd", "lantern++"]
+TREE = TreeConfig(depth=3, topk=2, total_tokens=8)
+
+
+def lanes_alone(engine: Engine, conditions, seeds) -> list:
+    """Each image generated alone by an engine like ``engine`` but at batch size 1."""
+    alone = Engine(engine.target, engine.drafter, engine.method, sampling=engine.sampling, tree=engine.tree_config,
+                   tokenizer=engine.tokenizer, cost_model=engine.cost_model)
+    return [alone.generate([c], seeds=[s]) for c, s in zip(conditions, seeds)]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_speculative_batch_draws_the_images_of_one_at_a_time(method: str):
+    """Five images at batch size 3 (the last batch short), each with its own trees, accepted
+    lengths and so cache length: image i is the image of its seed decoded alone, token for
+    token, with the same steps (the batched forward rounds as the single one on these tiny
+    models; benchmarks/batch_overhead.py counts the tokens that differ on the demo)."""
+    target = build_target("GPT-B", seed=0, **TINY)
+    drafter = build_drafter(target, seed=1)
+    tokenizer = build_tokenizer(seed=2, **dict(TINY_VQ, codebook_size=TINY["vocab_size"]))
+    engine = Engine(target, drafter, method, sampling=Sampling(cfg_scale=3.0, top_k=30), tree=TREE, tokenizer=tokenizer, batch_size=3)
+    labels, seeds = [3, 7, 3, 0, 9], [5, 6, 7, 40, 2]
+    batched = engine.generate(labels, seeds=seeds)
+    alone = lanes_alone(engine, labels, seeds)
+    assert torch.equal(batched.tokens, torch.cat([a.tokens for a in alone]))
+    assert [s.accepted for s in batched.stats.images] == [a.stats.images[0].accepted for a in alone]
+    assert len({tuple(s.accepted) for s in batched.stats.images}) > 1  # the images took different steps
+
+
+def test_greedy_naive_in_a_batch_is_greedy_ar():
+    target = build_target("GPT-B", seed=0, **TINY)
+    greedy = Sampling(temperature=0.0, cfg_scale=3.0)
+    labels = [0, 1, 2, 3, 4, 1, 2, 0]
+    ar = Engine(target, method="ar", sampling=greedy, batch_size=4).generate(labels, seed=3)
+    naive = Engine(target, build_drafter(target, seed=1, kind="eagle3"), "naive", sampling=greedy, tree=TREE, batch_size=4).generate(labels, seed=3)
+    assert torch.equal(naive.tokens, ar.tokens)
+    assert naive.stats.target_forwards < ar.stats.target_forwards
+
+
+def test_auto_trees_in_a_batch_plan_per_image_and_may_go_ar():
+    """Each image plans with its own planner; an image sent to AR rides along as one-node trees."""
+    target = build_target("GPT-B", seed=0, **TINY)
+    drafter = build_drafter(target, seed=1)
+    sampling = Sampling(cfg_scale=3.0, top_k=30)
+    for costs in (statistics.flat_costs(), statistics.flat_costs(nodes=1)):
+        engine = Engine(target, drafter, "naive", sampling=sampling, cost_model=costs, batch_size=4)
+        batched = engine.generate([1, 2, 3, 4], seed=8)
+        assert torch.equal(batched.tokens, torch.cat([a.tokens for a in lanes_alone(engine, [1, 2, 3, 4], range(8, 12))]))
+        assert all(s.tokens == 16 and len(s.tree_sizes) == s.target_forwards - 1 for s in batched.stats.images)
+
+
+@pytest.mark.parametrize(("method", "tree"), [("naive", statistics.TREE), ("naive", TreeConfig(sample=True)), ("cascade", TreeConfig())], ids=["topk-tree", "auto-sampled-tree", "cascade-auto"])
+def test_the_joint_law_of_a_batch_is_the_ar_law(method: str, tree: TreeConfig):
+    """Chi-square against the enumerated AR law of a Markov toy (``statistics.ALPHA`` false
+    failures per test), images decoded three at a time: the rows accept different lengths
+    step by step."""
+    problem = statistics.markov_problem(17)
+    engine = Engine(problem.target, problem.drafter, method, sampling=statistics.SAMPLING, tree=tree, tokenizer=problem.tokenizer,
+                    cost_model=statistics.flat_costs(), delta=0.0, batch_size=3)
+    statistics.check_exact_law(engine, seed=100)
+
+
+def test_batches_of_speculative_steps_refuse_what_they_cannot_run():
+    target = build_target("GPT-B", seed=0, **TINY)
+    drafter = build_drafter(target, seed=1)
+    with pytest.raises(SpecimgError, match="scores trees itself"):
+        Engine(target, drafter, "score-owner", plugins=plugins_with(ScoreOwner()), batch_size=2)
+
+    class OneImageDrafter:
+        vocab_size = TINY["vocab_size"]
+
+    with pytest.raises(SpecimgError, match="one replica per image"):
+        Engine(target, OneImageDrafter(), "naive", batch_size=2)
+    problem = statistics.markov_problem(0)
+    with pytest.raises(SpecimgError, match="verifies a batch of trees"):
+        Engine(OnlyBatchSteps(problem.target), problem.drafter, "naive", batch_size=2)
+
+
+class ScoreOwner:
+    @hookimpl
+    def register_methods(self, register):
+        register(MethodSpec("score-owner", description="scores trees itself"))
+
+    @hookimpl
+    def score(self, target, tree, sampling, token_index):
+        return None
+
+
+def plugins_with(plugin) -> PluginManager:
+    plugins = PluginManager()
+    plugins.register(plugin, name="score-owner")
+    return plugins
+
+
+class AloneTarget:
+    """A target that decodes one image at a time."""
+
+    def __init__(self, inner):
+        self.inner, self.vocab_size, self.num_tokens = inner, inner.vocab_size, inner.num_tokens
+
+    def prefill(self, condition, cfg):
+        return self.inner.prefill(condition, cfg)
+
+    def forward_tree(self, tokens, depths, mask):
+        return self.inner.forward_tree(tokens, depths, mask)
+
+    def commit(self, nodes):
+        pass
+
+    def input_embeddings(self):
+        return self.inner.input_embeddings()
+
+
+class OnlyBatchSteps(AloneTarget):
+    """A target with batched AR steps but no batched trees."""
+
+    def prefill_batch(self, conditions, cfg, tree_nodes=0):
+        return self.inner.prefill_batch(conditions, cfg, tree_nodes)
+
+    def forward_batch(self, tokens):
+        return self.inner.forward_batch(tokens)

@@ -19,7 +19,7 @@ from specimg.errors import SpecimgError
 from specimg.cli import prompts
 from specimg.eval import metrics
 from specimg.models import text_encoder
-from specimg.eval.bench import BenchSpec, build_engines, csv_text, markdown_table, plan_variants, run_bench, stack_members, summarise, write_outputs
+from specimg.eval.bench import BenchSpec, csv_text, markdown_table, plan_variants, run_bench, stack_members, summarise, write_outputs
 from specimg.eval.metrics import frechet_distance
 from specimg.eval.quality import AR_FLOOR_SEED, Quality
 from specimg.models import loading
@@ -236,8 +236,6 @@ def test_batch_sizes_run_in_blocks_against_ar_at_the_same_size(models, tmp_path)
         run_bench(models, spec, tmp_path / "killed", state=OneProcess(), progress=False, on_record=stop_in_a_batch)
     resumed = run_bench(models, spec, tmp_path / "killed", state=OneProcess(), progress=False)
     assert resumed.computed == 5 and tokens_of(resumed.records) == tokens_of(run.records)
-    with pytest.raises(SpecimgError, match="method 'ar' only"):
-        build_engines(models, spec_for(plan_variants(["naive"], INSTALLED, batch_sizes=[1, 2])[0], [1]))
     with pytest.raises(SpecimgError, match="distinct sizes"):
         plan_variants(["ar"], INSTALLED, batch_sizes=[2, 2])
 

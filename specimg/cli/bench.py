@@ -48,7 +48,7 @@ from specimg.relax import checks_enabled
 @click.option("--clip-model", type=click.Path(file_okay=False), help="local Hugging Face CLIP folder, for CLIP score with --prompts")
 @click.option("--quality/--no-quality", default=True, show_default=True, help="compute quality metrics")
 @click.option("--batch-size", "batch_sizes", default="1", show_default=True, metavar="B1,B2,...",
-              help="images decoded together; several sizes run every method at each, against AR at the same size (ar only above 1 so far)")
+              help="images decoded together; several sizes run every method at each, against AR at the same size")
 @click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True, help="images per method generated and discarded before timing")
 @click.option("--threads", type=THREADS, default=1, show_default=True, help="torch CPU threads per process (more threads slow small models down on a busy machine)")
 @click.option("--out", type=click.Path(file_okay=False), default="bench", show_default=True, help="output folder; a run started again on it resumes")

@@ -36,7 +36,7 @@ from specimg.stats import ImageStats, RunStats
 @device_options
 @cuda_graphs_option
 @click.option("--batch-size", type=click.IntRange(min=1), default=1, show_default=True,
-              help="images decoded together, one forward per token for all of them (method ar on a LlamaGen target)")
+              help="images decoded together on a LlamaGen target: one target forward per step verifies every image's tree (AR: one per token)")
 @click.option("--out", type=click.Path(file_okay=False), default="out", show_default=True)
 @click.option("--threads", type=THREADS, default=None, help="torch CPU threads [default: 1 for the built-in models, which one thread runs fastest; torch's choice for --target]")
 def generate(**kw: Any) -> None:

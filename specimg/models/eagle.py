@@ -19,6 +19,7 @@ features (row 1 holds the unconditional ones).
 from __future__ import annotations
 
 import abc
+import copy
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -128,6 +129,14 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
         self._full_kv, self._kv = [], []
         self.graphs.clear()
         return self
+
+    def replica(self) -> TreeDrafter:
+        """A drafter that shares this one's weights and target but keeps its own cache and
+        graphs: one per image of a batch (``Engine(batch_size=B)``)."""
+        twin = copy.copy(self)
+        twin._full_kv, twin._kv = [], []
+        twin.graphs, twin._graphed_target = GraphSet(), ()
+        return twin
 
     # -- Drafter protocol
 

@@ -27,6 +27,7 @@ from torch import Tensor
 from specimg import relax
 from specimg.config import Sampling
 from specimg.engine import Engine
+from specimg.errors import SpecimgError
 from specimg.methods import AR, Member
 from specimg.neighbours import CACHE_ENV
 from specimg.plugins import PluginManager, get_plugin_manager
@@ -282,6 +283,15 @@ def make_conformance_tests(
             return Engine(problem.target, method=AR, **kwargs)
         return Engine(problem.target, problem.drafter, method, options, delta=delta, tokenizer=problem.tokenizer, plugins=manager, **kwargs)
 
+    def batch_engine(method: str, problem: statistics.MarkovProblem, delta: float | None, batch: int, **kwargs: Any) -> Engine:
+        """``markov_engine`` at batch size ``batch``; skips a method that batches cannot run (it scores trees itself)."""
+        try:
+            return markov_engine(method, problem, delta, batch_size=batch, **kwargs)
+        except SpecimgError as error:
+            if batch == 1:
+                raise
+            pytest.skip(f"{method} runs at batch size 1 only: {error}")
+
     class TestConformance:
         @pytest.fixture(autouse=True, scope="class")
         @classmethod
@@ -332,12 +342,23 @@ def make_conformance_tests(
             check_deterministic(engine_for(method, case, data), case, seed)
 
         @over_methods
-        @pytest.mark.parametrize("sample", [False, True], ids=["topk-tree", "sampled-tree"])
-        def test_exact_law_at_delta_0(self, method: str, sample: bool) -> None:
-            """delta = 0: the images' token sequences follow the AR law (chi-square)."""
+        @pytest.mark.parametrize(("sample", "batch"), [(False, 1), (True, 1), (True, 3)], ids=["topk-tree", "sampled-tree", "sampled-tree-B3"])
+        def test_exact_law_at_delta_0(self, method: str, sample: bool, batch: int) -> None:
+            """delta = 0: the images' token sequences follow the AR law (chi-square), also
+            decoded three at a time (each image its own trees and accepted lengths)."""
             problem = statistics.markov_problem(seed=1)
-            engine = markov_engine(method, problem, 0.0, sampling=statistics.SAMPLING, tree=attrs.evolve(statistics.TREE, sample=sample))
+            engine = batch_engine(method, problem, 0.0, batch, sampling=statistics.SAMPLING, tree=attrs.evolve(statistics.TREE, sample=sample))
             statistics.check_exact_law(engine, images, seed=10)
+
+        @over_methods
+        def test_a_batch_makes_the_images_of_one_at_a_time(self, method: str) -> None:
+            """At batch size 3 the hooks run image by image: each image is the one its seed
+            gives alone (the Markov toy rounds alike in a batch)."""
+            problem = statistics.markov_problem(seed=4)
+            engines = [batch_engine(method, problem, None, b, sampling=statistics.SAMPLING, tree=attrs.evolve(statistics.TREE, sample=True)) for b in (1, 3)]
+            one, three = (engine.generate([0] * 7, seed=5) for engine in engines)
+            assert torch.equal(three.tokens, one.tokens), f"{method}: batch size 3 changed the images"
+            assert [s.accepted for s in three.stats.images] == [s.accepted for s in one.stats.images]
 
         @over_methods
         def test_next_token_within_delta(self, method: str) -> None:

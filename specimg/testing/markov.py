@@ -1,11 +1,13 @@
 """Toy models whose next token depends only on the previous one.
 
 Their output distributions can be enumerated exactly, so they prove samplers exact.
-They follow the Target and Drafter contracts, so the engine drives them like real models;
+They follow the Target and Drafter contracts (batched steps too), so the engine drives them like real models;
 each token's hidden state (its "feature") is a fixed vector per token.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -47,6 +49,20 @@ class MarkovTarget:
     def commit(self, nodes: Tensor) -> None:
         """Nothing is cached: the next distribution depends only on the last token."""
 
+    def prefill_batch(self, conditions: Sequence[Condition], cfg: bool, tree_nodes: int = 0) -> TargetOutput:
+        self._rows = cfg_rows(cfg)
+        first = self._first[: self._rows, None, :].expand(-1, len(conditions), -1).clone()
+        return TargetOutput(first, torch.zeros(self._rows, len(conditions), self.hidden_size))
+
+    def forward_batch(self, tokens: Tensor) -> Tensor:
+        return self._tables[: self._rows, tokens]
+
+    def forward_trees(self, tokens: Tensor, depths: Tensor, mask: Tensor) -> TargetOutput:
+        return TargetOutput(self._tables[: self._rows, tokens], self.features[tokens].expand(self._rows, -1, -1, -1).clone())
+
+    def commit_trees(self, paths: Sequence[Tensor]) -> None:
+        """Nothing is cached."""
+
     def input_embeddings(self) -> Tensor:
         return self.features
 
@@ -62,6 +78,9 @@ class MarkovDrafter:
 
     def prefill(self, condition: Condition, cfg: bool) -> None:
         self._rows = cfg_rows(cfg)
+
+    def replica(self) -> MarkovDrafter:
+        return MarkovDrafter(self.table)
 
     def start(self, hidden: Tensor, tokens: Tensor) -> Tensor:
         self._fed = [int(tokens[-1])]

@@ -1,0 +1,138 @@
+"""One image under speculative decoding: what its steps carry from one to the next.
+
+A step is draft -> verify -> relax -> accept -> commit.  The engine verifies (one
+image alone, or every image of a batch in one forward) and commits the target; the
+image's lane drafts, relaxes, accepts and keeps the rest: its tokens, generator,
+statistics, planner and drafter."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from specimg import relax
+from specimg.models.base import Condition, Drafter, TargetOutput, draft_features
+from specimg.planner import TreePlanner
+from specimg.stats import ImageStats
+from specimg.step import Acceptance, Scores, Step, Walked
+from specimg.tree import DraftSession, DraftTree
+
+if TYPE_CHECKING:
+    from specimg.engine import Engine
+
+
+class Lane:
+    """One image's speculative decoding after its prefill and first token (``tokens``)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        drafter: Drafter | None,
+        condition: Condition,
+        prefill: TargetOutput,
+        first: Tensor,
+        tokens: list[int],
+        generator: torch.Generator,
+        stats: ImageStats,
+        planner: TreePlanner | None,
+        progress: Callable[[int], None] | None,
+    ):
+        self.engine, self.drafter, self.tokens, self.generator = engine, drafter, tokens, generator
+        self.stats, self.planner, self.progress = stats, planner, progress
+        device = engine.device
+        if drafter is not None:
+            drafter.prefill(condition, engine.sampling.cfg)
+            self.hidden = draft_features(drafter, prefill)
+        self.previous = Step(self.root_tree(), Scores(first, prefill.hidden, prefill.logits, prefill.layers), Acceptance([0], tokens[-1]))  # the prefill as a step
+        self.new_ids = torch.tensor(tokens[-1:], device=device)
+        self.spent = torch.zeros((), dtype=torch.float64, device=device)  # TVD(q_R, p) over the walked paths' nodes
+        self.ar_rest = False  # in a batch: the planner sent the rest of the image to AR
+
+    @property
+    def done(self) -> bool:
+        return len(self.tokens) >= self.engine.target.num_tokens
+
+    @property
+    def goes_ar(self) -> bool:
+        """Whether the planner found no tree that pays: the rest of the image is AR."""
+        return self.planner is not None and self.planner.plan.is_ar
+
+    def root_tree(self) -> DraftTree:
+        """The one-node tree of the last token: an AR step."""
+        device = self.engine.device
+        return DraftTree.from_tensors(torch.tensor(self.tokens[-1:], device=device), torch.tensor([-1], device=device),
+                                      torch.zeros(1, dtype=torch.long, device=device), torch.zeros(1, device=device), width=0, height=0)
+
+    @contextmanager
+    def timed(self, phase: str, share: float = 1.0) -> Iterator[None]:
+        """Book the block's time to ``phase`` (``share`` of it: a batch's forward is shared)."""
+        start = time.perf_counter()
+        yield
+        self.stats.seconds[phase] += share * (time.perf_counter() - start)
+
+    def propose(self) -> DraftTree:
+        """This step's draft tree, by the stack's propose_tree."""
+        engine, sampling, tokens = self.engine, self.engine.sampling, self.tokens
+        assert engine.hooks is not None
+        tree_config = self.planner.tree if self.planner else engine.tree_config
+        with self.timed("draft"):
+            session = None
+            if self.drafter is not None:
+                root_logits = self.drafter.start(self.hidden, self.new_ids)
+                session = DraftSession(self.drafter, sampling, root_logits, len(tokens) - 1, filtered=tree_config.sample)
+            return engine.hooks.propose(
+                session=session, root_token=tokens[-1], tree_config=tree_config,
+                max_depth=engine.target.num_tokens - len(tokens) - 1, previous=self.previous, image_tokens=tokens, target=engine.target,
+                sampling=sampling, generator=self.generator,
+            )
+
+    def accept(self, tree: DraftTree, scores: Scores) -> tuple[Tensor, Acceptance, Walked]:
+        """Relax the target's scores and accept: q_R, the acceptance and its walk (the path
+        the target must commit, on the device)."""
+        engine = self.engine
+        with self.timed("relax"):
+            dist = engine.relax(tree, scores)
+        with self.timed("accept"):
+            result = engine.accept(tree, dist, scores, self.generator)
+        walked = result.walked or walk_on_device(tree, result)
+        if dist is not scores.probs:
+            self.spent += relax.tvd(dist[walked.path], scores.probs[walked.path]).sum()
+        return dist, result, walked
+
+    def advance(self, tree: DraftTree, scores: Scores, dist: Tensor, result: Acceptance, walked: Walked) -> None:
+        """After the target committed the walked path: the drafter's next features, the new
+        tokens, the planner's lesson and the step's statistics."""
+        engine, stats = self.engine, self.stats
+        with self.timed("commit"):
+            path, self.new_ids, new_tokens = walked
+            if self.drafter is not None:
+                self.hidden = draft_features(self.drafter, scores)[:, path]
+            self.tokens.extend(new_tokens)
+            self.previous = Step(tree, scores, result)
+        if self.planner:
+            engine.plan_step(self.planner, stats, tree, dist, path)
+        if engine.on_step:
+            engine.on_step(tree, dist, result.path)
+        stats.target_forwards += 1
+        stats.tree_sizes.append(tree.size)
+        stats.accepted.append(len(result.path) - 1)
+        if self.progress:
+            self.progress(len(new_tokens))
+
+    def close(self) -> None:
+        """The budget spent per emitted draw, into the statistics."""
+        stats = self.stats
+        stats.tokens = len(self.tokens)
+        stats.tvd = float(self.spent) / max(1, sum(stats.accepted) + len(stats.accepted))
+
+
+def walk_on_device(tree: DraftTree, result: Acceptance) -> Walked:
+    """The device side of a path the rule walked on the host: one copy there, one read back."""
+    path = torch.tensor(result.path, dtype=torch.long, device=tree.tokens.device)
+    new_tokens = tree.tokens[path[1:]].tolist() + [result.next_token]
+    return Walked(path, torch.tensor(new_tokens, device=path.device), new_tokens)
