@@ -1,10 +1,13 @@
-"""Batched AR on the demo: time per step outside the target's forwards, by batch size.
+"""Batched decoding on the demo: time per step outside the models' forwards, by batch size.
 
-    python benchmarks/batch_overhead.py --batch-sizes 1,8
+    python benchmarks/batch_overhead.py --batch-sizes 1,8 --methods ar,naive
 
-One thread; each size decodes one warm-up batch, then one timed batch of B images, twice,
-interleaved.  "outside" is the batch's wall time less the time inside the target's
-forwards, per token step: the sampling (CFG, top-k, one draw per image) and the loop.
+One thread; each (method, size) decodes one warm-up batch, then one timed batch of B
+images, for ``--rounds`` rounds, interleaved.  A step is one target forward for the whole
+batch (AR: one per token; speculative: as many as the batch's slowest image needs).
+"outside" is the batch's wall time less the time inside the target's and the drafter's
+forwards, per step: sampling, tree building, relaxation, acceptance and the loop.  The
+last column counts the tokens that differ from the same images decoded one at a time.
 """
 
 from __future__ import annotations
@@ -16,39 +19,62 @@ import torch
 
 from specimg.engine import Engine
 from specimg.models.demo import demo_sampling, load_demo
+from specimg.models.eagle import TreeDrafter
+from specimg.models.llamagen import LlamaGenTarget
+
+FORWARDS = {
+    LlamaGenTarget: ("prefill", "forward_tree", "commit", "prefill_batch", "forward_batch", "forward_trees", "commit_trees"),
+    TreeDrafter: ("prefill", "start", "expand"),
+}
+
+
+def time_forwards(inside: list[float]) -> None:
+    """Add the time of every model forward to ``inside[0]`` (patched on the classes, so the
+    drafter replicas of a batch are timed too)."""
+    for cls, names in FORWARDS.items():
+        for name in names:
+            forward = getattr(cls, name)
+
+            def timed(*a, _forward=forward, **k):
+                start = time.perf_counter()
+                out = _forward(*a, **k)
+                inside[0] += time.perf_counter() - start
+                return out
+
+            setattr(cls, name, timed)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-sizes", default="1,8", type=lambda t: [int(x) for x in t.split(",")])
+    parser.add_argument("--methods", default="ar,naive", type=lambda t: t.split(","))
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    target, sampling = load_demo().target, demo_sampling()
+    models, sampling = load_demo(), demo_sampling()
+    labels = [i % 10 for i in range(max(args.batch_sizes))]
     inside = [0.0]
-    for name in ("prefill", "forward_tree", "commit", "prefill_batch", "forward_batch"):
-        forward = getattr(target, name)
-
-        def timed(*a, _forward=forward, **k):
-            start = time.perf_counter()
-            out = _forward(*a, **k)
-            inside[0] += time.perf_counter() - start
-            return out
-
-        setattr(target, name, timed)
-    print("| round | batch size | wall s | in forwards s | outside, per step | outside, per image and step |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    time_forwards(inside)
+    alone = {}  # per method: the images of seeds 0, 1, ... decoded one at a time
+    print("| round | method | batch size | wall s | steps | in forwards s | outside, per step | outside, per image and step | tokens unlike alone |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for round_ in range(args.rounds):
-        for size in args.batch_sizes:
-            engine = Engine(target, method="ar", sampling=sampling, batch_size=size)
-            labels = [i % 10 for i in range(size)]
-            engine.generate(labels, seed=50)
-            inside[0] = 0.0
-            start = time.perf_counter()
-            engine.generate(labels, seed=0)
-            wall = time.perf_counter() - start
-            outside = 1e6 * (wall - inside[0]) / target.num_tokens
-            print(f"| {round_} | {size} | {wall:.2f} | {inside[0]:.2f} | {outside:.0f} us | {outside / size:.0f} us |")
+        for method in args.methods:
+            for size in args.batch_sizes:
+                drafter = None if method == "ar" else models.drafter
+                engine = Engine(models.target, drafter, method, sampling=sampling, tokenizer=models.tokenizer, batch_size=size)
+                engine.generate(labels[:size], seed=50)
+                inside[0] = 0.0
+                start = time.perf_counter()
+                result = engine.generate(labels[:size], seed=0)
+                wall, forwards = time.perf_counter() - start, inside[0]
+                steps = max(s.target_forwards for s in result.stats.images)
+                outside = 1e6 * (wall - forwards) / steps
+                if method not in alone:
+                    one = Engine(models.target, drafter, method, sampling=sampling, tokenizer=models.tokenizer)
+                    alone[method] = torch.cat([one.generate([label], seed=i).tokens for i, label in enumerate(labels)])
+                differ = int((result.tokens != alone[method][:size]).sum())
+                print(f"| {round_} | {method} | {size} | {wall:.2f} | {steps} | {forwards:.2f} | {outside:.0f} us | {outside / size:.0f} us | {differ} of {result.tokens.numel()} |")
 
 
 if __name__ == "__main__":
