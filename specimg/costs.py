@@ -30,16 +30,18 @@ from typing import Any
 import attrs
 import numpy as np
 import torch
+from torch import Tensor
 
 from specimg.accept import sample_and_match
 from specimg.cache import cache_dir
 from specimg.config import Sampling
 from specimg.files import atomic_path
 from specimg.methods import AR, Stack
-from specimg.models.base import Condition, Drafter, Target, draft_features
+from specimg.errors import SpecimgError
+from specimg.models.base import BatchTrees, Condition, Drafter, Target, draft_features
 from specimg.profile import AcceptanceProfile
 from specimg.sampling import probabilities
-from specimg.tree import DraftSession, DraftTree, build_dynamic
+from specimg.tree import DraftSession, DraftTree, build_dynamic, stack_trees
 
 VERIFY_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 LEVEL_WIDTHS = (1, 2, 4, 6, 8, 10)
@@ -188,9 +190,9 @@ def _hardware(device: torch.device) -> str:
     return f"{torch.cuda.get_device_name(device)}, compute capability {major}.{minor}, CUDA {torch.version.cuda}; host {cpu}"
 
 
-def cost_key(target: Target, drafter: Drafter, sampling: Sampling) -> tuple[str, str]:
-    """(key, machine): a hash of everything the timings depend on, and a readable
-    description of the machine part."""
+def cost_key(target: Target, drafter: Drafter, sampling: Sampling, batch: int = 1) -> tuple[str, str]:
+    """(key, machine): a hash of everything the timings depend on, the batch size
+    included, and a readable description of the machine part."""
     device = device_of(target)
     machine = f"{device.type} ({_hardware(device)}), {torch.get_num_threads()} threads, {target.input_embeddings().dtype}, torch {torch.__version__}"
     parts = {
@@ -201,6 +203,8 @@ def cost_key(target: Target, drafter: Drafter, sampling: Sampling) -> tuple[str,
     mode = getattr(target, "step_mode", "eager")
     if mode != "eager":  # fixed-shape steps cost otherwise; eager keys stay as they were
         parts["step"] = mode
+    if batch > 1:  # one image at a time keeps the keys it had
+        parts["batch"] = batch
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16], machine
 
 
@@ -214,9 +218,11 @@ def scale_key(stack: Stack | None) -> str:
     return f"{stack.name} {json.dumps(settings, sort_keys=True, separators=(',', ':'), default=repr)}"
 
 
-def load_or_measure(target: Target, drafter: Drafter, sampling: Sampling, condition: Condition, log: Callable[[str], None] | None = None) -> CostModel:
-    """The cached cost model for these models on this machine, measured if there is none."""
-    key, machine = cost_key(target, drafter, sampling)
+def load_or_measure(target: Target, drafter: Drafter, sampling: Sampling, condition: Condition, log: Callable[[str], None] | None = None,
+                    batch: int = 1) -> CostModel:
+    """The cached cost model for these models on this machine at this batch size,
+    measured if there is none."""
+    key, machine = cost_key(target, drafter, sampling, batch)
     if key in _memory:
         return _memory[key]
     path = cache_dir() / "costs" / f"{key}.json"
@@ -227,7 +233,7 @@ def load_or_measure(target: Target, drafter: Drafter, sampling: Sampling, condit
     except (OSError, ValueError):  # missing, unreadable or corrupt (from_json checks it all): measure again
         if log:
             log(f"measuring the cost model for {machine} (once; cached as {key})")
-        model = measure(target, drafter, sampling, condition, key, machine)
+        model = measure(target, drafter, sampling, condition, key, machine, batch)
         _save(path, model.to_json())
     _memory[key] = model
     return model
@@ -242,9 +248,9 @@ def with_scale(model: CostModel, name: str, scale: float) -> CostModel:
     return model
 
 
-def forget(target: Target, drafter: Drafter, sampling: Sampling) -> None:
+def forget(target: Target, drafter: Drafter, sampling: Sampling, batch: int = 1) -> None:
     """Drop the cached cost model of these models on this machine: the next use measures."""
-    key, _ = cost_key(target, drafter, sampling)
+    key, _ = cost_key(target, drafter, sampling, batch)
     _memory.pop(key, None)
     (cache_dir() / "costs" / f"{key}.json").unlink(missing_ok=True)
 
@@ -280,10 +286,12 @@ def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
 
 
 @torch.inference_mode()
-def measure(target: Target, drafter: Drafter, sampling: Sampling, condition: Condition, key: str = "", machine: str = "") -> CostModel:
+def measure(target: Target, drafter: Drafter, sampling: Sampling, condition: Condition, key: str = "", machine: str = "", batch: int = 1) -> CostModel:
     """Time the step's parts; the verify forwards at a prefix of half an image, since
     attention cost grows with it.  Nothing timed advances a cache for good, so any image
-    size leaves room."""
+    size leaves room.  At a batch size above 1 the verify and AR timings are an image's
+    share of a forward over ``batch`` images, each with the tree (the drafting and the
+    rest of a step are each image's own, as in a batch)."""
     device = device_of(target)
     timed = _timer(device)
     capacity = min(getattr(target, "max_tree_nodes", VERIFY_SIZES[-1]), getattr(drafter, "max_tree_nodes", VERIFY_SIZES[-1]))
@@ -293,21 +301,12 @@ def measure(target: Target, drafter: Drafter, sampling: Sampling, condition: Con
     for _ in range(target.num_tokens // 2):  # one token at a time, as AR decodes it
         last = draft_features(drafter, target.forward_tree(token, token, torch.ones(1, 1, dtype=torch.bool, device=device)))
         target.commit(token)
-
-    def ar_step() -> None:  # no commit, so the prefix stays put; the commit's cost is in the overhead
-        out = target.forward_tree(token, token, torch.ones(1, 1, dtype=torch.bool, device=device))
-        torch.multinomial(probabilities(out.logits, sampling)[0], 1)
-
     sizes = [n for n in VERIFY_SIZES if n <= capacity]
     trees = {n: DraftTree.from_parents([0] * n, [-1] + [(i - 1) // 4 for i in range(1, n)]) for n in sizes}
-    rounds: dict[Any, list[float]] = {key: [] for key in ["ar", *sizes]}
-    for _ in range(_REPEATS):  # rounds over AR and every size: a burst of load spoils one round, not one size
-        rounds["ar"].append(timed(ar_step, repeats=1))
-        for n, tree in trees.items():
-            tokens, depths, mask = (t.to(device) for t in (tree.tokens, tree.depths, tree.mask))
-            rounds[n].append(timed(lambda: probabilities(target.forward_tree(tokens, depths, mask).logits, sampling), repeats=1))
-    ar = statistics.median(rounds.pop("ar"))
-    verify = [(n, statistics.median(ms)) for n, ms in rounds.items()]
+    if batch == 1:
+        ar, verify = _verify_times(target, sampling, trees, timed)
+    else:
+        ar, verify = _batch_verify_times(target, sampling, condition, trees, timed, batch)
     news = torch.zeros(_START_TOKENS, dtype=torch.long, device=device)
     start = timed(lambda _: drafter.start(last.expand(-1, _START_TOKENS, -1), news), setup=lambda: drafter.prefill(condition, sampling.cfg))
     setup, rest = _step_overhead(target, sampling, condition, device)
@@ -327,6 +326,59 @@ def measure(target: Target, drafter: Drafter, sampling: Sampling, condition: Con
         base.append((width, shallow))
         levels.append((width, max(_MIN_LEVEL_MS, (deep - shallow) / 2)))
     return CostModel(key, machine, _monotone(verify), _monotone(base), _monotone(levels), start, overhead, ar)
+
+
+Timer = Callable[..., float]
+
+
+def _verify_times(target: Target, sampling: Sampling, trees: Mapping[int, DraftTree], timed: Timer) -> tuple[float, list[tuple[int, float]]]:
+    """One AR step and the verify of each tree, in rounds over AR and every size (a burst
+    of load spoils one round, not one size), on the target's tree cache as ``measure`` left it."""
+    device = device_of(target)
+    token = torch.zeros(1, dtype=torch.long, device=device)
+
+    def ar_step() -> None:  # no commit, so the prefix stays put; the commit's cost is in the overhead
+        out = target.forward_tree(token, token, torch.ones(1, 1, dtype=torch.bool, device=device))
+        torch.multinomial(probabilities(out.logits, sampling)[0], 1)
+
+    rounds: dict[Any, list[float]] = {key: [] for key in ["ar", *trees]}
+    for _ in range(_REPEATS):
+        rounds["ar"].append(timed(ar_step, repeats=1))
+        for n, tree in trees.items():
+            tokens, depths, mask = (t.to(device) for t in (tree.tokens, tree.depths, tree.mask))
+            rounds[n].append(timed(lambda: probabilities(target.forward_tree(tokens, depths, mask).logits, sampling), repeats=1))
+    ar = statistics.median(rounds.pop("ar"))
+    return ar, [(n, statistics.median(ms)) for n, ms in rounds.items()]
+
+
+def _batch_verify_times(target: Target, sampling: Sampling, condition: Condition, trees: Mapping[int, DraftTree], timed: Timer, batch: int) -> tuple[float, list[tuple[int, float]]]:
+    """``_verify_times`` as an image's share of one forward over ``batch`` images, each
+    with the same tree, after half an image of batched AR steps."""
+    if not isinstance(target, BatchTrees):
+        raise SpecimgError(f"a cost model at batch size {batch} needs a target that verifies a batch of trees")
+    device = device_of(target)
+    target.prefill_batch([condition] * batch, sampling.cfg, tree_nodes=max(trees))
+    roots = torch.zeros(batch, dtype=torch.long, device=device)
+    for _ in range(target.num_tokens // 2):
+        target.forward_batch(roots)
+    stacked = {n: tuple(t.to(device) for t in stack_trees([tree] * batch)) for n, tree in trees.items()}
+
+    def verify(n: int) -> Tensor:  # the logits of every image's nodes, processed
+        logits = target.forward_trees(*stacked[n]).logits
+        return probabilities(logits.flatten(1, 2), sampling)
+
+    def ar_step() -> None:
+        probs = verify(1)
+        for row in probs:  # one draw per image, as a batch draws its AR tokens
+            torch.multinomial(row, 1)
+
+    rounds: dict[Any, list[float]] = {key: [] for key in ["ar", *trees]}
+    for _ in range(_REPEATS):
+        rounds["ar"].append(timed(ar_step, repeats=1) / batch)
+        for n in trees:
+            rounds[n].append(timed(lambda n=n: verify(n), repeats=1) / batch)
+    ar = statistics.median(rounds.pop("ar"))
+    return ar, [(n, statistics.median(ms)) for n, ms in rounds.items()]
 
 
 def _step_overhead(target: Target, sampling: Sampling, condition: Condition, device: torch.device) -> tuple[Callable[[], Any], Callable[[Any], Any]]:

@@ -187,16 +187,23 @@ class Engine:
         """The cost model with this stack's step scale.  The parts are timed as calls in a
         tight loop; a real step interleaves them with other work and adds the method's
         relaxation and the loop's own Python (a fifth of a step or more on a small model).
-        So the first engine of a stack decodes one image on auto trees (drafting to the
-        end: no AR fallback) and divides its wall time by what the parts predict for the
-        steps it took; the scale is cached with the model, so runs stay reproducible."""
-        model = costs.load_or_measure(self.target, self.drafter, self.sampling, condition)
+        So the first engine of a stack decodes one image (a batch of images, at a batch size
+        above 1) on auto trees (drafting to the end: no AR fallback) and divides its wall
+        time by what the parts predict for the steps it took; the scale is cached with the
+        model, so runs stay reproducible.  At a batch size above 1 the model is the one
+        measured at that size (:func:`specimg.costs.measure`)."""
+        size = self.batch_size
+        model = costs.load_or_measure(self.target, self.drafter, self.sampling, condition, batch=size)
         name = costs.scale_key(self.stack)
         if name in model.step_scales:
             return model
         parts = attrs.evolve(model, step_scales={**model.step_scales, name: 1.0})
-        _, image = self._image(condition, 0, None, self.planner(parts, ar_fallback=False))
-        return costs.with_scale(model, name, 1000 * image.wall / image.predicted_ms if image.predicted_ms else 1.0)
+        if size == 1:
+            images = [self._image(condition, 0, None, self.planner(parts, ar_fallback=False))[1]]
+        else:
+            images = self._batch_speculative([condition] * size, range(size), None, lambda: self.planner(parts, ar_fallback=False))[1]
+        predicted = sum(image.predicted_ms for image in images)
+        return costs.with_scale(model, name, 1000 * sum(image.wall for image in images) / predicted if predicted else 1.0)
 
     def _image(self, condition: Condition, seed: int, progress: Callable[[int], None] | None, planner: TreePlanner | None) -> tuple[list[int], ImageStats]:
         """One image's tokens and statistics, drawn with a generator seeded ``seed``."""
@@ -229,12 +236,17 @@ class Engine:
         wall = (time.perf_counter() - start) / n
         return tokens, [ImageStats(tokens=target.num_tokens, target_forwards=target.num_tokens, wall=wall) for _ in range(n)]
 
-    def _batch_speculative(self, conditions: Sequence[Condition], seeds: Sequence[int], progress: Callable[[int], None] | None) -> tuple[Tensor, list[ImageStats]]:
+    def _batch_speculative(
+        self, conditions: Sequence[Condition], seeds: Sequence[int], progress: Callable[[int], None] | None,
+        planners: Callable[[], TreePlanner] | None = None,
+    ) -> tuple[Tensor, list[ImageStats]]:
         """Speculative decoding of several images at once: each image drafts, relaxes and
-        accepts in its own lane (its own drafter replica, generator and planner), as it
-        would alone, and one target forward verifies every image's tree.  An image the
-        planner sent to AR rides along as a one-node tree; one that is finished, too, and
-        commits nothing.  Returns what :meth:`_batch` returns."""
+        accepts in its own lane (its own drafter replica, generator and planner, from
+        ``planners``, by default :meth:`planner`), as it would alone, and one target
+        forward verifies every image's tree.  Each image plans on its own, so an image
+        does not depend on the others in its batch.  An image the planner sent to AR
+        rides along as a one-node tree; one that is finished, too, and commits nothing.
+        Returns what :meth:`_batch` returns."""
         target, sampling, n = self.target, self.sampling, len(conditions)
         assert isinstance(target, BatchTrees)
         drafters = self._drafters(n)
@@ -249,7 +261,7 @@ class Engine:
                 tokens = [self._draw(first[0], generator)]
                 if progress:
                     progress(1)
-                planner = self.planner() if self.auto_tree else None
+                planner = (planners or self.planner)() if self.auto_tree else None
                 lanes.append(Lane(self, drafters[i], condition, out, first, tokens, generator, ImageStats(target_forwards=1), planner, progress))
             while not all(lane.done for lane in lanes):
                 self._batch_step(lanes)
@@ -345,8 +357,8 @@ class Engine:
 
     def planner(self, cost_model: costs.CostModel | None = None, ar_fallback: bool | None = None) -> TreePlanner:
         """A fresh tree planner for one image (auto trees): each image adapts on its own, so
-        an image does not depend on the images decoded before it.  By default it plans
-        with the engine's cost model and tree config."""
+        an image does not depend on the images decoded before it or beside it in a batch.
+        By default it plans with the engine's cost model (at its batch size) and tree config."""
         cost_model = cost_model or self.cost_model
         assert cost_model is not None and self.drafter is not None
         max_nodes = getattr(self.target, "max_tree_nodes", 128)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specimg import Engine, MethodSpec, Sampling, TreeConfig, hookimpl
+from specimg import Engine, MethodSpec, Sampling, TreeConfig, costs, hookimpl
 from specimg.engine import ar_tokens
+from specimg.costs import CostModel
 from specimg.errors import SpecimgError
 from specimg.models.eagle import build_drafter
 from specimg.models.llamagen import build_target
@@ -206,15 +207,34 @@ def test_greedy_naive_in_a_batch_is_greedy_ar():
 
 
 def test_auto_trees_in_a_batch_plan_per_image_and_may_go_ar():
-    """Each image plans with its own planner; an image sent to AR rides along as one-node trees."""
-    target = build_target("GPT-B", seed=0, **TINY)
+    """Each image plans with its own planner; an image sent to AR (no tree pays on the
+    costly machine, which its first re-plan finds) rides along as one-node trees."""
+    target = build_target("GPT-B", seed=0, **dict(TINY, block_size=64))
     drafter = build_drafter(target, seed=1)
     sampling = Sampling(cfg_scale=3.0, top_k=30)
-    for costs in (statistics.flat_costs(), statistics.flat_costs(nodes=1)):
-        engine = Engine(target, drafter, "naive", sampling=sampling, cost_model=costs, batch_size=4)
+    widths = ((1, 0.01), (10, 0.01))
+    costly = CostModel("costly", "a made-up machine", ((1, 1.0), (2, 50.0), (128, 6400.0)), widths, widths, 0.01, 0.0, 1.0)
+    for model, goes_ar in ((statistics.flat_costs(), False), (costly, True)):
+        engine = Engine(target, drafter, "naive", sampling=sampling, cost_model=model, batch_size=4)
         batched = engine.generate([1, 2, 3, 4], seed=8)
         assert torch.equal(batched.tokens, torch.cat([a.tokens for a in lanes_alone(engine, [1, 2, 3, 4], range(8, 12))]))
-        assert all(s.tokens == 16 and len(s.tree_sizes) == s.target_forwards - 1 for s in batched.stats.images)
+        assert [s.trees[-1][3] == 1 for s in batched.stats.images] == [goes_ar] * 4
+        assert all(s.tokens == 64 and len(s.tree_sizes) == s.target_forwards - 1 for s in batched.stats.images)
+
+
+def test_a_batch_plans_with_the_cost_model_measured_at_its_size():
+    """The cost model at batch size 2 is measured there (an image's share of a forward over
+    two images) and cached under its own key; the stack's step scale comes from a batch."""
+    target = build_target("GPT-B", seed=0, **TINY)
+    drafter = build_drafter(target, seed=1)
+    engine = Engine(target, drafter, "naive", sampling=Sampling(cfg_scale=3.0, top_k=30), batch_size=2)
+    model = engine.prepare(1)
+    assert model is not None and model.key == costs.cost_key(target, drafter, engine.sampling, batch=2)[0]
+    assert model.key != costs.cost_key(target, drafter, engine.sampling)[0]
+    assert costs.scale_key(engine.stack) in model.step_scales
+    assert costs.load_or_measure(target, drafter, engine.sampling, 1, batch=2) == model  # cached
+    batched = engine.generate([1, 2, 3], seed=0)
+    assert torch.equal(batched.tokens, torch.cat([a.tokens for a in lanes_alone(engine, [1, 2, 3], range(3))]))
 
 
 @pytest.mark.parametrize(("method", "tree"), [("naive", statistics.TREE), ("naive", TreeConfig(sample=True)), ("cascade", TreeConfig())], ids=["topk-tree", "auto-sampled-tree", "cascade-auto"])

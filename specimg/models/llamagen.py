@@ -283,7 +283,8 @@ class Attention(nn.Module):
         slots [start, start + S) and the queries see slots [0, start + S) under ``mask``
         (bool, True = attend, broadcast to [B, H, S, keys]; None = see all).  ``start`` a
         tensor of S slots instead (a fixed-shape step): the keys go there and the queries
-        see the whole cache under ``mask``; a [B, S] tensor gives each row its own slots."""
+        see the whole cache under ``mask``; a [B, S] tensor gives each row its own slots and
+        the queries see the cache's first ``mask.shape[-1]`` slots."""
         s = x.shape[1]
         q, k, v = self.project(x, rope)
         if cache is not None:
@@ -293,10 +294,12 @@ class Attention(nn.Module):
                     index = start[:, None, :, None].expand_as(k)
                     k_cache.scatter_(2, index, k)
                     v_cache.scatter_(2, index, v)
+                    assert mask is not None
+                    k, v = k_cache[:, :, : mask.shape[-1]], v_cache[:, :, : mask.shape[-1]]
                 else:
                     k_cache.index_copy_(2, start, k)
                     v_cache.index_copy_(2, start, v)
-                k, v = k_cache, v_cache
+                    k, v = k_cache, v_cache
             else:
                 k_cache[:, :, start : start + s] = k
                 v_cache[:, :, start : start + s] = v
@@ -604,9 +607,10 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         start = torch.tensor(batch.lengths, device=device)[:, None]
         slots = (start + torch.arange(n, device=device)).repeat(rows, 1)  # [rows * B, n]: node j of image i at lengths[i] + j
         positions = (depths.to(device) + start).clamp_(max=self.rope.shape[0] - 1).repeat(rows, 1)  # past the image end: never accepted
-        seen = (torch.arange(batch.capacity, device=device) < start).repeat(rows, 1)  # the committed prefix
+        used = max(batch.lengths) + n  # the slots any image uses: attention stops there
+        seen = (torch.arange(used, device=device) < start).repeat(rows, 1)  # the committed prefix
         if batch.valid is not None:
-            seen &= batch.valid
+            seen &= batch.valid[:, :used]
         attn = seen[:, None].expand(-1, n, -1).clone()
         attn.scatter_(2, slots[:, None].expand(-1, n, -1), mask.to(device).repeat(rows, 1, 1))
         x = self.tok_embeddings(tokens.to(device)).repeat(rows, 1, 1)
