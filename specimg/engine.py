@@ -264,6 +264,13 @@ class Engine:
                 planner = (planners or self.planner)() if self.auto_tree else None
                 lanes.append(Lane(self, drafters[i], condition, out, first, tokens, generator, ImageStats(target_forwards=1), planner, progress))
             while not all(lane.done for lane in lanes):
+                for lane in lanes:
+                    if not lane.done and lane.goes_ar and not lane.ar_rest:
+                        lane.ar_rest = True
+                        self._book_ar(lane.planner, lane.stats, target.num_tokens - len(lane.tokens))
+                if all(lane.done or lane.ar_rest for lane in lanes):
+                    self._finish_ar_batch(lanes, progress)
+                    break
                 self._batch_step(lanes)
         wall = (time.perf_counter() - start) / n
         for lane in lanes:
@@ -277,10 +284,6 @@ class Engine:
         target, sampling = self.target, self.sampling
         assert isinstance(target, BatchTrees)
         running = [lane for lane in lanes if not lane.done]
-        for lane in running:
-            if lane.goes_ar and not lane.ar_rest:
-                lane.ar_rest = True
-                self._book_ar(lane.planner, lane.stats, target.num_tokens - len(lane.tokens))
         trees = [lane.propose() if not (lane.done or lane.ar_rest) else lane.root_tree() for lane in lanes]
         start = time.perf_counter()
         out = target.forward_trees(*stack_trees(trees))
@@ -306,6 +309,37 @@ class Engine:
         target.commit_trees(paths)
         for lane, *step in accepted:
             lane.advance(*step)
+
+    def _finish_ar_batch(self, lanes: Sequence[Lane], progress: Callable[[int], None] | None) -> None:
+        """The rest of every image as AR steps, all in one forward per token (their planners
+        found no tree that pays): as :meth:`_decode_ar` for one image, each image draws
+        with its own generator and its tokens stay on the device until the end.  An image
+        that is finished rides along and commits nothing."""
+        target, sampling, device = self.target, self.sampling, self.device
+        assert isinstance(target, BatchTrees)
+        remaining = [target.num_tokens - len(lane.tokens) for lane in lanes]
+        last = torch.tensor([lane.tokens[-1] for lane in lanes], device=device)[:, None]
+        depths, mask = torch.zeros_like(last), torch.ones(len(lanes), 1, 1, dtype=torch.bool, device=device)
+        root, nothing = torch.zeros(1, dtype=torch.long, device=device), torch.zeros(0, dtype=torch.long, device=device)
+        drawn: list[list[Tensor]] = [[] for _ in lanes]
+        start = time.perf_counter()
+        for step in range(max(remaining)):
+            running = [i for i, left in enumerate(remaining) if left > step]
+            logits = target.forward_trees(last, depths, mask).logits[:, running, 0]
+            index = torch.tensor([len(lanes[i].tokens) + step for i in running], device=device)  # the token each one draws
+            tokens = self._sample_rows(probabilities(logits, sampling, cfg_active_at(index, sampling)), [lanes[i].generator for i in running])
+            last[running, 0] = tokens
+            target.commit_trees([root if left > step else nothing for left in remaining])
+            for j, i in enumerate(running):
+                drawn[i].append(tokens[j : j + 1])
+                lanes[i].stats.target_forwards += 1
+            if progress:
+                progress(len(running))
+        share = (time.perf_counter() - start) / max(1, sum(1 for left in remaining if left))
+        for lane, tokens in zip(lanes, drawn):
+            if tokens:
+                lane.tokens.extend(torch.cat(tokens).tolist())
+                lane.stats.seconds["verify"] += share
 
     def _drafters(self, n: int) -> list[Drafter | None]:
         """One drafter per image of a batch (replicas sharing the drafter's weights), or none
