@@ -7,7 +7,9 @@ images, for ``--rounds`` rounds, interleaved.  A step is one target forward for 
 batch (AR: one per token; speculative: as many as the batch's slowest image needs).
 "outside" is the batch's wall time less the time inside the target's and the drafter's
 forwards, per step: sampling, tree building, relaxation, acceptance and the loop.  The
-last column counts the tokens that differ from the same images decoded one at a time.
+last column counts the tokens that differ from the same images decoded one at a time
+with the same cost model (auto trees plan with the model measured at the batch size, so
+a relaxed method's images at another size differ by their plans, not by rounding).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def main() -> None:
     labels = [i % 10 for i in range(max(args.batch_sizes))]
     inside = [0.0]
     time_forwards(inside)
-    alone = {}  # per method: the images of seeds 0, 1, ... decoded one at a time
+    alone = {}  # per method and size: the images of seeds 0, 1, ... decoded one at a time, planned alike
     print("| round | method | batch size | wall s | steps | in forwards s | outside, per step | outside, per image and step | tokens unlike alone |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for round_ in range(args.rounds):
@@ -70,10 +72,10 @@ def main() -> None:
                 wall, forwards = time.perf_counter() - start, inside[0]
                 steps = max(s.target_forwards for s in result.stats.images)
                 outside = 1e6 * (wall - forwards) / steps
-                if method not in alone:
-                    one = Engine(models.target, drafter, method, sampling=sampling, tokenizer=models.tokenizer)
-                    alone[method] = torch.cat([one.generate([label], seed=i).tokens for i, label in enumerate(labels)])
-                differ = int((result.tokens != alone[method][:size]).sum())
+                if (method, size) not in alone:
+                    one = Engine(models.target, drafter, method, sampling=sampling, tokenizer=models.tokenizer, cost_model=engine.cost_model)
+                    alone[method, size] = torch.cat([one.generate([label], seed=i).tokens for i, label in enumerate(labels[:size])])
+                differ = int((result.tokens != alone[method, size]).sum())
                 print(f"| {round_} | {method} | {size} | {wall:.2f} | {steps} | {forwards:.2f} | {outside:.0f} us | {outside / size:.0f} us | {differ} of {result.tokens.numel()} |")
 
 
