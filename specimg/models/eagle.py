@@ -279,8 +279,9 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
 
     @abc.abstractmethod
     def _forward(self, states: Tensor, tokens: Tensor, rope: Tensor, mask: Tensor | None, start: int | Tensor) -> Tensor:
-        """Output states [rows, m, D] of pairs (input states [rows, m, D], tokens [m]) written
-        to cache slots from ``start`` (or to the slots in a ``start`` tensor)."""
+        """Output states [rows, m, D] of pairs (input states [rows, m, D], tokens [m], or
+        [rows, m] each row its own) written to cache slots from ``start`` (or to the slots
+        in a ``start`` tensor, [rows, m] each row its own)."""
 
     @abc.abstractmethod
     def _logits(self, h: Tensor) -> Tensor:
@@ -318,11 +319,17 @@ class EagleDrafter(TreeDrafter):
         return h, self.target.code_logits(h).float()
 
     def _forward(self, features: Tensor, tokens: Tensor, rope: Tensor, mask: Tensor | None, start: int | Tensor) -> Tensor:
-        e = self.embed(tokens.to(features.device))[None].expand(features.shape[0], -1, -1)
+        e = per_row(self.embed(tokens.to(features.device)), features.shape[0])
         h = self.fc(torch.cat([e, features], dim=-1))
         for layer, cache in zip(self.layers, self._kv):
             h = layer(h, rope, mask, cache, start)
         return h
+
+
+def per_row(embedded: Tensor, rows: int) -> Tensor:
+    """Token embeddings [rows, m, D]: those of tokens [m] shared by every row, or of tokens
+    [rows, m] (each row its own: a batch of images) as they are."""
+    return embedded if embedded.dim() == 3 else embedded[None].expand(rows, -1, -1)
 
 
 def drafter_class(kind: str) -> type[TreeDrafter]:

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from specimg.models.base import exposed_layers
-from specimg.models.eagle import EagleTarget, TreeDrafter
+from specimg.models.eagle import EagleTarget, TreeDrafter, per_row
 from specimg.models.llamagen import Attention, FeedForward, GPTConfig, KVSlot, RMSNorm
 
 
@@ -92,7 +92,7 @@ class Eagle3Drafter(TreeDrafter):
         return self.fc(hidden)
 
     def _forward(self, states: Tensor, tokens: Tensor, rope: Tensor, mask: Tensor | None, start: int | Tensor) -> Tensor:
-        e = self.target.embed_codes(tokens.to(states.device))[None].expand(states.shape[0], -1, -1)
+        e = per_row(self.target.embed_codes(tokens.to(states.device)), states.shape[0])
         for layer, cache in zip(self.layers, self._kv):
             states = layer(e, states, rope, mask, cache, start)
         return states
