@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -24,6 +25,7 @@ from specimg.sampling import cfg_active_at, probabilities
 from specimg.stackhooks import StackHooks
 from specimg.stats import ImageStats, RunStats
 from specimg.lane import Lane
+from specimg.lockstep import LaneDrafter, Lockstep
 from specimg.step import Acceptance, Scores, scores_of
 from specimg.tree import DraftTree, stack_trees
 
@@ -106,7 +108,6 @@ class Engine:
             raise SpecimgError(f"method {self.stack.drafter_free!r} drafts without a drafter but does not implement propose_tree")
         if batch_size > 1:
             self._check_batch_trees()
-        self._replicas: list[Drafter] = []  # one drafter per image of a batch, made on first use
 
     def _check_batch_trees(self) -> None:
         """Speculative decoding at a batch size above 1 verifies every image's tree in one
@@ -119,8 +120,8 @@ class Engine:
             raise SpecimgError(f"method {self.hooks.score.owner!r} scores trees itself, one image at a time: run it at batch size 1")
         if self.drafter_free:
             return
-        if not hasattr(self.drafter, "replica"):
-            raise SpecimgError(f"batch size {size} needs a drafter that makes one replica per image; a {type(self.drafter).__name__} drafts for one image at a time")
+        if not hasattr(self.drafter, "batch"):
+            raise SpecimgError(f"batch size {size} needs a drafter that drafts for a batch (batch()); a {type(self.drafter).__name__} drafts for one image at a time")
         if getattr(self.drafter, "context", 0):
             raise SpecimgError(f"batch size {size}: this drafter reads the whole condition (LANTERN's released drafters), which batched decoding does not give it yet; run at batch size 1")
 
@@ -241,18 +242,19 @@ class Engine:
         planners: Callable[[], TreePlanner] | None = None,
     ) -> tuple[Tensor, list[ImageStats]]:
         """Speculative decoding of several images at once: each image drafts, relaxes and
-        accepts in its own lane (its own drafter replica, generator and planner, from
-        ``planners``, by default :meth:`planner`), as it would alone, and one target
-        forward verifies every image's tree.  Each image plans on its own, so an image
+        accepts in its own lane (its own generator and planner, from ``planners``, by
+        default :meth:`planner`) as it would alone; their drafter calls run together
+        (:mod:`specimg.lockstep`), and one target forward verifies every image's tree.  Each image plans on its own, so an image
         does not depend on the others in its batch.  An image the planner sent to AR
         rides along as a one-node tree; one that is finished, too, and commits nothing.
         Returns what :meth:`_batch` returns."""
         target, sampling, n = self.target, self.sampling, len(conditions)
         assert isinstance(target, BatchTrees)
-        drafters = self._drafters(n)
         start = time.perf_counter()
         lanes = []
-        with torch.inference_mode():
+        lockstep = None if self.drafter_free else Lockstep(self.drafter.batch(n, sampling.cfg), n)  # type: ignore[union-attr]
+        drafters = [None if lockstep is None else LaneDrafter(lockstep, i, self.drafter) for i in range(n)]
+        with torch.inference_mode(), contextlib.closing(lockstep) if lockstep else contextlib.nullcontext():
             prefill = target.prefill_batch(conditions, sampling.cfg, tree_nodes=getattr(target, "max_tree_nodes", 128))
             for i, (condition, seed) in enumerate(zip(conditions, seeds)):
                 out = TargetOutput(*(t if t is None else t[:, i : i + 1] for t in prefill))
@@ -271,20 +273,22 @@ class Engine:
                 if all(lane.done or lane.ar_rest for lane in lanes):
                     self._finish_ar_batch(lanes, progress)
                     break
-                self._batch_step(lanes)
+                self._batch_step(lanes, lockstep)
         wall = (time.perf_counter() - start) / n
         for lane in lanes:
             lane.close()
             lane.stats.wall = wall
         return torch.tensor([lane.tokens for lane in lanes]), [lane.stats for lane in lanes]
 
-    def _batch_step(self, lanes: Sequence[Lane]) -> None:
-        """One step of every unfinished image: draft each tree, verify them all in one
-        forward, accept each, commit them all."""
+    def _batch_step(self, lanes: Sequence[Lane], lockstep: Lockstep | None) -> None:
+        """One step of every unfinished image: draft each tree (side by side, the drafter
+        calls batched), verify them all in one forward, accept each, commit them all."""
         target, sampling = self.target, self.sampling
         assert isinstance(target, BatchTrees)
         running = [lane for lane in lanes if not lane.done]
-        trees = [lane.propose() if not (lane.done or lane.ar_rest) else lane.root_tree() for lane in lanes]
+        drafting = {i: lane.propose for i, lane in enumerate(lanes) if not (lane.done or lane.ar_rest)}
+        proposed = lockstep.run(drafting) if lockstep else {i: propose() for i, propose in drafting.items()}
+        trees = [proposed[i] if i in proposed else lane.root_tree() for i, lane in enumerate(lanes)]
         start = time.perf_counter()
         out = target.forward_trees(*stack_trees(trees))
         verify = (time.perf_counter() - start) / len(running)
@@ -340,16 +344,6 @@ class Engine:
             if tokens:
                 lane.tokens.extend(torch.cat(tokens).tolist())
                 lane.stats.seconds["verify"] += share
-
-    def _drafters(self, n: int) -> list[Drafter | None]:
-        """One drafter per image of a batch (replicas sharing the drafter's weights), or none
-        for a drafter-free stack."""
-        if self.drafter_free:
-            return [None] * n
-        assert self.drafter is not None
-        while len(self._replicas) < n:
-            self._replicas.append(self.drafter.replica())  # type: ignore[attr-defined]
-        return list(self._replicas[:n])
 
     def _sample_rows(self, probs: Tensor, generators: Sequence[torch.Generator]) -> Tensor:
         """One token per row of ``probs`` [B, V], row i drawn with ``generators[i]``: [B]."""

@@ -257,7 +257,7 @@ def test_batches_of_speculative_steps_refuse_what_they_cannot_run():
     class OneImageDrafter:
         vocab_size = TINY["vocab_size"]
 
-    with pytest.raises(SpecimgError, match="one replica per image"):
+    with pytest.raises(SpecimgError, match="drafts for a batch"):
         Engine(target, OneImageDrafter(), "naive", batch_size=2)
     problem = statistics.markov_problem(0)
     with pytest.raises(SpecimgError, match="verifies a batch of trees"):

@@ -65,7 +65,8 @@ class DraftBatch:
             tokens[i, : m[i]] = new.to(self.device)
         first = torch.tensor(self.lengths, device=self.device)[:, None]
         slots = first + torch.arange(width, device=self.device)  # pair j of image i at lengths[i] + j
-        seen = torch.arange(self.capacity, device=self.device) < slots[..., None] + 1  # its prefix and itself
+        used = max(self.lengths) + width  # the slots any image uses: attention stops there
+        seen = torch.arange(used, device=self.device) < slots[..., None] + 1  # its prefix and itself
         h = self._forward(states, tokens, slots, slots, seen)
         last = torch.tensor([m.get(i, 1) - 1 for i in range(self.size)], device=self.device).repeat(self.rows)
         ends = h[torch.arange(h.shape[0], device=self.device), last]
@@ -100,7 +101,8 @@ class DraftBatch:
         counts = torch.tensor(self.counts, device=self.device)[:, None]
         slots = (first + counts + torch.arange(width, device=self.device)).clamp_(max=self.capacity - 1)
         positions = self.depth[images, new] + first - 1  # the root sits at lengths[i] - 1
-        keys = torch.arange(self.capacity, device=self.device)
+        used = min(self.capacity, max(n + c for n, c in zip(self.lengths, self.counts)) + width)  # attention stops there
+        keys = torch.arange(used, device=self.device)
         seen = (keys < first)[:, None, :].expand(-1, width, -1).clone()  # the committed prefix ...
         node = keys - first + 1  # ... and the node at each later slot (id 0, never an ancestor, past them)
         node = torch.where(node <= self.max_nodes, node.clamp(min=0), 0)[:, None, :].expand(-1, width, -1)
@@ -117,7 +119,7 @@ class DraftBatch:
 
     def _forward(self, states: Tensor, tokens: Tensor, slots: Tensor, positions: Tensor, seen: Tensor) -> Tensor:
         """The draft layer over every image's pairs: states [rows * B, w, D], tokens, slots,
-        positions [B, w], seen [B, w, capacity]; a pair also sees its own slot (a padding
+        positions [B, w], seen [B, w, slots seen]; a pair also sees its own slot (a padding
         pair nothing else sees, so its output stays finite)."""
         rope = self.core.draft_rope()
         seen = seen.scatter(2, slots[..., None], True).repeat(self.rows, 1, 1)

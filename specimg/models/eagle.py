@@ -23,13 +23,16 @@ import copy
 import json
 import os
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specimg.errors import SpecimgError
+
+if TYPE_CHECKING:
+    from specimg.models.draft_batch import DraftBatch
 from specimg.files import atomic_path
 from specimg.graphs import FixedSteps, GraphSet, bucket
 from specimg.models.base import Condition, Target, cfg_rows
@@ -137,6 +140,12 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
         twin._full_kv, twin._kv = [], []
         twin.graphs, twin._graphed_target = GraphSet(), ()
         return twin
+
+    def batch(self, size: int, cfg: bool) -> DraftBatch:
+        """The draft state of ``size`` images drafting together (``Engine(batch_size=B)``)."""
+        from specimg.models.draft_batch import DraftBatch
+
+        return DraftBatch(self, size, cfg)
 
     # -- Drafter protocol
 

@@ -7,7 +7,7 @@ each token's hidden state (its "feature") is a fixed vector per token.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -79,8 +79,8 @@ class MarkovDrafter:
     def prefill(self, condition: Condition, cfg: bool) -> None:
         self._rows = cfg_rows(cfg)
 
-    def replica(self) -> MarkovDrafter:
-        return MarkovDrafter(self.table)
+    def batch(self, size: int, cfg: bool) -> MarkovDraftBatch:
+        return MarkovDraftBatch(self.table, cfg_rows(cfg))
 
     def start(self, hidden: Tensor, tokens: Tensor) -> Tensor:
         self._fed = [int(tokens[-1])]
@@ -89,3 +89,19 @@ class MarkovDrafter:
     def expand(self, parents: Tensor, tokens: Tensor) -> Tensor:
         self._fed.extend(tokens.tolist())
         return self.table[tokens].expand(self._rows, -1, -1).clone()
+
+
+class MarkovDraftBatch:
+    """Several images' Markov drafting: each call answers every image from the table."""
+
+    def __init__(self, table: Tensor, rows: int):
+        self.table, self.rows = table, rows
+
+    def reset(self, image: int) -> None:
+        """Nothing is cached."""
+
+    def start(self, requests: Mapping[int, tuple[Tensor, Tensor]]) -> dict[int, Tensor]:
+        return {i: self.table[int(tokens[-1])].expand(self.rows, -1).clone() for i, (_, tokens) in requests.items()}
+
+    def expand(self, requests: Mapping[int, tuple[Tensor, Tensor]]) -> dict[int, Tensor]:
+        return {i: self.table[tokens].expand(self.rows, -1, -1).clone() for i, (_, tokens) in requests.items()}
