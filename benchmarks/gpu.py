@@ -5,7 +5,8 @@ Per model (the demo; GPT-B and GPT-XL shapes, 256 image tokens, CFG 4, bf16 unle
 
 - AR ms/token, one image at a time as the engine decodes, with eager step forwards and
   with CUDA graphs (``--cuda-graphs off`` / ``on``), and the graphs' capture time;
-- batched AR (``--batch-sizes``, default 1,4,16): images/s per batch size, and how many
+- batched decoding (``--batch-sizes``, default 1,4,16) for AR, naive and cascade+lantern
+  (cascade at GPT shapes, which have no tokenizer): images/s per batch size, and how many
   tokens of the first ``--images`` images differ from one-at-a-time decoding (rounding);
 - the cost model in both step modes: verify time of trees of 1..128 nodes, the drafter's
   start and levels, the AR step;
@@ -118,19 +119,28 @@ def ar_speed(target: Any, sampling: specimg.Sampling, conditions: list[Any], dev
     return out
 
 
-def ar_batches(target: Any, sampling: specimg.Sampling, sizes: list[int], images: int, device: torch.device) -> dict[str, Any]:
-    """Batched AR: images/s per batch size (B images, after a warm-up batch) and the tokens
-    of the first ``images`` images that differ from one-at-a-time decoding."""
-    alone = specimg.Engine(target, method="ar", sampling=sampling).generate([i % 10 for i in range(images)], seed=0).tokens
-    out = {}
-    for size in sizes:
-        engine = specimg.Engine(target, method="ar", sampling=sampling, batch_size=size)
-        labels = [i % 10 for i in range(max(size, images))]
-        engine.generate(labels[:size], seed=99)
-        result, wall = timed(device, lambda: engine.generate(labels, seed=0))
-        out[size] = {"images_per_s": len(labels) / wall, "tokens_differing": int((result.tokens[:images] != alone).sum())}
-        print(f"  AR at batch size {size}: {out[size]['images_per_s']:.2f} images/s, "
-              f"{out[size]['tokens_differing']} of {alone.numel()} tokens differ from one at a time")
+def batches(models: tuple[Any, Any, Any], sampling: specimg.Sampling, methods: list[str], sizes: list[int], images: int,
+            device: torch.device) -> dict[str, Any]:
+    """Batched decoding per method (``models``: target, drafter, tokenizer): images/s per
+    batch size (max(B, ``images``) images, after a warm-up batch; auto trees planned with
+    the cost model measured at that size) and the tokens of the first ``images`` images
+    that differ from one-at-a-time decoding under the same cost model (rounding)."""
+    target, drafter, tokenizer = models
+    labels = [i % 10 for i in range(max(max(sizes), images))]
+    out: dict[str, Any] = {}
+    for method in methods:
+        out[method] = {}
+        for size in sizes:
+            engine = specimg.Engine(target, None if method == "ar" else drafter, method, sampling=sampling, tokenizer=tokenizer, batch_size=size)
+            engine.generate(labels[:size], seed=99)  # warm, and measures the cost model at this size
+            count = max(size, images)
+            result, wall = timed(device, lambda: engine.generate(labels[:count], seed=0))
+            alone = specimg.Engine(target, engine.drafter, method, sampling=sampling, tokenizer=tokenizer, cost_model=engine.cost_model)
+            reference = torch.cat([alone.generate([label], seed=i).tokens for i, label in enumerate(labels[:images])])
+            row = {"images_per_s": count / wall, "tau": result.stats.tau, "tokens_differing": int((result.tokens[:images] != reference).sum())}
+            out[method][size] = row
+            print(f"  {method} at batch size {size}: {row['images_per_s']:.2f} images/s, tau {row['tau']:.2f}, "
+                  f"{row['tokens_differing']} of {reference.numel()} tokens differ from one at a time")
     return out
 
 
@@ -186,7 +196,7 @@ def bench_preset(preset: str, args: argparse.Namespace, device: torch.device, dt
     speed = ar_speed(target, sampling, labels, device)
     print("  AR ms/token: " + ", ".join(f"cuda graphs {g} {speed[g]['ms_per_token']:.2f}" for g in step_modes(device))
           + f" (capture {speed['capture_s']:.2f} s)")
-    result: dict[str, Any] = {"ar": speed, "ar_batches": ar_batches(target, sampling, args.batch_sizes, args.images, device),
+    result: dict[str, Any] = {"ar": speed, "batches": batches((target, drafter, None), sampling, ["ar", "naive", "cascade"], args.batch_sizes, args.images, device),
                               "costs": cost_curves(target, drafter, sampling, 0, device)}
     del drafter
     target = target.float()
@@ -212,7 +222,7 @@ def demo_speed(args: argparse.Namespace, device: torch.device, report: Report) -
     speed = ar_speed(target, sampling, labels, device)
     print("  AR ms/token: " + ", ".join(f"cuda graphs {g} {speed[g]['ms_per_token']:.2f}" for g in step_modes(device))
           + f" (capture {speed['capture_s']:.2f} s)")
-    result = {"ar": speed, "ar_batches": ar_batches(target, sampling, args.batch_sizes, args.images, device),
+    result = {"ar": speed, "batches": batches((target, drafter, models.tokenizer), sampling, ["ar", "naive", "cascade+lantern"], args.batch_sizes, args.images, device),
               "costs": cost_curves(target, drafter, sampling, 0, device)}
     result["fixed_tree"] = fixed_tree_runs(target, drafter, sampling, device)
     report.add("demo", result)
@@ -272,7 +282,7 @@ def main() -> None:
     parser.add_argument("--presets", default="GPT-B,GPT-XL")
     parser.add_argument("--tokens", type=int, default=256, help="image tokens (a square)")
     parser.add_argument("--images", type=int, default=2)
-    parser.add_argument("--batch-sizes", default="1,4,16", type=lambda t: [int(x) for x in t.split(",")], help="batched AR sizes")
+    parser.add_argument("--batch-sizes", default="1,4,16", type=lambda t: [int(x) for x in t.split(",")], help="batch sizes of the batched-decoding table")
     parser.add_argument("--quick", action="store_true", help="one image per measurement (a short device lease)")
     parser.add_argument("--bench-images", type=int, default=16, help="images per method in the demo's default bench")
     parser.add_argument("--bench-timeout", type=int, default=150, help="seconds the demo's bench may take")
