@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
@@ -91,6 +91,7 @@ class Engine:
         self._check_vocabularies()
         self.stack: Stack | None = None
         self.hooks: StackHooks | None = None
+        self._threads: ThreadPoolExecutor | None = None  # a batch's images propose in these (made on first use)
         self.batch_size = batch_size
         if batch_size < 1:
             raise SpecimgError(f"batch size {batch_size}: give 1 or more")
@@ -252,9 +253,9 @@ class Engine:
         assert isinstance(target, BatchTrees)
         start = time.perf_counter()
         lanes = []
-        lockstep = None if self.drafter_free else Lockstep(self.drafter.batch(n, sampling.cfg), n)  # type: ignore[union-attr]
+        lockstep = None if self.drafter_free else Lockstep(self.drafter.batch(n, sampling.cfg), self._lane_threads())  # type: ignore[union-attr]
         drafters = [None if lockstep is None else LaneDrafter(lockstep, i, self.drafter) for i in range(n)]
-        with torch.inference_mode(), contextlib.closing(lockstep) if lockstep else contextlib.nullcontext():
+        with torch.inference_mode():
             prefill = target.prefill_batch(conditions, sampling.cfg, tree_nodes=getattr(target, "max_tree_nodes", 128))
             for i, (condition, seed) in enumerate(zip(conditions, seeds)):
                 out = TargetOutput(*(t if t is None else t[:, i : i + 1] for t in prefill))
@@ -279,6 +280,12 @@ class Engine:
             lane.close()
             lane.stats.wall = wall
         return torch.tensor([lane.tokens for lane in lanes]), [lane.stats for lane in lanes]
+
+    def _lane_threads(self) -> ThreadPoolExecutor:
+        """The threads a batch's images propose in, one per image, kept for the engine's life."""
+        if self._threads is None:
+            self._threads = ThreadPoolExecutor(max_workers=self.batch_size, thread_name_prefix="specimg-lane")
+        return self._threads
 
     def _batch_step(self, lanes: Sequence[Lane], lockstep: Lockstep | None) -> None:
         """One step of every unfinished image: draft each tree (side by side, the drafter

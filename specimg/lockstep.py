@@ -43,17 +43,15 @@ class _Aborted(Exception):
 class Lockstep:
     """Runs proposals side by side (:meth:`run`) and batches their drafter calls (:meth:`call`)."""
 
-    def __init__(self, batch: DraftBatch, size: int):
+    def __init__(self, batch: DraftBatch, pool: ThreadPoolExecutor):
+        """``pool``: at least as many threads as images (each proposal holds one while it waits)."""
         self.batch = batch
-        self._pool = ThreadPoolExecutor(max_workers=size, thread_name_prefix="specimg-lane")
+        self._pool = pool
         self._cond = threading.Condition()
         self._pending: dict[int, tuple[str, Request]] = {}
         self._answers: dict[int, Tensor | BaseException] = {}
         self._proposing: set[int] = set()
         self._aborted = False
-
-    def close(self) -> None:
-        self._pool.shutdown()
 
     def run(self, jobs: Mapping[int, Callable[[], T]]) -> dict[int, T]:
         """Each image's job (its proposal) in its own thread, under inference mode; their
