@@ -307,3 +307,37 @@ class OnlyBatchSteps(AloneTarget):
 
     def forward_batch(self, tokens):
         return self.inner.forward_batch(tokens)
+
+
+class FailsOnSecondImage:
+    """A method whose proposal fails for the image drawn with seed 1, mid-tree (after its
+    drafter calls began), so the other images wait on batched drafter calls meanwhile."""
+
+    @hookimpl
+    def register_methods(self, register):
+        register(MethodSpec("fails-midway", description="fails on one image"))
+
+    @hookimpl
+    def propose_tree(self, session, root_token, tree_config, max_depth, generator):
+        from specimg.tree import build_tree
+
+        if generator.initial_seed() == 1:
+            session.feed([0], [root_token])  # one level, while the others draft on
+            raise SpecimgError("this image's proposal failed")
+        return build_tree(session, root_token, tree_config, max_depth, generator)
+
+
+def test_a_failing_proposal_in_a_batch_raises_and_leaves_no_thread_waiting():
+    import threading
+
+    target = build_target("GPT-B", seed=0, **TINY)
+    plugins = PluginManager()
+    plugins.register(FailsOnSecondImage(), name="fails-midway")
+    engine = Engine(target, build_drafter(target, seed=1), "fails-midway", tree=TREE, plugins=plugins, batch_size=3)
+    with pytest.raises(SpecimgError, match="proposal failed"):
+        engine.generate([1, 2, 3], seed=0)
+    done: list[torch.Tensor] = []  # a lane thread left waiting would hold a worker: this batch of 3 would hang
+    again = threading.Thread(target=lambda: done.append(engine.generate([1, 2, 3], seed=5).tokens), daemon=True)
+    again.start()
+    again.join(timeout=60)
+    assert done and done[0].shape == (3, 16)
