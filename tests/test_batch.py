@@ -341,3 +341,29 @@ def test_a_failing_proposal_in_a_batch_raises_and_leaves_no_thread_waiting():
     again.start()
     again.join(timeout=60)
     assert done and done[0].shape == (3, 16)
+
+
+@pytest.mark.parametrize("kind", ["c2i-cfg", "t2i-cfg"])
+def test_a_refilled_image_scores_as_alone_and_its_neighbours_are_untouched(kind: str):
+    """Image 0 of two finishes after one step and a new condition takes its place: the new
+    image's prefill and next tree, and image 1's next tree, equal each verified alone."""
+    target = build_target("GPT-B", seed=2, **(T2I if kind.startswith("t2i") else TINY))
+    conditions = captions_for_target(HashTextEncoder(dim=12), ["a cat", "a long red bus at dawn", "sea"], 5, 12) if kind.startswith("t2i") else [1, 5, 9]
+    first, second = (random_tree(n, 64, seed) for n, seed in ((4, 0), (3, 1)))
+    kept = path_to(3, first[3])
+
+    target.prefill(conditions[1], True)
+    target.forward_tree(*first[:3])
+    target.commit(torch.tensor(kept))
+    continuing = target.forward_tree(*second[:3])
+    fresh_prefill = target.prefill(conditions[2], True)
+    fresh = target.forward_tree(*second[:3])
+
+    target.prefill_batch(conditions[:2], True, tree_nodes=8)
+    target.forward_trees(*padded([first[:3], first[:3]]))
+    target.commit_trees([torch.tensor([0]), torch.tensor(kept)])
+    refilled = target.refill(0, conditions[2])
+    torch.testing.assert_close(refilled.logits, fresh_prefill.logits, rtol=0, atol=1e-5)
+    out = target.forward_trees(*padded([second[:3], second[:3]]))
+    torch.testing.assert_close(out.logits[:, 0], fresh.logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(out.logits[:, 1], continuing.logits, rtol=0, atol=1e-5)

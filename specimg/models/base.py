@@ -117,6 +117,11 @@ class BatchTrees(BatchSteps, Protocol):
         """Keep image i's accepted nodes ``paths[i]`` (root first; empty: nothing) of the
         last ``forward_trees``."""
 
+    def refill(self, image: int, condition: Condition) -> TargetOutput:
+        """Start a new image in the place of image ``image`` (one that finished), the
+        others untouched: outputs [rows, 1, ...] at its last condition position, as
+        ``prefill``'s."""
+
 
 @runtime_checkable
 class Drafter(Protocol):

@@ -641,6 +641,25 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         batch.lengths = [n + k for n, k in zip(batch.lengths, counts)]
         batch.pending = 0
 
+    @torch.no_grad()
+    def refill(self, image: int, condition: Condition) -> TargetOutput:
+        batch = self._batch_cache("refill")
+        c, w = self.config, self.tok_embeddings.weight
+        cls, size = c.cls_token_num, len(batch.lengths)
+        x, caption_mask = self.embed_condition(condition, batch.rows == 2)
+        shape = (batch.rows, c.kv_heads, cls, c.head_dim)
+        fresh = [(w.new_zeros(shape), w.new_zeros(shape)) for _ in self.layers]  # the condition's cache, as prefill makes it
+        h, fused = self._run(x, self.rope[:cls], None if caption_mask is None else self.condition_mask(caption_mask[None])[0], 0, fresh)
+        rows = torch.arange(batch.rows, device=w.device) * size + image
+        for kv, new in zip(batch.caches, fresh):
+            for cache, part in zip(kv, new):
+                cache[rows, :, :cls] = part
+        if batch.valid is not None:
+            batch.valid[rows] = True
+            batch.valid[rows, :cls] = caption_mask
+        batch.lengths[image] = cls
+        return self._head(h[:, -1:], None if fused is None else fused[:, -1:])
+
     def _batch_cache(self, caller: str) -> BatchCache:
         if self._batch is None:
             raise RuntimeError(f"call prefill_batch before {caller} (also after moving the target)")

@@ -63,6 +63,9 @@ class MarkovTarget:
     def commit_trees(self, paths: Sequence[Tensor]) -> None:
         """Nothing is cached."""
 
+    def refill(self, image: int, condition: Condition) -> TargetOutput:
+        return TargetOutput(self._first[: self._rows, None, :].clone(), torch.zeros(self._rows, 1, self.hidden_size))
+
     def input_embeddings(self) -> Tensor:
         return self.features
 
