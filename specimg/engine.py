@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -28,6 +29,10 @@ from specimg.lane import Lane
 from specimg.lockstep import LaneDrafter, Lockstep
 from specimg.step import Acceptance, Scores, scores_of
 from specimg.tree import DraftTree, stack_trees
+
+
+OnImage = Callable[[int, Tensor, "ImageStats"], None]
+"""Called with an image's index among the conditions, its tokens and statistics when it is done."""
 
 
 class Generation(NamedTuple):
@@ -147,27 +152,37 @@ class Engine:
 
     def generate(
         self, conditions: Sequence[Condition], seed: int = 0, progress: Callable[[int], None] | None = None,
-        seeds: Sequence[int] | None = None,
+        seeds: Sequence[int] | None = None, on_image: OnImage | None = None,
     ) -> Generation:
         """Generate one image per condition; image i uses seed ``seed + i`` (or ``seeds[i]``),
         so results do not depend on how the conditions are batched.  ``progress`` is called
-        with each step's token count."""
+        with each step's token count; ``on_image`` with each image's index in
+        ``conditions``, its tokens [num_tokens] (on the CPU) and statistics as soon as it
+        is done (in a speculative batch, images finish out of order)."""
         seeds = [seed + i for i in range(len(conditions))] if seeds is None else [int(s) for s in seeds]
         if len(seeds) != len(conditions):
             raise SpecimgError(f"{len(seeds)} seeds for {len(conditions)} conditions: give one per condition")
-        rows, stats = [], []
+        rows: list[Tensor] = [torch.empty(0)] * len(conditions)  # each replaced when its image is done
+        stats: list[ImageStats] = [ImageStats() for _ in conditions]
+
+        def done(index: int, tokens: Tensor, image: ImageStats) -> None:
+            rows[index], stats[index] = tokens, image
+            if on_image:
+                on_image(index, tokens, image)
+
         if self.cost_model is None and conditions:
             self.prepare(conditions[0])
-        for at in range(0, len(conditions), self.batch_size):
-            batch, batch_seeds = conditions[at : at + self.batch_size], seeds[at : at + self.batch_size]
-            if self.batch_size > 1:
-                tokens, images = (self._batch if self.stack is None else self._batch_speculative)(batch, batch_seeds, progress)
-                rows.extend(tokens)
-                stats.extend(images)
-                continue
-            tokens, image = self._image(batch[0], batch_seeds[0], progress, self.planner() if self.auto_tree else None)
-            rows.append(torch.tensor(tokens, dtype=torch.long))
-            stats.append(image)
+        if self.batch_size == 1:
+            for index, (condition, image_seed) in enumerate(zip(conditions, seeds)):
+                tokens, image = self._image(condition, image_seed, progress, self.planner() if self.auto_tree else None)
+                done(index, torch.tensor(tokens, dtype=torch.long), image)
+        elif self.stack is not None:
+            self._batch_speculative(conditions, seeds, progress, done)
+        else:
+            for at in range(0, len(conditions), self.batch_size):
+                batch, batch_seeds = conditions[at : at + self.batch_size], seeds[at : at + self.batch_size]
+                for row, (image_tokens, image) in enumerate(zip(*self._batch(batch, batch_seeds, progress))):
+                    done(at + row, image_tokens, image)
         return Generation(torch.stack(rows) if rows else torch.empty(0, self.target.num_tokens, dtype=torch.long), RunStats(tuple(stats)))
 
     def prepare(self, condition: Condition, state: Any = None) -> costs.CostModel | None:
@@ -203,7 +218,8 @@ class Engine:
         if size == 1:
             images = [self._image(condition, 0, None, self.planner(parts, ar_fallback=False))[1]]
         else:
-            images = self._batch_speculative([condition] * size, range(size), None, lambda: self.planner(parts, ar_fallback=False))[1]
+            images = []
+            self._batch_speculative([condition] * size, range(size), None, lambda _, __, image: images.append(image), lambda: self.planner(parts, ar_fallback=False))
         predicted = sum(image.predicted_ms for image in images)
         return costs.with_scale(model, name, 1000 * sum(image.wall for image in images) / predicted if predicted else 1.0)
 
@@ -240,46 +256,61 @@ class Engine:
 
     def _batch_speculative(
         self, conditions: Sequence[Condition], seeds: Sequence[int], progress: Callable[[int], None] | None,
-        planners: Callable[[], TreePlanner] | None = None,
-    ) -> tuple[Tensor, list[ImageStats]]:
-        """Speculative decoding of several images at once: each image drafts, relaxes and
-        accepts in its own lane (its own generator and planner, from ``planners``, by
-        default :meth:`planner`) as it would alone; their drafter calls run together
-        (:mod:`specimg.lockstep`), and one target forward verifies every image's tree.  Each image plans on its own, so an image
-        does not depend on the others in its batch.  An image the planner sent to AR
-        rides along as a one-node tree; one that is finished, too, and commits nothing.
-        Returns what :meth:`_batch` returns."""
-        target, sampling, n = self.target, self.sampling, len(conditions)
+        done: OnImage, planners: Callable[[], TreePlanner] | None = None,
+    ) -> None:
+        """Speculative decoding of the images ``batch_size`` at a time, each handed to
+        ``done`` (index, tokens, statistics) when it finishes.  Each image drafts, relaxes
+        and accepts in its own lane (its own generator and planner, from ``planners``, by
+        default :meth:`planner`) as it would alone; the lanes' drafter calls run together
+        (:mod:`specimg.lockstep`), and one target forward verifies every lane's tree.  When
+        an image finishes, the next takes its place (``refill``), so the batch stays full
+        until the images run out; a finished lane with none to follow rides along as a
+        one-node tree that commits nothing, as does a lane its planner sent to AR.  An
+        image's wall time is its share of the batch's while it decoded."""
+        target, sampling = self.target, self.sampling
         assert isinstance(target, BatchTrees)
-        start = time.perf_counter()
-        lanes = []
-        lockstep = None if self.drafter_free else Lockstep(self.drafter.batch(n, sampling.cfg), self._lane_threads())  # type: ignore[union-attr]
-        drafters = [None if lockstep is None else LaneDrafter(lockstep, i, self.drafter) for i in range(n)]
+        size = min(self.batch_size, len(conditions))
+        lockstep = None if self.drafter_free else Lockstep(self.drafter.batch(size, sampling.cfg), self._lane_threads())  # type: ignore[union-attr]
+        drafters = [None if lockstep is None else LaneDrafter(lockstep, place, self.drafter) for place in range(size)]
+        decoding = list(range(size))  # the image at each place of the batch
+        waiting = collections.deque(range(size, len(conditions)))
+
+        def lane(place: int, out: TargetOutput) -> Lane:
+            image = decoding[place]
+            generator = torch.Generator(self.device).manual_seed(seeds[image])
+            first = probabilities(out.logits, sampling)
+            tokens = [self._draw(first[0], generator)]
+            if progress:
+                progress(1)
+            planner = (planners or self.planner)() if self.auto_tree else None
+            return Lane(self, drafters[place], conditions[image], out, first, tokens, generator, ImageStats(target_forwards=1), planner, progress)
+
         with torch.inference_mode():
-            prefill = target.prefill_batch(conditions, sampling.cfg, tree_nodes=getattr(target, "max_tree_nodes", 128))
-            for i, (condition, seed) in enumerate(zip(conditions, seeds)):
-                out = TargetOutput(*(t if t is None else t[:, i : i + 1] for t in prefill))
-                generator = torch.Generator(self.device).manual_seed(seed)
-                first = probabilities(out.logits, sampling)
-                tokens = [self._draw(first[0], generator)]
-                if progress:
-                    progress(1)
-                planner = (planners or self.planner)() if self.auto_tree else None
-                lanes.append(Lane(self, drafters[i], condition, out, first, tokens, generator, ImageStats(target_forwards=1), planner, progress))
-            while not all(lane.done for lane in lanes):
-                for lane in lanes:
-                    if not lane.done and lane.goes_ar and not lane.ar_rest:
-                        lane.ar_rest = True
-                        self._book_ar(lane.planner, lane.stats, target.num_tokens - len(lane.tokens))
-                if all(lane.done or lane.ar_rest for lane in lanes):
-                    self._finish_ar_batch(lanes, progress)
+            prefill = target.prefill_batch(conditions[:size], sampling.cfg, tree_nodes=getattr(target, "max_tree_nodes", 128))
+            lanes = [lane(place, TargetOutput(*(t if t is None else t[:, place : place + 1] for t in prefill))) for place in range(size)]
+            live = set(range(size))  # places whose image is not handed over yet
+            while live:
+                for place in sorted(live):
+                    if lanes[place].done:
+                        finished = lanes[place]
+                        finished.close()
+                        finished.stats.wall = (time.perf_counter() - finished.started) / size
+                        done(decoding[place], torch.tensor(finished.tokens), finished.stats)
+                        live.discard(place)
+                        if waiting:
+                            decoding[place] = waiting.popleft()
+                            lanes[place] = lane(place, target.refill(place, conditions[decoding[place]]))
+                            live.add(place)
+                for running in lanes:
+                    if not running.done and running.goes_ar and not running.ar_rest:
+                        running.ar_rest = True
+                        self._book_ar(running.planner, running.stats, target.num_tokens - len(running.tokens))
+                if not live:
                     break
-                self._batch_step(lanes, lockstep)
-        wall = (time.perf_counter() - start) / n
-        for lane in lanes:
-            lane.close()
-            lane.stats.wall = wall
-        return torch.tensor([lane.tokens for lane in lanes]), [lane.stats for lane in lanes]
+                if not waiting and all(running.done or running.ar_rest for running in lanes):
+                    self._finish_ar_batch(lanes, progress)
+                else:
+                    self._batch_step(lanes, lockstep)
 
     def _lane_threads(self) -> ThreadPoolExecutor:
         """The threads a batch's images propose in, one per image, kept for the engine's life."""

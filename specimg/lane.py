@@ -52,6 +52,7 @@ class Lane:
         self.new_ids = torch.tensor(tokens[-1:], device=device)
         self.spent = torch.zeros((), dtype=torch.float64, device=device)  # TVD(q_R, p) over the walked paths' nodes
         self.ar_rest = False  # in a batch: the planner sent the rest of the image to AR
+        self.started = time.perf_counter()
 
     @property
     def done(self) -> bool:

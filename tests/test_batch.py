@@ -367,3 +367,16 @@ def test_a_refilled_image_scores_as_alone_and_its_neighbours_are_untouched(kind:
     out = target.forward_trees(*padded([second[:3], second[:3]]))
     torch.testing.assert_close(out.logits[:, 0], fresh.logits, rtol=0, atol=1e-5)
     torch.testing.assert_close(out.logits[:, 1], continuing.logits, rtol=0, atol=1e-5)
+
+
+def test_finished_places_are_refilled_and_images_handed_over_as_they_finish():
+    """Seven images through a batch of three: each handed to on_image once, when done, with
+    the tokens it has alone (so refilled places start clean)."""
+    target = build_target("GPT-B", seed=0, **TINY)
+    engine = Engine(target, build_drafter(target, seed=1), "cascade", sampling=Sampling(cfg_scale=3.0, top_k=30), tree=TREE, batch_size=3)
+    labels, handed = [3, 7, 3, 0, 9, 1, 5], []
+    result = engine.generate(labels, seed=20, on_image=lambda i, tokens, stats: handed.append((i, tokens, stats)))
+    assert sorted(i for i, _, _ in handed) == list(range(7))
+    assert all(torch.equal(tokens, result.tokens[i]) and stats is result.stats.images[i] for i, tokens, stats in handed)
+    assert torch.equal(result.tokens, torch.cat([a.tokens for a in lanes_alone(engine, labels, range(20, 27))]))
+    assert all(s.wall > 0 and s.tokens == 16 for s in result.stats.images)

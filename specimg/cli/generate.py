@@ -123,16 +123,17 @@ def _write_images(engine: Engine, models: Any, conditions: Conditions, seed: int
     if models.tokenizer is not None:
         os.makedirs(os.path.join(log.out, "images"), exist_ok=True)
     images: list[ImageStats] = []
+
+    def write(position: int, tokens: torch.Tensor, stats: ImageStats) -> None:
+        """Each image as soon as it is done: a killed run keeps every finished one."""
+        index = mine[position]
+        images.append(stats)
+        if models.tokenizer is not None:
+            save_png_atomic(to_pil(_decode(models.tokenizer, tokens[None]))[0], os.path.join(log.out, "images", f"{index:05d}.png"))
+        log.add(index, {key: conditions.keys[index], "seed": seed + index, "tokens": tokens.tolist(), "stats": stats.as_dict()})
+
     with progress_bar(total=len(mine) * models.target.num_tokens, unit="tok", desc=engine.method, show=main) as bar:
-        for at in range(0, len(mine), engine.batch_size):
-            batch = mine[at : at + engine.batch_size]
-            result = engine.generate([conditions.values[i] for i in batch], seeds=[seed + i for i in batch], progress=bar.update)
-            pictures = to_pil(_decode(models.tokenizer, result.tokens)) if models.tokenizer is not None else None
-            for row, (index, stats) in enumerate(zip(batch, result.stats.images)):
-                images.append(stats)
-                if pictures is not None:
-                    save_png_atomic(pictures[row], os.path.join(log.out, "images", f"{index:05d}.png"))
-                log.add(index, {key: conditions.keys[index], "seed": seed + index, "tokens": result.tokens[row].tolist(), "stats": stats.as_dict()})
+        engine.generate([conditions.values[i] for i in mine], seeds=[seed + i for i in mine], progress=bar.update, on_image=write)
     return images
 
 
