@@ -307,8 +307,9 @@ class Engine:
                         self._book_ar(running.planner, running.stats, target.num_tokens - len(running.tokens))
                 if not live:
                     break
-                if not waiting and all(running.done or running.ar_rest for running in lanes):
-                    self._finish_ar_batch(lanes, progress)
+                if all(running.done or running.ar_rest for running in lanes):
+                    left = [target.num_tokens - len(running.tokens) for running in lanes if not running.done]
+                    self._finish_ar_batch(lanes, progress, min(left) if waiting else max(left))  # until a place frees, or to the end
                 else:
                     self._batch_step(lanes, lockstep)
 
@@ -352,11 +353,11 @@ class Engine:
         for lane, *step in accepted:
             lane.advance(*step)
 
-    def _finish_ar_batch(self, lanes: Sequence[Lane], progress: Callable[[int], None] | None) -> None:
-        """The rest of every image as AR steps, all in one forward per token (their planners
-        found no tree that pays): as :meth:`_decode_ar` for one image, each image draws
-        with its own generator and its tokens stay on the device until the end.  An image
-        that is finished rides along and commits nothing."""
+    def _finish_ar_batch(self, lanes: Sequence[Lane], progress: Callable[[int], None] | None, steps: int) -> None:
+        """``steps`` AR steps of every unfinished image (their planners found no tree that
+        pays), all in one forward per token: as :meth:`_decode_ar` for one image, each
+        image draws with its own generator and its tokens stay on the device until the
+        end.  An image that is finished rides along and commits nothing."""
         target, sampling, device = self.target, self.sampling, self.device
         assert isinstance(target, BatchTrees)
         remaining = [target.num_tokens - len(lane.tokens) for lane in lanes]
@@ -365,7 +366,7 @@ class Engine:
         root, nothing = torch.zeros(1, dtype=torch.long, device=device), torch.zeros(0, dtype=torch.long, device=device)
         drawn: list[list[Tensor]] = [[] for _ in lanes]
         start = time.perf_counter()
-        for step in range(max(remaining)):
+        for step in range(steps):
             running = [i for i, left in enumerate(remaining) if left > step]
             logits = target.forward_trees(last, depths, mask).logits[:, running, 0]
             index = torch.tensor([len(lanes[i].tokens) + step for i in running], device=device)  # the token each one draws
