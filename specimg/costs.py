@@ -332,23 +332,16 @@ Timer = Callable[..., float]
 
 
 def _verify_times(target: Target, sampling: Sampling, trees: Mapping[int, DraftTree], timed: Timer) -> tuple[float, list[tuple[int, float]]]:
-    """One AR step and the verify of each tree, in rounds over AR and every size (a burst
-    of load spoils one round, not one size), on the target's tree cache as ``measure`` left it."""
+    """One AR step and the verify of each tree, on the target's tree cache as ``measure`` left it."""
     device = device_of(target)
     token = torch.zeros(1, dtype=torch.long, device=device)
+    inputs = {n: tuple(t.to(device) for t in (tree.tokens, tree.depths, tree.mask)) for n, tree in trees.items()}
 
     def ar_step() -> None:  # no commit, so the prefix stays put; the commit's cost is in the overhead
         out = target.forward_tree(token, token, torch.ones(1, 1, dtype=torch.bool, device=device))
         torch.multinomial(probabilities(out.logits, sampling)[0], 1)
 
-    rounds: dict[Any, list[float]] = {key: [] for key in ["ar", *trees]}
-    for _ in range(_REPEATS):
-        rounds["ar"].append(timed(ar_step, repeats=1))
-        for n, tree in trees.items():
-            tokens, depths, mask = (t.to(device) for t in (tree.tokens, tree.depths, tree.mask))
-            rounds[n].append(timed(lambda: probabilities(target.forward_tree(tokens, depths, mask).logits, sampling), repeats=1))
-    ar = statistics.median(rounds.pop("ar"))
-    return ar, [(n, statistics.median(ms)) for n, ms in rounds.items()]
+    return _in_rounds(ar_step, lambda n: probabilities(target.forward_tree(*inputs[n]).logits, sampling), list(trees), timed)
 
 
 def _batch_verify_times(target: Target, sampling: Sampling, condition: Condition, trees: Mapping[int, DraftTree], timed: Timer, batch: int) -> tuple[float, list[tuple[int, float]]]:
@@ -364,19 +357,23 @@ def _batch_verify_times(target: Target, sampling: Sampling, condition: Condition
     stacked = {n: tuple(t.to(device) for t in stack_trees([tree] * batch)) for n, tree in trees.items()}
 
     def verify(n: int) -> Tensor:  # the logits of every image's nodes, processed
-        logits = target.forward_trees(*stacked[n]).logits
-        return probabilities(logits.flatten(1, 2), sampling)
+        return probabilities(target.forward_trees(*stacked[n]).logits.flatten(1, 2), sampling)
 
     def ar_step() -> None:
-        probs = verify(1)
-        for row in probs:  # one draw per image, as a batch draws its AR tokens
+        for row in verify(1):  # one draw per image, as a batch draws its AR tokens
             torch.multinomial(row, 1)
 
-    rounds: dict[Any, list[float]] = {key: [] for key in ["ar", *trees]}
+    return _in_rounds(ar_step, verify, list(trees), timed, share=batch)
+
+
+def _in_rounds(ar_step: Callable[[], Any], verify: Callable[[int], Any], sizes: list[int], timed: Timer, share: int = 1) -> tuple[float, list[tuple[int, float]]]:
+    """The median ms of an AR step and of the verify of each size, divided by ``share``,
+    timed in rounds over AR and every size: a burst of load spoils one round, not one size."""
+    rounds: dict[Any, list[float]] = {key: [] for key in ["ar", *sizes]}
     for _ in range(_REPEATS):
-        rounds["ar"].append(timed(ar_step, repeats=1) / batch)
-        for n in trees:
-            rounds[n].append(timed(lambda n=n: verify(n), repeats=1) / batch)
+        rounds["ar"].append(timed(ar_step, repeats=1) / share)
+        for n in sizes:
+            rounds[n].append(timed(lambda n=n: verify(n), repeats=1) / share)
     ar = statistics.median(rounds.pop("ar"))
     return ar, [(n, statistics.median(ms)) for n, ms in rounds.items()]
 

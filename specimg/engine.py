@@ -18,6 +18,8 @@ from specimg import costs, relax
 from specimg.config import Sampling, TreeConfig
 from specimg.errors import SpecimgError
 from specimg.graphs import CudaGraphs, step_mode
+from specimg.lane import Lane
+from specimg.lockstep import LaneDrafter, Lockstep
 from specimg.methods import AR, Stack
 from specimg.models.base import BatchSteps, BatchTrees, Condition, Drafter, Target, TargetOutput, placed
 from specimg.planner import TreePlanner
@@ -25,13 +27,10 @@ from specimg.plugins import PluginManager, get_plugin_manager
 from specimg.sampling import cfg_active_at, probabilities
 from specimg.stackhooks import StackHooks
 from specimg.stats import ImageStats, RunStats
-from specimg.lane import Lane
-from specimg.lockstep import LaneDrafter, Lockstep
 from specimg.step import Acceptance, Scores, scores_of
 from specimg.tree import DraftTree, stack_trees
 
-
-OnImage = Callable[[int, Tensor, "ImageStats"], None]
+OnImage = Callable[[int, Tensor, ImageStats], None]
 """Called with an image's index among the conditions, its tokens and statistics when it is done."""
 
 
@@ -117,7 +116,8 @@ class Engine:
 
     def _check_batch_trees(self) -> None:
         """Speculative decoding at a batch size above 1 verifies every image's tree in one
-        forward of the target's, so it needs the core's scoring and one drafter per image."""
+        forward of the target's and drafts them together, so it needs the core's scoring
+        and a drafter that drafts for a batch."""
         assert self.hooks is not None and self.stack is not None
         size = self.batch_size
         if not isinstance(self.target, BatchTrees):

@@ -70,11 +70,11 @@ class Lane:
                                       torch.zeros(1, dtype=torch.long, device=device), torch.zeros(1, device=device), width=0, height=0)
 
     @contextmanager
-    def timed(self, phase: str, share: float = 1.0) -> Iterator[None]:
-        """Book the block's time to ``phase`` (``share`` of it: a batch's forward is shared)."""
+    def timed(self, phase: str) -> Iterator[None]:
+        """Book the block's time to ``phase``."""
         start = time.perf_counter()
         yield
-        self.stats.seconds[phase] += share * (time.perf_counter() - start)
+        self.stats.seconds[phase] += time.perf_counter() - start
 
     def propose(self) -> DraftTree:
         """This step's draft tree, by the stack's propose_tree."""
