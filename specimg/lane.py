@@ -10,20 +10,36 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from specimg import relax
-from specimg.models.base import Condition, Drafter, TargetOutput, draft_features
+from specimg.config import Sampling, TreeConfig
+from specimg.models.base import Condition, Drafter, Target, TargetOutput, draft_features
 from specimg.planner import TreePlanner
+from specimg.stackhooks import StackHooks
 from specimg.stats import ImageStats
 from specimg.step import Acceptance, Scores, Step, Walked
 from specimg.tree import DraftSession, DraftTree
 
-if TYPE_CHECKING:
-    from specimg.engine import Engine
+
+class Decoder(Protocol):
+    """What a lane needs of the engine that drives it (:class:`specimg.engine.Engine`)."""
+
+    target: Target
+    sampling: Sampling
+    tree_config: TreeConfig
+    device: torch.device
+    hooks: StackHooks | None
+    on_step: Callable[[DraftTree, Tensor, list[int]], None] | None
+
+    def relax(self, tree: DraftTree, scores: Scores) -> Tensor: ...
+
+    def accept(self, tree: DraftTree, dist: Tensor, scores: Scores, generator: torch.Generator) -> Acceptance: ...
+
+    def plan_step(self, planner: TreePlanner, stats: ImageStats, tree: DraftTree, dist: Tensor, path: Tensor) -> None: ...
 
 
 class Lane:
@@ -31,7 +47,7 @@ class Lane:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: Decoder,
         drafter: Drafter | None,
         condition: Condition,
         prefill: TargetOutput,

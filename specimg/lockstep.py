@@ -25,7 +25,7 @@ T = TypeVar("T")
 Request = tuple[Tensor, Tensor]
 
 
-class DraftBatch(Protocol):
+class BatchDrafting(Protocol):
     """What a drafter's ``batch(size, cfg)`` returns: the draft state of ``size`` images,
     each call answering several images' requests in one forward."""
 
@@ -43,7 +43,7 @@ class _Aborted(Exception):
 class Lockstep:
     """Runs proposals side by side (:meth:`run`) and batches their drafter calls (:meth:`call`)."""
 
-    def __init__(self, batch: DraftBatch, pool: ThreadPoolExecutor):
+    def __init__(self, batch: BatchDrafting, pool: ThreadPoolExecutor):
         """``pool``: at least as many threads as images (each proposal holds one while it waits)."""
         self.batch = batch
         self._pool = pool

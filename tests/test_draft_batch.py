@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specimg.models.draft_batch import DraftBatch
-from specimg.models.eagle import build_drafter
+from specimg.models.eagle import DraftBatch, build_drafter
 from specimg.models.llamagen import build_target
 
 TINY = dict(dim=64, n_layer=2, n_head=4, vocab_size=64, block_size=16, multiple_of=32, num_classes=10, initializer_range=0.1)
