@@ -361,19 +361,20 @@ class Engine:
         target, sampling, device = self.target, self.sampling, self.device
         assert isinstance(target, BatchTrees)
         remaining = [target.num_tokens - len(lane.tokens) for lane in lanes]
-        last = torch.tensor([lane.tokens[-1] for lane in lanes], device=device)[:, None]
-        depths, mask = torch.zeros_like(last), torch.ones(len(lanes), 1, 1, dtype=torch.bool, device=device)
+        last = list(torch.tensor([lane.tokens[-1] for lane in lanes], device=device))  # each image's root, as a device scalar
+        first = torch.tensor([len(lane.tokens) for lane in lanes], device=device)  # the token each one draws first
+        depths, mask = torch.zeros(len(lanes), 1, dtype=torch.long, device=device), torch.ones(len(lanes), 1, 1, dtype=torch.bool, device=device)
         root, nothing = torch.zeros(1, dtype=torch.long, device=device), torch.zeros(0, dtype=torch.long, device=device)
         drawn: list[list[Tensor]] = [[] for _ in lanes]
         start = time.perf_counter()
         for step in range(steps):
             running = [i for i, left in enumerate(remaining) if left > step]
-            logits = target.forward_trees(last, depths, mask).logits[:, running, 0]
-            index = torch.tensor([len(lanes[i].tokens) + step for i in running], device=device)  # the token each one draws
-            tokens = self._sample_rows(probabilities(logits, sampling, cfg_active_at(index, sampling)), [lanes[i].generator for i in running])
-            last[running, 0] = tokens
+            logits = target.forward_trees(torch.stack(last)[:, None], depths, mask).logits[:, :, 0]
+            probs = probabilities(logits, sampling, cfg_active_at(first + step, sampling))  # every image's; the finished ones' go unused
+            tokens = self._sample_rows([probs[i] for i in running], [lanes[i].generator for i in running])
             target.commit_trees([root if left > step else nothing for left in remaining])
             for j, i in enumerate(running):
+                last[i] = tokens[j]
                 drawn[i].append(tokens[j : j + 1])
                 lanes[i].stats.target_forwards += 1
             if progress:
@@ -384,10 +385,10 @@ class Engine:
                 lane.tokens.extend(torch.cat(tokens).tolist())
                 lane.stats.seconds["verify"] += share
 
-    def _sample_rows(self, probs: Tensor, generators: Sequence[torch.Generator]) -> Tensor:
-        """One token per row of ``probs`` [B, V], row i drawn with ``generators[i]``: [B]."""
+    def _sample_rows(self, probs: Tensor | Sequence[Tensor], generators: Sequence[torch.Generator]) -> Tensor:
+        """One token per row of ``probs`` ([B, V], or B rows [V]), row i drawn with ``generators[i]``: [B]."""
         if self.sampling.greedy:
-            return probs.argmax(dim=-1)
+            return (probs if isinstance(probs, Tensor) else torch.stack(list(probs))).argmax(dim=-1)
         return torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, generators)])
 
     @property

@@ -365,10 +365,13 @@ class DraftBatch:
         self.lengths = [0] * size  # committed pairs
         self.counts = [0] * size  # nodes fed since the last start
         self.device = w.device
+        self.starts = torch.zeros(size, dtype=torch.long, device=w.device)  # lengths and counts on the device too,
+        self.fed = torch.zeros(size, dtype=torch.long, device=w.device)  # so that a call copies nothing from the host
 
     def reset(self, image: int) -> None:
         """Image ``image`` starts a new picture (its drafter's ``prefill``)."""
         self.lengths[image], self.counts[image] = 0, 0
+        self.starts[image], self.fed[image] = 0, 0
 
     @torch.no_grad()
     def start(self, requests: Mapping[int, DraftRequest]) -> dict[int, Tensor]:
@@ -384,19 +387,19 @@ class DraftBatch:
         for i, (hidden, new) in requests.items():
             states[i :: self.size, : m[i]] = core._lift(hidden.to(self.device))
             tokens[i, : m[i]] = new.to(self.device)
-        first = torch.tensor(self.lengths, device=self.device)[:, None]
-        slots = first + torch.arange(width, device=self.device)  # pair j of image i at lengths[i] + j
+        slots = self.starts[:, None] + torch.arange(width, device=self.device)  # pair j of image i at lengths[i] + j
         used = max(self.lengths) + width  # the slots any image uses: attention stops there
         seen = torch.arange(used, device=self.device) < slots[..., None] + 1  # its prefix and itself
         h = self._forward(states, tokens, slots, slots, seen)
-        last = torch.tensor([m.get(i, 1) - 1 for i in range(self.size)], device=self.device).repeat(self.rows)
-        ends = h[torch.arange(h.shape[0], device=self.device), last]
-        self.feat[:, 0] = ends
-        logits = core._logits(ends).float().view(self.rows, self.size, -1)
-        for i in requests:
+        ends = torch.stack([h[i :: self.size, m[i] - 1] for i in requests], dim=1)  # [rows, requests, D]
+        logits = core._logits(ends).float()
+        for k, i in enumerate(requests):
+            self.feat[i :: self.size, 0] = ends[:, k]
             self.lengths[i] += m[i]
             self.counts[i] = 0
-        return {i: logits[:, i] for i in requests}
+            self.starts[i] += m[i]
+            self.fed[i] = 0
+        return {i: logits[:, k] for k, i in enumerate(requests)}
 
     @torch.no_grad()
     def expand(self, requests: Mapping[int, DraftRequest]) -> dict[int, Tensor]:
@@ -418,9 +421,8 @@ class DraftBatch:
             self.anc[i, ids, ids] = True
             parents[i, : f[i]], tokens[i, : f[i]], new[i, : f[i]] = mine, fed.to(self.device), ids
         images = torch.arange(self.size, device=self.device)[:, None]
-        first = torch.tensor(self.lengths, device=self.device)[:, None]
-        counts = torch.tensor(self.counts, device=self.device)[:, None]
-        slots = (first + counts + torch.arange(width, device=self.device)).clamp_(max=self.capacity - 1)
+        first = self.starts[:, None]
+        slots = (first + self.fed[:, None] + torch.arange(width, device=self.device)).clamp_(max=self.capacity - 1)
         positions = self.depth[images, new] + first - 1  # the root sits at lengths[i] - 1
         used = min(self.capacity, max(n + c for n, c in zip(self.lengths, self.counts)) + width)  # attention stops there
         keys = torch.arange(used, device=self.device)
@@ -435,6 +437,7 @@ class DraftBatch:
         for i in requests:
             self.feat[i :: self.size, new[i, : f[i]]] = h[i :: self.size, : f[i]]
             self.counts[i] += f[i]
+            self.fed[i] += f[i]
             out[i] = logits[:, i, : f[i]]
         return out
 

@@ -370,13 +370,20 @@ class BatchCache:
     """The KV cache of ``prefill_batch``'s images: image i's rows at r * B + i, its
     committed entries ``lengths[i]`` (AR steps keep them equal, tree steps let them
     differ), ``valid`` [rows * B, slots] the slots a query may see (t2i: padded caption
-    slots off), ``pending`` the nodes of the last ``forward_trees``."""
+    slots off), ``pending`` the nodes of the last ``forward_trees``.  Tree steps keep the
+    lengths on the device too (``starts``), so that a step copies nothing from the host."""
 
     caches: list[KVSlot]
     valid: Tensor | None
     rows: int
     lengths: list[int]
     pending: int = 0
+    starts: Tensor | None = None  # ``lengths`` on the device; None after AR steps: copied at the next tree step
+
+    def device_lengths(self, device: torch.device) -> Tensor:
+        if self.starts is None:
+            self.starts = torch.tensor(self.lengths, device=device)
+        return self.starts
 
     @property
     def capacity(self) -> int:
@@ -604,7 +611,7 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         if max(batch.lengths) + n > batch.capacity:
             raise ValueError(f"trees of {n} nodes overflow the batch cache ({batch.capacity - max(batch.lengths)} slots left)")
         device, rows = self.tok_embeddings.weight.device, batch.rows
-        start = torch.tensor(batch.lengths, device=device)[:, None]
+        start = batch.device_lengths(device)[:, None]
         slots = (start + torch.arange(n, device=device)).repeat(rows, 1)  # [rows * B, n]: node j of image i at lengths[i] + j
         positions = (depths.to(device) + start).clamp_(max=self.rope.shape[0] - 1).repeat(rows, 1)  # past the image end: never accepted
         used = max(batch.lengths) + n  # the slots any image uses: attention stops there
@@ -629,15 +636,15 @@ class LlamaGenTarget(FixedSteps, nn.Module):
             raise ValueError(f"cannot commit {max(counts)} nodes of {batch.pending}-node trees")
         device, m = self.tok_embeddings.weight.device, max(counts)
         if m:
-            start = torch.tensor(batch.lengths, device=device)[:, None]
-            step = torch.arange(m, device=device)
-            nodes = torch.nn.utils.rnn.pad_sequence([p.to(device) for p in paths], batch_first=True)
-            dest = start + step
-            source = torch.where(step < torch.tensor(counts, device=device)[:, None], start + nodes, dest)  # past a path: stays put
+            start = batch.device_lengths(device)
+            nodes = torch.nn.utils.rnn.pad_sequence([p.to(device) for p in paths], batch_first=True, padding_value=-1)
+            dest = start[:, None] + torch.arange(m, device=device)
+            source = torch.where(nodes >= 0, start[:, None] + nodes, dest)  # past a path: stays put
             dest, source = (t.repeat(batch.rows, 1)[:, None, :, None] for t in (dest, source))
             for cache in (c for kv in batch.caches for c in kv):
                 index = source.expand(-1, cache.shape[1], -1, cache.shape[3])
                 cache.scatter_(2, dest.expand_as(index), cache.gather(2, index))
+            start += (nodes >= 0).sum(dim=1)
         batch.lengths = [n + k for n, k in zip(batch.lengths, counts)]
         batch.pending = 0
 
@@ -658,6 +665,8 @@ class LlamaGenTarget(FixedSteps, nn.Module):
             batch.valid[rows] = True
             batch.valid[rows, :cls] = caption_mask
         batch.lengths[image] = cls
+        if batch.starts is not None:
+            batch.starts[image] = cls
         return self._head(h[:, -1:], None if fused is None else fused[:, -1:])
 
     def _batch_cache(self, caller: str) -> BatchCache:
@@ -672,7 +681,7 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         assert batch is not None
         start, width = batch.lengths[0], x.shape[1]
         h, fused = self._run(x, self.rope[start : start + width], mask, start, batch.caches)
-        batch.lengths = [start + width] * len(batch.lengths)
+        batch.lengths, batch.starts = [start + width] * len(batch.lengths), None
         out = self._head(h[:, -1], None if fused is None else fused[:, -1])
         return TargetOutput(*(t if t is None else t.view(batch.rows, -1, t.shape[-1]) for t in out))
 
