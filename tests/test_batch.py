@@ -95,8 +95,11 @@ def test_bad_batch_sizes_are_one_line_errors(tmp_path, capsys, args: list[str], 
     assert not (tmp_path / "out").exists()
 
 
-def test_a_run_continued_with_another_batch_size_keeps_its_images(tmp_path):
-    """generate -n 3 at B = 2, extended to -n 5 at B = 4: the same images as -n 5 at B = 1."""
+@pytest.mark.parametrize("method", [["-m", "ar"], ["-m", "cascade+lantern", "--tree", "dynamic", "--depth", "3", "--topk", "2", "--total-tokens", "6"]],
+                         ids=["ar", "cascade+lantern"])
+def test_a_run_continued_with_another_batch_size_keeps_its_images(tmp_path, method: list[str]):
+    """generate -n 3 at B = 2, extended to -n 5 at B = 4: the same images as -n 5 at B = 1
+    (a speculative method on a fixed tree: auto trees plan with each size's cost model)."""
     import json
 
     from cli_runner import run
@@ -105,7 +108,7 @@ def test_a_run_continued_with_another_batch_size_keeps_its_images(tmp_path):
         entries = [json.loads(line) for line in open(out / "manifest.jsonl") if '"tokens"' in line]
         return {e["seed"]: e["tokens"] for e in entries}
 
-    base = ["generate", "--model", "tiny-random", "-m", "ar", "--class-labels", "1,2,3,4,5"]
+    base = ["generate", "--model", "tiny-random", *method, "--class-labels", "1,2,3,4,5"]
     assert run(*base, "-n", "3", "--batch-size", "2", "--out", str(tmp_path / "b")) == 0
     first = tokens(tmp_path / "b")
     assert run(*base, "-n", "5", "--batch-size", "4", "--out", str(tmp_path / "b")) == 0

@@ -127,13 +127,16 @@ def test_tune_ranks_candidate_trees_and_names_the_auto_choice(tmp_path, capsys):
     assert (tmp_path / "tune.png").stat().st_size > 0
 
 
-def test_tune_reports_the_trees_generate_picks_on_the_same_images(tmp_path, monkeypatch):
+@pytest.mark.parametrize("batch", ["1", "2"])
+def test_tune_reports_the_trees_generate_picks_on_the_same_images(tmp_path, monkeypatch, capsys, batch: str):
+    """Also at a batch size: both plan with the cost model measured at that size."""
     from specimg.cli import main
     from specimg.stats import ImageStats, RunStats
 
     monkeypatch.setenv("SPECIMG_CACHE_DIR", str(tmp_path / "cache"))  # one cost model for both commands
-    main(["tune", "--model", "tiny-random", "-n", "2", "--seed", "3", "--out", str(tmp_path / "tune")])
-    main(["generate", "--model", "tiny-random", "-n", "2", "--seed", "3", "--out", str(tmp_path / "gen")])
+    main(["tune", "--model", "tiny-random", "-n", "2", "--seed", "3", "--batch-size", batch, "--out", str(tmp_path / "tune")])
+    assert ("2 images decoded together" in capsys.readouterr().out) == (batch == "2")
+    main(["generate", "--model", "tiny-random", "-n", "2", "--seed", "3", "--batch-size", batch, "--out", str(tmp_path / "gen")])
 
     told = json.loads((tmp_path / "tune" / "tune.json").read_text())["generate_trees"]
     lines = [json.loads(line) for line in (tmp_path / "gen" / "manifest.jsonl").read_text().splitlines()]

@@ -29,6 +29,8 @@ from specimg.methods import AR, parse_options
 @sampling_options
 @device_options
 @cuda_graphs_option
+@click.option("--batch-size", type=click.IntRange(min=1), default=1, show_default=True,
+              help="plan for decoding this many images together (the cost model measured at that size)")
 @click.option("--remeasure", is_flag=True, help="measure the cost model again instead of reading the cached one")
 @click.option("--threads", type=THREADS, default=None, help="torch CPU threads [default: 1 for the built-in models; torch's choice for --target]")
 @click.option("--out", type=click.Path(file_okay=False), default="tune", show_default=True, help="folder for tune.json and tune.png")
@@ -48,6 +50,7 @@ def tune(**kw: Any) -> None:
     engine = Engine(
         models.target, models.drafter, kw["method"], parse_options(kw["options"]), sampling_from(kw, base_sampling(model, kw["target"], models.target)),
         TreeConfig(), delta=kw["delta"], tokenizer=models.tokenizer, device=device, dtype=dtype, cuda_graphs=kw["cuda_graphs"],
+        batch_size=kw["batch_size"],
     )
     if engine.drafter_free:
         raise SpecimgError(f"tune values a drafter's trees; {engine.stack.drafter_free} drafts without one and sizes its own: give a method that drafts (naive, cascade+lantern, ...)")

@@ -42,16 +42,17 @@ def learn_profile(engine: Engine, conditions: Sequence[Condition], seed: int) ->
 def tune(engine: Engine, conditions: Sequence[Condition], seed: int, out: str, echo: Callable[[str], None], remeasure: bool = False) -> dict[str, Any]:
     """Print the cost curve and the ranked candidate trees of ``engine`` (on auto trees);
     write OUT/tune.json and OUT/tune.png."""
+    size = engine.batch_size
     if remeasure:
-        costs.forget(engine.target, engine.drafter, engine.sampling)
-    costs.load_or_measure(engine.target, engine.drafter, engine.sampling, conditions[0], log=echo)
+        costs.forget(engine.target, engine.drafter, engine.sampling, size)
+    costs.load_or_measure(engine.target, engine.drafter, engine.sampling, conditions[0], log=echo, batch=size)
     cost = engine.prepare(conditions[0])  # with the method's step scale
     scale_name = costs.scale_key(engine.stack)
     rates = learn_profile(engine, conditions, seed).rates()
     max_nodes = getattr(engine.target, "max_tree_nodes", 128)
     max_fed = getattr(engine.drafter, "max_tree_nodes", 128)
     ranked = sorted(planner.plans(cost, rates, max_nodes, max_fed=max_fed, method=scale_name), key=lambda p: -p.speedup)
-    echo(f"cost model {cost.key}: {cost.machine}")
+    echo(f"cost model {cost.key}: {cost.machine}" + (f"; {size} images decoded together, each paying its share of a step" if size > 1 else ""))
     echo(
         f"AR step {cost.ar_ms:.2f} ms; drafter start {cost.draft_start_ms:.2f} ms; step overhead {cost.overhead_ms:.2f} ms; "
         f"a real {engine.method} step takes {cost.scale(scale_name):.2f}x its timed parts"
