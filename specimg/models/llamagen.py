@@ -379,6 +379,7 @@ class BatchCache:
     lengths: list[int]
     pending: int = 0
     starts: Tensor | None = None  # ``lengths`` on the device; None after AR steps: copied at the next tree step
+    step: Tensor | None = None  # the common length of fixed-shape AR steps, on the device (None: copy it at the next)
 
     def device_lengths(self, device: torch.device) -> Tensor:
         if self.starts is None:
@@ -588,8 +589,18 @@ class LlamaGenTarget(FixedSteps, nn.Module):
             valid = torch.ones(rows * n, slots, dtype=torch.bool, device=w.device)
             valid[:, :cls] = torch.stack([m for _, m in embedded]).repeat(rows, 1)
         shape = (rows * n, c.kv_heads, slots, c.head_dim)
-        self._batch = BatchCache([(w.new_zeros(shape), w.new_zeros(shape)) for _ in self.layers], valid, rows, [0] * n)
-        return self._batch_last(prefix, None if valid is None else self.condition_mask(valid[:, :cls])[:, None])
+        old = self._batch
+        if old is not None and old.caches[0][0].shape == shape and not cache_is_stale(old.caches[0][0], w):
+            caches = old.caches  # the same storage: graphs captured on it stay valid (stale slots are never seen)
+            if valid is not None:
+                valid = old.valid.copy_(valid) if old.valid is not None else valid
+        else:
+            caches = [(w.new_zeros(shape), w.new_zeros(shape)) for _ in self.layers]
+            self.graphs.clear()  # they read the old batch storage
+        self._batch = BatchCache(caches, valid, rows, [0] * n, step=torch.zeros((), dtype=torch.long, device=w.device))
+        out = self._batch_last(prefix, None if valid is None else self.condition_mask(valid[:, :cls])[:, None])
+        self._batch.step.fill_(cls)
+        return out
 
     @torch.no_grad()
     def forward_batch(self, tokens: Tensor) -> Tensor:
@@ -598,9 +609,42 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         batch = self._batch_cache("forward_batch")
         if len(set(batch.lengths)) > 1:
             raise RuntimeError("forward_batch takes images at one length; tree steps left them apart (use forward_trees)")
-        x = self.tok_embeddings(tokens.to(self.tok_embeddings.weight.device).repeat(batch.rows))[:, None]
+        tokens = tokens.to(self.tok_embeddings.weight.device)
+        if self.step_mode != "eager":
+            return self._forward_batch_fixed(tokens)
+        x = self.tok_embeddings(tokens.repeat(batch.rows))[:, None]
         length = batch.lengths[0]
         return self._batch_last(x, None if batch.valid is None else batch.valid[:, None, None, : length + 1]).logits
+
+    def _forward_batch_fixed(self, tokens: Tensor) -> Tensor:
+        """``forward_batch`` at a fixed shape (the common length read on the device), run
+        directly or replayed as a CUDA graph per (rows, images)."""
+        batch = self._batch
+        assert batch is not None
+        if batch.step is None:  # tree steps moved the lengths (AR steps need them equal)
+            batch.step = torch.tensor(batch.lengths[0], device=tokens.device)
+        if self.step_mode == "graphs":
+            (logits,) = self.graphs.run(("batch", batch.rows, tokens.shape[0], self.exposed), self._batch_ar_step, (tokens, batch.step))
+            logits = logits.clone()
+        else:
+            (logits,) = self._batch_ar_step(tokens, batch.step)
+        batch.step.add_(1)
+        batch.lengths, batch.starts = [n + 1 for n in batch.lengths], None
+        return logits
+
+    def _batch_ar_step(self, tokens: Tensor, start: Tensor) -> tuple[Tensor]:
+        """The batched AR step on device tensors only (what a CUDA graph captures): each
+        image's token [B] written at slot ``start`` (0-dim), seeing the valid slots up to it."""
+        batch = self._batch
+        assert batch is not None
+        slot = start.view(1)
+        seen = torch.arange(batch.capacity, device=start.device) <= start
+        if batch.valid is not None:
+            seen = seen & batch.valid
+        x = self.tok_embeddings(tokens.repeat(batch.rows))[:, None]
+        mask = additive_mask(seen.expand(x.shape[0], -1)[:, None, None], x.dtype)
+        h, fused = self._run(x, self.rope[slot], mask, slot, batch.caches)
+        return (self._head(h[:, -1], None if fused is None else fused[:, -1]).logits.view(batch.rows, tokens.shape[0], -1),)
 
     @torch.no_grad()
     def forward_trees(self, tokens: Tensor, depths: Tensor, mask: Tensor) -> TargetOutput:
@@ -646,7 +690,7 @@ class LlamaGenTarget(FixedSteps, nn.Module):
                 cache.scatter_(2, dest.expand_as(index), cache.gather(2, index))
             start += (nodes >= 0).sum(dim=1)
         batch.lengths = [n + k for n, k in zip(batch.lengths, counts)]
-        batch.pending = 0
+        batch.pending, batch.step = 0, None
 
     @torch.no_grad()
     def refill(self, image: int, condition: Condition) -> TargetOutput:
@@ -664,7 +708,7 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         if batch.valid is not None:
             batch.valid[rows] = True
             batch.valid[rows, :cls] = caption_mask
-        batch.lengths[image] = cls
+        batch.lengths[image], batch.step = cls, None
         if batch.starts is not None:
             batch.starts[image] = cls
         return self._head(h[:, -1:], None if fused is None else fused[:, -1:])
