@@ -125,12 +125,15 @@ def padded(trees: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> tupl
     return tokens, depths, mask
 
 
+@pytest.mark.parametrize("mode", ["eager", "static"])
 @pytest.mark.parametrize("kind", ["c2i-cfg", "t2i-cfg", "c2i"])
-def test_batched_trees_score_as_each_image_alone(kind: str):
+def test_batched_trees_score_as_each_image_alone(kind: str, mode: str):
     """Three images, each its own tree sizes and accepted paths, so their cache lengths part
     after the first step: every real node's logits and states equal those of the image
-    verified alone, in both steps (padding and ragged lengths change nothing)."""
+    verified alone, in both steps (padding and ragged lengths change nothing), eagerly and
+    at the fixed shape a CUDA graph replays (trees padded to a bucket, the whole cache)."""
     target = build_target("GPT-B", seed=2, **(T2I if kind.startswith("t2i") else TINY))
+    target.set_step_mode(mode)
     cfg = kind.endswith("cfg")
     conditions = captions_for_target(HashTextEncoder(dim=12), ["a cat", "a long red bus at dawn", "sea"], 5, 12) if kind.startswith("t2i") else [1, 5, 9]
     steps = [[random_tree(n, 64, seed) for n, seed in zip(sizes, seeds)] for sizes, seeds in (([5, 2, 7], [0, 1, 2]), ([3, 6, 1], [3, 4, 5]))]
@@ -408,3 +411,18 @@ def test_fixed_shape_batched_ar_steps_are_the_eager_ones(kind: str):
     assert torch.equal(Engine(target, method="ar", sampling=Sampling(cfg_scale=3.0), batch_size=2).generate(batches[0], seed=4).tokens,
                        one_at_a_time(target, batches[0], [4, 5], Sampling(cfg_scale=3.0)))
     target.set_step_mode("eager")
+
+
+def test_a_speculative_batch_at_fixed_shapes_draws_the_eager_images():
+    """The batch's tree forwards at the fixed shapes CUDA graphs replay (the engine's step
+    mode on a GPU) give the images of eager decoding."""
+    target = build_target("GPT-B", seed=0, **TINY)
+    drafter = build_drafter(target, seed=1)
+    tokenizer = build_tokenizer(seed=2, **dict(TINY_VQ, codebook_size=TINY["vocab_size"]))
+    runs = []
+    for mode in ("eager", "static"):
+        target.set_step_mode(mode)
+        engine = Engine(target, drafter, "cascade+lantern", sampling=Sampling(cfg_scale=3.0, top_k=30), tree=TREE, tokenizer=tokenizer, batch_size=3)
+        runs.append(engine.generate([3, 7, 3, 0, 9], seed=5).tokens)
+    target.set_step_mode("eager")
+    assert torch.equal(*runs)

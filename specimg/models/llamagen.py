@@ -654,21 +654,46 @@ class LlamaGenTarget(FixedSteps, nn.Module):
             raise ValueError(f"{b} trees for a batch of {len(batch.lengths)} images")
         if max(batch.lengths) + n > batch.capacity:
             raise ValueError(f"trees of {n} nodes overflow the batch cache ({batch.capacity - max(batch.lengths)} slots left)")
-        device, rows = self.tok_embeddings.weight.device, batch.rows
-        start = batch.device_lengths(device)[:, None]
-        slots = (start + torch.arange(n, device=device)).repeat(rows, 1)  # [rows * B, n]: node j of image i at lengths[i] + j
-        positions = (depths.to(device) + start).clamp_(max=self.rope.shape[0] - 1).repeat(rows, 1)  # past the image end: never accepted
-        used = max(batch.lengths) + n  # the slots any image uses: attention stops there
-        seen = (torch.arange(used, device=device) < start).repeat(rows, 1)  # the committed prefix
+        device = self.tok_embeddings.weight.device
+        tokens, depths, mask = (t.to(device) for t in (tokens, depths, mask))
+        start = batch.device_lengths(device)
+        batch.pending = n
+        if self.step_mode == "eager":
+            return TargetOutput(*self._trees_step(tokens, depths, mask, start, max(batch.lengths) + n))
+        size = bucket(n, min(self.max_tree_nodes, batch.capacity - max(batch.lengths)))
+        tree = torch.eye(size, dtype=torch.bool, device=device).repeat(b, 1, 1)
+        tree[:, :n, :n] = mask
+        inputs = (F.pad(tokens, (0, size - n)), F.pad(depths, (0, size - n)), tree, start)
+        if self.step_mode == "graphs":
+            outputs = [out[:, :, :n].clone() for out in self.graphs.run(("trees", batch.rows, b, size, self.exposed), self._trees_fixed, inputs)]
+        else:
+            outputs = [out[:, :, :n] for out in self._trees_fixed(*inputs)]
+        return TargetOutput(*outputs)
+
+    def _trees_fixed(self, tokens: Tensor, depths: Tensor, mask: Tensor, start: Tensor) -> tuple[Tensor, ...]:
+        """``forward_trees`` at a fixed shape (what a CUDA graph captures): trees padded to a
+        bucket (a padded node sees only itself), attention over the whole batch cache."""
+        assert self._batch is not None
+        return self._trees_step(tokens, depths, mask, start, self._batch.capacity)
+
+    def _trees_step(self, tokens: Tensor, depths: Tensor, mask: Tensor, start: Tensor, used: int) -> tuple[Tensor, ...]:
+        """Every image's tree (tokens, depths [B, n], mask [B, n, n]) at its own length
+        ``start`` [B], on device tensors only; queries see the first ``used`` slots.
+        Outputs [rows, B, n, ...]: logits, states and, where exposed, the layers' states."""
+        batch = self._batch
+        assert batch is not None
+        (b, n), rows, device = tokens.shape, batch.rows, tokens.device
+        first = start[:, None]
+        slots = (first + torch.arange(n, device=device)).repeat(rows, 1)  # [rows * B, n]: node j of image i at lengths[i] + j
+        positions = (depths + first).clamp_(max=self.rope.shape[0] - 1).repeat(rows, 1)  # past the image end: never accepted
+        seen = (torch.arange(used, device=device) < first).repeat(rows, 1)  # the committed prefix
         if batch.valid is not None:
             seen &= batch.valid[:, :used]
         attn = seen[:, None].expand(-1, n, -1).clone()
-        attn.scatter_(2, slots[:, None].expand(-1, n, -1), mask.to(device).repeat(rows, 1, 1))
-        x = self.tok_embeddings(tokens.to(device)).repeat(rows, 1, 1)
+        attn.scatter_(2, slots[:, None].expand(-1, n, -1), mask.repeat(rows, 1, 1))
+        x = self.tok_embeddings(tokens).repeat(rows, 1, 1)
         h, fused = self._run(x, self.rope[positions], additive_mask(attn[:, None], x.dtype), slots, batch.caches)
-        batch.pending = n
-        out = self._head(h, fused)
-        return TargetOutput(*(t if t is None else t.view(rows, b, n, -1) for t in out))
+        return tuple(t.view(rows, b, n, -1) for t in self._head(h, fused) if t is not None)
 
     @torch.no_grad()
     def commit_trees(self, paths: Sequence[Tensor]) -> None:
