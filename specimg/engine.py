@@ -7,7 +7,6 @@ import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import attrs
@@ -301,13 +300,9 @@ class Engine:
                             decoding[place] = waiting.popleft()
                             lanes[place] = lane(place, target.refill(place, conditions[decoding[place]]))
                             live.add(place)
-                for running in lanes:
-                    if not running.done and running.goes_ar and not running.ar_rest:
-                        running.ar_rest = True
-                        self._book_ar(running.planner, running.stats, target.num_tokens - len(running.tokens))
                 if not live:
                     break
-                if all(running.done or running.ar_rest for running in lanes):
+                if all(running.done or running.goes_ar for running in lanes):
                     left = [target.num_tokens - len(running.tokens) for running in lanes if not running.done]
                     self._finish_ar_batch(lanes, progress, min(left) if waiting else max(left))  # until a place frees, or to the end
                 else:
@@ -325,7 +320,7 @@ class Engine:
         target, sampling = self.target, self.sampling
         assert isinstance(target, BatchTrees)
         running = [lane for lane in lanes if not lane.done]
-        drafting = {i: lane.propose for i, lane in enumerate(lanes) if not (lane.done or lane.ar_rest)}
+        drafting = {i: lane.propose for i, lane in enumerate(lanes) if not (lane.done or lane.goes_ar)}
         proposed = lockstep.run(drafting) if lockstep else {i: propose() for i, propose in drafting.items()}
         trees = [proposed[i] if i in proposed else lane.root_tree() for i, lane in enumerate(lanes)]
         start = time.perf_counter()
@@ -339,7 +334,7 @@ class Engine:
             lane.stats.seconds["verify"] += verify
             mine = TargetOutput(*(t if t is None else t[:, i, : tree.size] for t in out))
             scores = scores_of(mine, tree, sampling, len(lane.tokens))
-            if lane.ar_rest:
+            if lane.goes_ar:
                 lane.tokens.append(self._draw(scores.probs[0], lane.generator))
                 lane.stats.target_forwards += 1
                 paths.append(torch.zeros(1, dtype=torch.long, device=self.device))  # the root alone
@@ -456,7 +451,8 @@ class Engine:
         if self.stack is None:
             self._decode_ar(tokens, generator, stats, progress)
         else:
-            self._decode_speculative(condition, prefill, first, tokens, generator, stats, progress, planner)
+            drafter = None if self.drafter_free else self.drafter
+            self._decode_speculative(Lane(self, drafter, condition, prefill, first, tokens, generator, stats, planner, progress))
         stats.tokens = len(tokens)
         return tokens
 
@@ -498,63 +494,20 @@ class Engine:
         return self.hooks.accept(tree=tree, dist=dist, scores=scores, sampling=self.sampling, generator=generator, exact=self.stack.delta == 0.0,
                                  target=self.target)
 
-    @contextmanager
-    def _timed(self, stats: ImageStats, phase: str):
-        start = time.perf_counter()
-        yield
-        stats.seconds[phase] += time.perf_counter() - start
-
-    def _decode_speculative(
-        self,
-        condition: Condition,
-        prefill: TargetOutput,
-        first: Tensor,
-        tokens: list[int],
-        generator: torch.Generator,
-        stats: ImageStats,
-        progress: Callable[[int], None] | None,
-        planner: TreePlanner | None,
-    ) -> None:
+    def _decode_speculative(self, lane: Lane) -> None:
+        """One image's speculative steps; once its planner finds no tree that pays, the rest
+        as AR steps (its lane booked them as one-node steps that accept nothing)."""
         assert self.hooks is not None
-        drafter = None if self.drafter_free else self.drafter
-        lane = Lane(self, drafter, condition, prefill, first, tokens, generator, stats, planner, progress)
         while not lane.done:
             if lane.goes_ar:
-                assert planner is not None
-                self._finish_ar(planner, tokens, generator, stats, progress)
+                with lane.timed("verify"):
+                    self._decode_ar(lane.tokens, lane.generator, lane.stats, lane.progress)
                 break
             tree = lane.propose()
             with lane.timed("verify"):
-                scores = self.hooks.score(target=self.target, tree=tree, sampling=self.sampling, token_index=len(tokens))
+                scores = self.hooks.score(target=self.target, tree=tree, sampling=self.sampling, token_index=len(lane.tokens))
             dist, result, walked = lane.accept(tree, scores)
             with lane.timed("commit"):
                 self.target.commit(walked.path)
             lane.advance(tree, scores, dist, result, walked)
         lane.close()
-
-    def _finish_ar(self, planner: TreePlanner, tokens: list[int], generator: torch.Generator, stats: ImageStats, progress: Callable[[int], None] | None) -> None:
-        """The rest of the image as AR steps (the planner found no tree that pays), booked
-        as one-node steps that accept nothing.  The target has committed every token but
-        the last, as after any step."""
-        self._book_ar(planner, stats, self.target.num_tokens - len(tokens))
-        with self._timed(stats, "verify"):
-            self._decode_ar(tokens, generator, stats, progress)
-
-    @staticmethod
-    def _book_ar(planner: TreePlanner, stats: ImageStats, steps: int) -> None:
-        """Book the rest of an image, ``steps`` AR steps, as one-node steps that accept nothing."""
-        plan = planner.plan
-        stats.trees.append([len(stats.accepted), plan.depth, plan.topk, plan.nodes])
-        stats.predicted_ms += steps * plan.step_ms
-        stats.predicted_ar_ms += steps * planner.cost.ar_ms
-        stats.tree_sizes.extend([1] * steps)
-        stats.accepted.extend([0] * steps)
-
-    def plan_step(self, planner: TreePlanner, stats: ImageStats, tree: DraftTree, dist: Tensor, path: Tensor) -> None:
-        """Book the step against its plan's prediction, then let the planner learn from it."""
-        plan = planner.plan
-        if not stats.trees or stats.trees[-1][1:] != [plan.depth, plan.topk, plan.nodes]:
-            stats.trees.append([len(stats.accepted), plan.depth, plan.topk, plan.nodes])
-        stats.predicted_ms += plan.step_ms
-        stats.predicted_ar_ms += plan.tokens_per_step * planner.cost.ar_ms
-        planner.observe(tree, dist, path, self.sampling.greedy)

@@ -39,8 +39,6 @@ class Decoder(Protocol):
 
     def accept(self, tree: DraftTree, dist: Tensor, scores: Scores, generator: torch.Generator) -> Acceptance: ...
 
-    def plan_step(self, planner: TreePlanner, stats: ImageStats, tree: DraftTree, dist: Tensor, path: Tensor) -> None: ...
-
 
 class Lane:
     """One image's speculative decoding after its prefill and first token (``tokens``)."""
@@ -67,7 +65,6 @@ class Lane:
         self.previous = Step(self.root_tree(), Scores(first, prefill.hidden, prefill.logits, prefill.layers), Acceptance([0], tokens[-1]))  # the prefill as a step
         self.new_ids = torch.tensor(tokens[-1:], device=device)
         self.spent = torch.zeros((), dtype=torch.float64, device=device)  # TVD(q_R, p) over the walked paths' nodes
-        self.ar_rest = False  # in a batch: the planner sent the rest of the image to AR
         self.started = time.perf_counter()
 
     @property
@@ -76,7 +73,8 @@ class Lane:
 
     @property
     def goes_ar(self) -> bool:
-        """Whether the planner found no tree that pays: the rest of the image is AR."""
+        """Whether the planner found no tree that pays: the rest of the image is AR (the
+        planner learns nothing more, so this holds to the end)."""
         return self.planner is not None and self.planner.plan.is_ar
 
     def root_tree(self) -> DraftTree:
@@ -132,7 +130,7 @@ class Lane:
             self.tokens.extend(new_tokens)
             self.previous = Step(tree, scores, result)
         if self.planner:
-            engine.plan_step(self.planner, stats, tree, dist, path)
+            self._plan_step(self.planner, tree, dist, path)
         if engine.on_step:
             engine.on_step(tree, dist, result.path)
         stats.target_forwards += 1
@@ -140,6 +138,28 @@ class Lane:
         stats.accepted.append(len(result.path) - 1)
         if self.progress:
             self.progress(len(new_tokens))
+        if self.goes_ar and not self.done:
+            self._book_ar_rest()
+
+    def _plan_step(self, planner: TreePlanner, tree: DraftTree, dist: Tensor, path: Tensor) -> None:
+        """Book the step against its plan's prediction, then let the planner learn from it."""
+        plan, stats = planner.plan, self.stats
+        if not stats.trees or stats.trees[-1][1:] != [plan.depth, plan.topk, plan.nodes]:
+            stats.trees.append([len(stats.accepted), plan.depth, plan.topk, plan.nodes])
+        stats.predicted_ms += plan.step_ms
+        stats.predicted_ar_ms += plan.tokens_per_step * planner.cost.ar_ms
+        planner.observe(tree, dist, path, self.engine.sampling.greedy)
+
+    def _book_ar_rest(self) -> None:
+        """The planner just sent the image to AR: book the rest of it as one-node steps that
+        accept nothing, with the AR plan's prediction (the engine decodes them)."""
+        assert self.planner is not None
+        plan, stats, steps = self.planner.plan, self.stats, self.engine.target.num_tokens - len(self.tokens)
+        stats.trees.append([len(stats.accepted), plan.depth, plan.topk, plan.nodes])
+        stats.predicted_ms += steps * plan.step_ms
+        stats.predicted_ar_ms += steps * self.planner.cost.ar_ms
+        stats.tree_sizes.extend([1] * steps)
+        stats.accepted.extend([0] * steps)
 
     def close(self) -> None:
         """The budget spent per emitted draw, into the statistics."""
