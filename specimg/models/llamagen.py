@@ -370,16 +370,16 @@ class BatchCache:
     """The KV cache of ``prefill_batch``'s images: image i's rows at r * B + i, its
     committed entries ``lengths[i]`` (AR steps keep them equal, tree steps let them
     differ), ``valid`` [rows * B, slots] the slots a query may see (t2i: padded caption
-    slots off), ``pending`` the nodes of the last ``forward_trees``.  Tree steps keep the
-    lengths on the device too (``starts``), so that a step copies nothing from the host."""
+    slots off), ``pending`` the nodes of the last ``forward_trees``.  Tree steps and
+    fixed-shape AR steps keep the lengths on the device too (``starts``), so that a step
+    copies nothing from the host."""
 
     caches: list[KVSlot]
     valid: Tensor | None
     rows: int
     lengths: list[int]
     pending: int = 0
-    starts: Tensor | None = None  # ``lengths`` on the device; None after AR steps: copied at the next tree step
-    step: Tensor | None = None  # the common length of fixed-shape AR steps, on the device (None: copy it at the next)
+    starts: Tensor | None = None  # ``lengths`` on the device; None after eager AR steps: copied at the next step that reads it
 
     def device_lengths(self, device: torch.device) -> Tensor:
         if self.starts is None:
@@ -597,10 +597,8 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         else:
             caches = [(w.new_zeros(shape), w.new_zeros(shape)) for _ in self.layers]
             self.graphs.clear()  # they read the old batch storage
-        self._batch = BatchCache(caches, valid, rows, [0] * n, step=torch.zeros((), dtype=torch.long, device=w.device))
-        out = self._batch_last(prefix, None if valid is None else self.condition_mask(valid[:, :cls])[:, None])
-        self._batch.step.fill_(cls)
-        return out
+        self._batch = BatchCache(caches, valid, rows, [0] * n)
+        return self._batch_last(prefix, None if valid is None else self.condition_mask(valid[:, :cls])[:, None])
 
     @torch.no_grad()
     def forward_batch(self, tokens: Tensor) -> Tensor:
@@ -621,22 +619,23 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         directly or replayed as a CUDA graph per (rows, images)."""
         batch = self._batch
         assert batch is not None
-        if batch.step is None:  # tree steps moved the lengths (AR steps need them equal)
-            batch.step = torch.tensor(batch.lengths[0], device=tokens.device)
+        starts = batch.device_lengths(tokens.device)
         if self.step_mode == "graphs":
-            (logits,) = self.graphs.run(("batch", batch.rows, tokens.shape[0], self.exposed), self._batch_ar_step, (tokens, batch.step))
+            (logits,) = self.graphs.run(("batch", batch.rows, tokens.shape[0], self.exposed), self._batch_ar_step, (tokens, starts))
             logits = logits.clone()
         else:
-            (logits,) = self._batch_ar_step(tokens, batch.step)
-        batch.step.add_(1)
-        batch.lengths, batch.starts = [n + 1 for n in batch.lengths], None
+            (logits,) = self._batch_ar_step(tokens, starts)
+        starts.add_(1)
+        batch.lengths = [n + 1 for n in batch.lengths]
         return logits
 
-    def _batch_ar_step(self, tokens: Tensor, start: Tensor) -> tuple[Tensor]:
+    def _batch_ar_step(self, tokens: Tensor, starts: Tensor) -> tuple[Tensor]:
         """The batched AR step on device tensors only (what a CUDA graph captures): each
-        image's token [B] written at slot ``start`` (0-dim), seeing the valid slots up to it."""
+        image's token [B] written at the images' common length (``starts`` [B]), seeing the
+        valid slots up to it."""
         batch = self._batch
         assert batch is not None
+        start = starts[0]
         slot = start.view(1)
         seen = torch.arange(batch.capacity, device=start.device) <= start
         if batch.valid is not None:
@@ -715,7 +714,7 @@ class LlamaGenTarget(FixedSteps, nn.Module):
                 cache.scatter_(2, dest.expand_as(index), cache.gather(2, index))
             start += (nodes >= 0).sum(dim=1)
         batch.lengths = [n + k for n, k in zip(batch.lengths, counts)]
-        batch.pending, batch.step = 0, None
+        batch.pending = 0
 
     @torch.no_grad()
     def refill(self, image: int, condition: Condition) -> TargetOutput:
@@ -733,7 +732,7 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         if batch.valid is not None:
             batch.valid[rows] = True
             batch.valid[rows, :cls] = caption_mask
-        batch.lengths[image], batch.step = cls, None
+        batch.lengths[image] = cls
         if batch.starts is not None:
             batch.starts[image] = cls
         return self._head(h[:, -1:], None if fused is None else fused[:, -1:])
