@@ -447,8 +447,8 @@ class DraftBatch:
         pair nothing else sees, so its output stays finite)."""
         rope = self.core.draft_rope()
         seen = seen.scatter(2, slots[..., None], True).repeat(self.rows, 1, 1)
-        rows = lambda t: t.repeat(self.rows, 1)  # noqa: E731
-        return self.core._forward(states, rows(tokens), rope[rows(positions).clamp(0, rope.shape[0] - 1)], seen[:, None], rows(slots))
+        tokens, positions, slots = (t.repeat(self.rows, 1) for t in (tokens, positions, slots))  # image i's rows at r * B + i
+        return self.core._forward(states, tokens, rope[positions.clamp(0, rope.shape[0] - 1)], seen[:, None], slots)
 
 
 def per_row(embedded: Tensor, rows: int) -> Tensor:
