@@ -56,7 +56,7 @@ class CascadeOptions:
 def register_methods(register: Callable[[MethodSpec], None]) -> None:
     register(MethodSpec(
         "cascade", CascadeOptions, "CASCADE: candidates take the mass of tokens whose tree states match theirs", paper={},
-        departures="the paper gives no thresholds for VQ image models; tau_pos and tau_seq 0.5 were calibrated on the demo",
+        departures="the paper gives no thresholds for VQ image models; tau_pos and tau_seq 0.5 were calibrated on the demo", batch=True,
     ))
 
 
@@ -73,7 +73,8 @@ def build_relaxed_dist(
 
 def context_donors(tree: DraftTree, hidden: Tensor, ids: Tensor, tau_pos: float, tau_seq: float) -> Tensor:
     """Donor tokens [n, C, K] of each candidate node ``ids`` [n, C] (-1 = none), from one
-    n x n cosine matrix of the node states ``hidden`` [n, D]."""
+    n x n cosine matrix of the node states ``hidden`` [n, D]; in a forest, only nodes of
+    the candidate's own tree."""
     device = hidden.device
     feats = unit_states(hidden)
     sim = feats @ feats.T
@@ -83,6 +84,9 @@ def context_donors(tree: DraftTree, hidden: Tensor, ids: Tensor, tau_pos: float,
     other_branch = (gap == 0) & (parents[None, None, :] != parents[node][..., None])
     s = sim[node]
     keep = ((other_branch & (s >= tau_pos)) | ((gap.abs() == 1) & (s >= tau_seq))) & (ids >= 0)[..., None]
+    if tree.images is not None:
+        images = tree.images.to(device)
+        keep &= images[None, None, :] == images[node][..., None]
     order = torch.where(keep, s, torch.full_like(s, -torch.inf)).argsort(dim=-1, descending=True, stable=True)  # every node a slot: no host read
     return torch.where(keep.gather(-1, order), tokens[order], torch.full_like(order, -1))
 

@@ -71,6 +71,7 @@ def register_methods(register: Callable[[MethodSpec], None]) -> None:
             "alone, on a drafter's trees, gsd keeps a TVD budget (its groups' mass moves onto the draft within delta); the paper's "
             "group test has no budget and verifies sjd's chains only, so it is the default beside sjd (sjd+gsd)"
         ),
+        batch=True,
     ))
 
 

@@ -90,6 +90,7 @@ def register_methods(register: Callable[[MethodSpec], None]) -> None:
             "the paper budgets delta per candidate and zeroes a rejected draft's k+1 nearest codes in the residual, so a node may "
             "move more than delta; specimg's default shares one delta per node, in the decoder's normalised codebook"
         ),
+        batch=True,
     ))
 
 

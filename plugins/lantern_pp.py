@@ -108,6 +108,7 @@ def register_methods(register: Callable[[MethodSpec], None]) -> None:
     register(MethodSpec(
         "lantern++", LanternPPOptions, "LANTERN++: static draft tree, codebook neighbours, cap lam * p", paper={"mode": "paper"},
         departures="the paper has the cap lam * p alone; specimg's default adds a TVD budget of delta 0.1 per node",
+        batch=True,
     ))
 
 

@@ -12,14 +12,21 @@ draws only the nodes it reaches.  Both make the same draws from the same generat
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from specimg import stalls
+from specimg.config import Sampling
 from specimg.step import Acceptance, Walked
 from specimg.tree import DraftTree
+
+
+def rejects_recursively(sampling: Sampling, exact: bool, tree: DraftTree) -> bool:
+    """Whether the core's default rule is recursive rejection (a sampled tree, sampled
+    tokens, an exact stack); otherwise it walks the tree (greedy or sample-and-match)."""
+    return not sampling.greedy and exact and tree.sampled
 
 
 def _walk(tree: DraftTree, choose: Callable[[int], int]) -> Acceptance:
@@ -59,6 +66,53 @@ def _walk_on_device(tree: DraftTree, choose: Callable[[Tensor], Tensor], keep: C
     path = torch.cat([node.new_zeros(1), levels[:count]])
     token_list = outcome[1 + depth : 1 + depth + count + 1]
     return Acceptance([0, *outcome[1 : 1 + count]], token_list[-1], Walked(path, choices[: count + 1], token_list))
+
+
+def walk_forest(forest: DraftTree, roots: Sequence[int], dist: Tensor, generators: Sequence[torch.Generator] | None) -> list[Acceptance]:
+    """Sample-and-match (with ``generators``, one per tree) or greedy (None) on every tree of
+    a forest (:meth:`DraftTree.forest`, its roots at ``roots``) as one device program of
+    ``forest.height + 1`` levels: the batch's host read is one for all its images.
+
+    Each level draws once per tree with that tree's generator, as
+    ``torch.multinomial(row, 1)`` draws one token (an Exp(1) variate per entry from the
+    generator, the argmax of row / variate: the same draws and the same generator state),
+    and every tree's generator is then set back to its state after the draws that counted,
+    as :func:`sample_and_match` does for one tree.  Paths and tokens come back per tree, in
+    that tree's own node ids."""
+    tokens, ids = forest.candidates()
+    device, walkers = tokens.device, len(roots)
+    start = torch.tensor(list(roots), device=device)
+    node, walking = start, torch.ones(walkers, dtype=torch.bool, device=device)
+    variates = torch.empty(walkers, dist.shape[-1], dtype=dist.dtype, device=device)
+    states: list[list[Tensor]] = [[g.get_state()] for g in generators] if generators is not None else []
+    reached, chosen = [], []
+    for _ in range(forest.height + 1):
+        if generators is None:
+            choice = dist[node].argmax(dim=-1)
+        else:
+            for row, generator, saved in zip(variates, generators, states):
+                row.exponential_(generator=generator)
+                saved.append(generator.get_state())
+            choice = (dist[node] / variates).argmax(dim=-1)
+        hit = (tokens[node] == choice[:, None]) & (ids[node] >= 0)  # [walkers, C]; a node's children have distinct tokens
+        chosen.append(choice)
+        walking = walking & hit.any(dim=1)
+        node = torch.where(walking, (ids[node] * hit).sum(dim=1), node)
+        reached.append(torch.where(walking, node, -1))
+    levels, choices = torch.stack(reached), torch.stack(chosen)  # [levels, walkers]
+    accepted = (levels >= 0).sum(dim=0)
+    outcome = torch.cat([accepted, levels.T.flatten(), choices.T.flatten()]).tolist()  # the one host read
+    depth, results = forest.height + 1, []
+    for walker, root in enumerate(roots):
+        count = outcome[walker]
+        if generators is not None:
+            generators[walker].set_state(states[walker][count + 1])
+        at = walkers + walker * depth
+        nodes = [node - root for node in outcome[at : at + count]]
+        token_list = outcome[walkers * (1 + depth) + walker * depth :][: count + 1]
+        path = torch.cat([start.new_zeros(1), levels[:count, walker] - root])
+        results.append(Acceptance([0, *nodes], token_list[-1], Walked(path, choices[: count + 1, walker], token_list)))
+    return results
 
 
 def sample_and_match(tree: DraftTree, dist: Tensor, generator: torch.Generator | None) -> Acceptance:

@@ -13,7 +13,8 @@ import attrs
 import torch
 from torch import Tensor
 
-from specimg import costs, relax
+from specimg import accept as acceptance
+from specimg import costs, relax, stalls
 from specimg.config import Sampling, TreeConfig
 from specimg.errors import SpecimgError
 from specimg.graphs import CudaGraphs, step_mode
@@ -24,10 +25,10 @@ from specimg.models.base import BatchSteps, BatchTrees, Condition, Drafter, Targ
 from specimg.planner import TreePlanner
 from specimg.plugins import PluginManager, get_plugin_manager
 from specimg.sampling import cfg_active_at, probabilities
-from specimg.stackhooks import StackHooks
+from specimg.stackhooks import MemberHook, StackHooks
 from specimg.stats import ImageStats, RunStats
-from specimg.step import Acceptance, Scores, scores_of
-from specimg.tree import DraftTree, stack_trees
+from specimg.step import Acceptance, Scores, Walked, scores_of
+from specimg.tree import DraftTree, spans, stack_trees
 
 OnImage = Callable[[int, Tensor, ImageStats], None]
 """Called with an image's index among the conditions, its tokens and statistics when it is done."""
@@ -316,37 +317,70 @@ class Engine:
 
     def _batch_step(self, lanes: Sequence[Lane], lockstep: Lockstep | None) -> None:
         """One step of every unfinished image: draft each tree (side by side, the drafter
-        calls batched), verify them all in one forward, accept each, commit them all."""
+        calls batched), verify them all in one forward, relax their forest at once (a member
+        that takes no batch, tree by tree), accept each, commit them all."""
         target, sampling = self.target, self.sampling
         assert isinstance(target, BatchTrees)
-        running = [lane for lane in lanes if not lane.done]
         drafting = {i: lane.propose for i, lane in enumerate(lanes) if not (lane.done or lane.goes_ar)}
         proposed = lockstep.run(drafting) if lockstep else {i: propose() for i, propose in drafting.items()}
         trees = [proposed[i] if i in proposed else lane.root_tree() for i, lane in enumerate(lanes)]
         start = time.perf_counter()
         out = target.forward_trees(*stack_trees(trees))
-        verify = (time.perf_counter() - start) / len(running)
-        paths, accepted = [], []
-        for i, (lane, tree) in enumerate(zip(lanes, trees)):
-            if lane.done:
-                paths.append(tree.tokens[:0])
-                continue
-            lane.stats.seconds["verify"] += verify
-            mine = TargetOutput(*(t if t is None else t[:, i, : tree.size] for t in out))
-            scores = scores_of(mine, tree, sampling, len(lane.tokens))
-            if lane.goes_ar:
-                lane.tokens.append(self._draw(scores.probs[0], lane.generator))
+        verify = (time.perf_counter() - start) / sum(not lane.done for lane in lanes)
+        paths = [tree.tokens[:0] for tree in trees]  # a finished image commits nothing
+        for i, lane in enumerate(lanes):
+            if lane.goes_ar and not lane.done:
+                lane.stats.seconds["verify"] += verify
+                root = TargetOutput(*(t if t is None else t[:, i, :1] for t in out))
+                lane.tokens.append(self._draw(scores_of(root, trees[i], sampling, len(lane.tokens)).probs[0], lane.generator))
                 lane.stats.target_forwards += 1
-                paths.append(torch.zeros(1, dtype=torch.long, device=self.device))  # the root alone
+                paths[i] = torch.zeros(1, dtype=torch.long, device=self.device)  # the root alone
                 if lane.progress:
                     lane.progress(1)
-                continue
-            dist, result, walked = lane.accept(tree, scores)
-            paths.append(walked.path)
-            accepted.append((lane, tree, scores, dist, result, walked))
+        steps = self._relax_and_accept(out, list(proposed), [lanes[i] for i in proposed], list(proposed.values()), verify) if proposed else {}
+        for i, step in steps.items():
+            paths[i] = step[-1].path
         target.commit_trees(paths)
-        for lane, *step in accepted:
-            lane.advance(*step)
+        for i, step in steps.items():
+            lanes[i].advance(*step)
+
+    def _relax_and_accept(
+        self, out: TargetOutput, places: Sequence[int], lanes: Sequence[Lane], trees: Sequence[DraftTree], verify: float
+    ) -> dict[int, tuple[DraftTree, Scores, Tensor, Acceptance, Walked]]:
+        """The batch's drafted trees (of ``lanes`` at ``places``, verified in ``out``) as one
+        forest: their scores and q_R in one pass each, then every lane's acceptance of its
+        own rows, in one device program where the core's rule walks on a device
+        (:func:`specimg.accept.walk_forest`), else lane by lane.  Per place: what its lane's
+        ``advance`` takes."""
+        device, bucket = self.device, out.logits.shape[2]
+        forest, rows = DraftTree.forest(trees), spans(trees)
+        nodes = torch.cat([torch.arange(tree.size) + place * bucket for place, tree in zip(places, trees)]).to(device)
+        roots = torch.tensor([len(lane.tokens) for lane in lanes], device=device)  # the image token each root predicts
+        scores = scores_of(TargetOutput(*(t if t is None else t.flatten(1, 2)[:, nodes] for t in out)), forest, self.sampling, roots[forest.images])
+        start = time.perf_counter()
+        dist = self.relax(forest, scores, trees)
+        relaxed = time.perf_counter()
+        if self._walks_together(forest):
+            results = acceptance.walk_forest(forest, [a for a, _ in rows], dist, None if self.sampling.greedy else [lane.generator for lane in lanes])
+        else:
+            results = [self.accept(tree, dist[a:b], scores.nodes(a, b), lane.generator) for lane, tree, (a, b) in zip(lanes, trees, rows)]
+        shares = ((relaxed - start) / len(lanes), (time.perf_counter() - relaxed) / len(lanes))
+        steps = {}
+        for place, lane, tree, (a, b), result in zip(places, lanes, trees, rows, results):
+            for phase, seconds in zip(("verify", "relax", "accept"), (verify, *shares)):
+                lane.stats.seconds[phase] += seconds
+            mine = scores.nodes(a, b)
+            dist_of = mine.probs if dist is scores.probs else dist[a:b]
+            steps[place] = (tree, mine, dist_of, result, lane.walked(tree, mine, dist_of, result))
+        return steps
+
+    def _walks_together(self, forest: DraftTree) -> bool:
+        """Whether a batch's trees are walked in one device program: under the core's
+        default rule when it walks (not recursive rejection), where a host read stalls.  On
+        the CPU each lane walks on the host, drawing only at the nodes it reaches."""
+        assert self.hooks is not None and self.stack is not None
+        default = self.hooks.accept.owner is None and not acceptance.rejects_recursively(self.sampling, self.stack.delta == 0.0, forest)
+        return default and stalls.host_reads_stall(self.device)
 
     def _finish_ar_batch(self, lanes: Sequence[Lane], progress: Callable[[int], None] | None, steps: int) -> None:
         """``steps`` AR steps of every unfinished image (their planners found no tree that
@@ -475,18 +509,28 @@ class Engine:
         if drawn:
             tokens.extend(torch.cat(drawn).tolist())
 
-    def relaxers(self, tree: DraftTree, scores: Scores) -> list[tuple[str, float, Callable[..., Tensor | None]]]:
-        """The stack's build_relaxed_dist hooks bound to one step: (method, delta, relax)."""
+    def relaxers(self, tree: DraftTree, scores: Scores, trees: Sequence[DraftTree] | None = None) -> list[tuple[str, float, Callable[..., Tensor | None]]]:
+        """The stack's build_relaxed_dist hooks bound to one step: (method, delta, relax).
+        For a batch, ``tree`` is the forest of ``trees``: a member that takes a batch relaxes
+        it in one call, any other tree by tree."""
         assert self.hooks is not None
-        return [
-            (r.method, r.delta, functools.partial(r, target_dist=scores.probs, tree=tree, scores=scores, target=self.target, tokenizer=self.tokenizer))
-            for r in self.hooks.relaxers
-        ]
 
-    def relax(self, tree: DraftTree, scores: Scores) -> Tensor:
-        """q_R [n, V] for one step: the stack's relaxations folded under its one budget."""
+        def bind(hook: Callable[..., Tensor | None], tree: DraftTree, scores: Scores) -> Callable[..., Tensor | None]:
+            return functools.partial(hook, target_dist=scores.probs, tree=tree, scores=scores, target=self.target, tokenizer=self.tokenizer)
+
+        def bound(hook: MemberHook) -> Callable[..., Tensor | None]:
+            if trees is None or hook.batch:
+                return bind(hook, tree, scores)
+            places = spans(trees)
+            return relax.tree_by_tree([bind(hook, one, scores.nodes(*span)) for one, span in zip(trees, places)], places)
+
+        return [(r.method, r.delta, bound(r)) for r in self.hooks.relaxers]
+
+    def relax(self, tree: DraftTree, scores: Scores, trees: Sequence[DraftTree] | None = None) -> Tensor:
+        """q_R [n, V] for one step: the stack's relaxations folded under its one budget (for
+        a batch, of the forest ``tree`` of ``trees``, :meth:`relaxers`)."""
         assert self.stack is not None
-        return relax.fold(scores.probs, self.relaxers(tree, scores), self.stack.delta, check=self.check_relax)
+        return relax.fold(scores.probs, self.relaxers(tree, scores, trees), self.stack.delta, check=self.check_relax)
 
     def accept(self, tree: DraftTree, dist: Tensor, scores: Scores, generator: torch.Generator) -> Acceptance:
         """One step's acceptance by the stack's accept hook or the core's default."""

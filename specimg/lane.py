@@ -1,8 +1,9 @@
 """One image under speculative decoding: what its steps carry from one to the next.
 
 A step is draft -> verify -> relax -> accept -> commit.  The engine verifies (one
-image alone, or every image of a batch in one forward) and commits the target; the
-image's lane drafts, relaxes, accepts and keeps the rest: its tokens, generator,
+image alone, or every image of a batch in one forward) and commits the target, and
+relaxes (and where it can, walks) a batch's trees together; the image's lane drafts,
+relaxes and accepts an image decoded alone, and keeps the rest: its tokens, generator,
 statistics, planner and drafter."""
 
 from __future__ import annotations
@@ -114,10 +115,15 @@ class Lane:
             dist = engine.relax(tree, scores)
         with self.timed("accept"):
             result = engine.accept(tree, dist, scores, self.generator)
+        return dist, result, self.walked(tree, scores, dist, result)
+
+    def walked(self, tree: DraftTree, scores: Scores, dist: Tensor, result: Acceptance) -> Walked:
+        """The accepted path on the device (where the rule walked on the host, one copy);
+        the budget its nodes spent (q_R against p, where q_R is not p itself) is booked."""
         walked = result.walked or walk_on_device(tree, result)
         if dist is not scores.probs:
             self.spent += relax.tvd(dist[walked.path], scores.probs[walked.path]).sum()
-        return dist, result, walked
+        return walked
 
     def advance(self, tree: DraftTree, scores: Scores, dist: Tensor, result: Acceptance, walked: Walked) -> None:
         """After the target committed the walked path: the drafter's next features, the new

@@ -30,8 +30,10 @@ class MethodSpec:
     takes by default when stacked with another method (``stacked_defaults={"sjd": {"mode":
     "paper"}}``: with sjd, gsd is the paper's rule unless the user says otherwise), the
     option values that run its paper as published (``paper``; None: no paper's method) and
-    why its defaults depart from them (``departures``), and the plugin object that
-    implements its hooks (set by the manager)."""
+    why its defaults depart from them (``departures``), whether its ``build_relaxed_dist``
+    takes a batch (``batch=True``: one call relaxes a forest of several images' trees,
+    ``DraftTree.forest``; otherwise a batch calls it tree by tree), and the plugin object
+    that implements its hooks (set by the manager)."""
 
     name: str
     options: type = NoOptions
@@ -40,6 +42,7 @@ class MethodSpec:
     stacked_defaults: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict)
     paper: Mapping[str, Any] | None = None
     departures: str = ""
+    batch: bool = False
     plugin: object = attrs.field(default=None, eq=False, repr=False)
 
     def defaults_beside(self, names: list[str]) -> dict[str, Any]:

@@ -24,10 +24,15 @@ class Scores(NamedTuple):
     logits: Tensor
     layers: Tensor | None = None
 
+    def nodes(self, start: int, stop: int) -> Scores:
+        """The scores of nodes ``start`` to ``stop`` (one image's tree in a forest's)."""
+        return Scores(self.probs[start:stop], *(t if t is None else t[:, start:stop] for t in self[1:]))
 
-def scores_of(out: TargetOutput, tree: DraftTree, sampling: Sampling, token_index: int) -> Scores:
+
+def scores_of(out: TargetOutput, tree: DraftTree, sampling: Sampling, token_index: int | Tensor) -> Scores:
     """The scores of a tree from the target's outputs on it (``forward_tree``'s, or one
-    image's slice of ``forward_trees``), its root predicting image token ``token_index``."""
+    image's slice of ``forward_trees``), its root predicting image token ``token_index``
+    (for a forest, per node: the index its own tree's root predicts)."""
     probs = probabilities(out.logits, sampling, cfg_active_at(tree.depths + token_index, sampling))
     return Scores(probs=probs, hidden=out.hidden, logits=out.logits, layers=out.layers)
 

@@ -10,6 +10,7 @@ one top-k per level, whatever the number of nodes, and no host round trip per no
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import attrs
@@ -30,7 +31,10 @@ class DraftTree:
     [n, n], the drafter's log-prob of the token under its parent's draft distribution
     (0 at the root), each node's children padded with -1 as ``child_ids`` [n, C] (in
     draft-rank order), the deepest depth ``height``, and for sampled trees the draft distribution each node's children
-    were drawn from ([n, V], zero rows for nodes without children)."""
+    were drawn from ([n, V], zero rows for nodes without children).
+
+    A forest (:meth:`forest`) holds several images' trees as one: every tree's root has
+    parent -1, and ``images`` [n] names the tree each node belongs to (None: one tree)."""
 
     tokens: Tensor
     parents: Tensor
@@ -41,6 +45,7 @@ class DraftTree:
     height: int
     draft_probs: Tensor | None = None
     sampled: bool = False
+    images: Tensor | None = None
 
     @classmethod
     def from_parents(
@@ -101,6 +106,37 @@ class DraftTree:
         child_ids[order.values, rank] = order.indices + 1
         return cls(tokens, parents, depths, mask, logprobs, child_ids, height, draft_probs, sampled)
 
+    @classmethod
+    def forest(cls, trees: Sequence[DraftTree]) -> DraftTree:
+        """Several images' trees as one, tree after tree: what a method that takes a batch
+        relaxes in one call.  Node ids run on from one tree to the next, so a rule that
+        acts per node (on its children, its distribution) reads a forest as it reads a
+        tree; a rule that compares nodes must keep to one tree (``images``)."""
+        sizes = [t.size for t in trees]
+        device = trees[0].tokens.device
+        starts = torch.tensor([0, *sizes[:-1]], device=device).cumsum(0)
+        images = torch.repeat_interleave(torch.arange(len(trees), device=device), torch.tensor(sizes, device=device))
+        offset = starts[images]
+        parents = torch.cat([t.parents for t in trees])
+        width = max(t.child_ids.shape[1] for t in trees)
+        child_ids = torch.cat([F.pad(t.child_ids, (0, width - t.child_ids.shape[1]), value=-1) for t in trees])
+        draft_probs = None
+        if any(t.draft_probs is not None for t in trees):
+            vocab = next(t.draft_probs for t in trees if t.draft_probs is not None).shape[-1]
+            draft_probs = torch.cat([t.draft_probs if t.draft_probs is not None else torch.zeros(t.size, vocab, device=device) for t in trees])
+        return cls(
+            tokens=torch.cat([t.tokens for t in trees]),
+            parents=torch.where(parents >= 0, parents + offset, -1),
+            depths=torch.cat([t.depths for t in trees]),
+            mask=torch.block_diag(*(t.mask for t in trees)),
+            logprobs=torch.cat([t.logprobs for t in trees]),
+            child_ids=torch.where(child_ids >= 0, child_ids + offset[:, None], -1),
+            height=max(t.height for t in trees),
+            draft_probs=draft_probs,
+            sampled=all(t.sampled for t in trees),
+            images=images,
+        )
+
     @property
     def size(self) -> int:
         return int(self.tokens.numel())
@@ -115,6 +151,12 @@ class DraftTree:
         a node has fewer than C children; columns are in draft-rank order."""
         ids = self.child_ids
         return torch.where(ids >= 0, self.tokens[ids.clamp(min=0)], torch.full_like(ids, -1)), ids
+
+
+def spans(trees: Sequence[DraftTree]) -> list[tuple[int, int]]:
+    """Where each tree's nodes lie in their forest (:meth:`DraftTree.forest`): (start, stop)."""
+    ends = list(itertools.accumulate(t.size for t in trees))
+    return list(zip([0, *ends[:-1]], ends))
 
 
 def stack_trees(trees: Sequence[DraftTree]) -> tuple[Tensor, Tensor, Tensor]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specimg import Engine, MethodSpec, Sampling, TreeConfig, costs, hookimpl
+from specimg import Engine, MethodSpec, Sampling, TreeConfig, costs, hookimpl, stalls
 from specimg.engine import ar_tokens
 from specimg.costs import CostModel
 from specimg.errors import SpecimgError
@@ -16,6 +16,7 @@ from specimg.models.vq import build_tokenizer
 from specimg.models.text_encoder import HashTextEncoder, captions_for_target
 from specimg.plugins import PluginManager
 from specimg.testing import statistics
+from specimg.testing.syncs import counting_host_reads
 from specimg.testing.trees import path_to, random_tree
 
 TINY = dict(dim=64, n_layer=2, n_head=4, vocab_size=64, block_size=16, multiple_of=32, num_classes=10, initializer_range=0.1)
@@ -426,3 +427,27 @@ def test_a_speculative_batch_at_fixed_shapes_draws_the_eager_images():
         runs.append(engine.generate([3, 7, 3, 0, 9], seed=5).tokens)
     target.set_step_mode("eager")
     assert torch.equal(*runs)
+
+
+@pytest.mark.parametrize("sampling", [Sampling(cfg_scale=3.0, top_k=30), Sampling(cfg_scale=3.0, temperature=0.0)], ids=["sampled", "greedy"])
+@pytest.mark.parametrize(("method", "reads_a_step"), [("naive", 1), ("cascade+lantern", 2)])
+def test_a_batch_on_the_device_reads_it_once_a_step_for_every_image(monkeypatch, sampling: Sampling, method: str, reads_a_step: int):
+    """With the device forms forced (a GPU's), every image's walk is one device program
+    and the batch's host reads do not grow with its images: the walks' outcome once a step
+    (and a checked relaxation's verdict), besides each image's first draw and its TVD.
+    The images are those of the host walks."""
+    target = build_target("GPT-B", seed=0, **TINY)
+    drafter = build_drafter(target, seed=1)
+    tokenizer = build_tokenizer(seed=2, **dict(TINY_VQ, codebook_size=TINY["vocab_size"]))
+    labels, seeds = [3, 7, 3], [5, 6, 7]
+
+    def engine() -> Engine:
+        return Engine(target, drafter, method, sampling=sampling, tree=TREE, tokenizer=tokenizer, batch_size=3)
+
+    on_the_host = engine().generate(labels, seeds=seeds)
+    monkeypatch.setattr(stalls, "host_reads_stall", lambda device: True)
+    with counting_host_reads() as reads:
+        on_the_device = engine().generate(labels, seeds=seeds)
+    assert torch.equal(on_the_device.tokens, on_the_host.tokens)
+    steps = max(s.target_forwards for s in on_the_device.stats.images) - 1  # the prefill is no step
+    assert sum(reads.values()) == reads_a_step * steps + 2 * len(labels), (dict(reads), steps)

@@ -13,7 +13,7 @@ from specimg.models.eagle import build_drafter
 from specimg.models.llamagen import build_target
 from specimg.models.vq import build_tokenizer
 from specimg.testing.syncs import counting_host_reads
-from specimg.tree import DraftTree
+from specimg.tree import DraftTree, spans
 
 TINY = dict(dim=64, n_layer=2, n_head=4, multiple_of=32, vocab_size=64, num_classes=5, block_size=16)
 
@@ -68,6 +68,28 @@ def test_the_device_walk_is_the_host_walk(monkeypatch, greedy):
         assert new_tokens.tolist() == token_list == tree.tokens[path[1:]].tolist() + [host.next_token]
         lengths.add(len(host.path))
     assert len(lengths) >= 3  # walks that stop at the root, midway and deep
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_a_forest_walks_as_each_tree_alone(greedy):
+    """A batch's trees walked in one device program: each tree's path, next token, walked
+    tensors and generator state are those of its own walk."""
+    g = torch.Generator().manual_seed(1)
+    for seed in range(60):
+        vocab = int(torch.randint(2, 6, (), generator=g))
+        trees = [random_tree(int(torch.randint(1, 10, (), generator=g)), vocab, g) for _ in range(int(torch.randint(1, 5, (), generator=g)))]
+        forest = DraftTree.forest(trees)
+        dist = torch.softmax(3 * torch.randn(forest.size, vocab, generator=g), dim=-1)
+        generators = [torch.Generator().manual_seed(seed * 10 + i) for i in range(len(trees))]
+        together = accept.walk_forest(forest, [start for start, _ in spans(trees)], dist, None if greedy else generators)
+        for i, (tree, (start, stop), result) in enumerate(zip(trees, spans(trees), together)):
+            own = torch.Generator().manual_seed(seed * 10 + i)
+            alone = accept.greedy(tree, dist[start:stop]) if greedy else accept.sample_and_match(tree, dist[start:stop], own)
+            assert (result.path, result.next_token) == (alone.path, alone.next_token), (seed, i)
+            assert greedy or torch.equal(own.get_state(), generators[i].get_state()), (seed, i)
+            path, new_tokens, token_list = result.walked
+            assert path.tolist() == alone.path
+            assert new_tokens.tolist() == token_list == tree.tokens[path[1:]].tolist() + [alone.next_token]
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import torch
 from specimg.config import Sampling, TreeConfig
 from specimg.errors import SpecimgError
 from specimg.testing.markov import MarkovDrafter
-from specimg.tree import DraftSession, DraftTree, build_tree
+from specimg.tree import DraftSession, DraftTree, build_tree, spans
 
 
 def random_parents(n: int, rng: random.Random) -> list[int]:
@@ -41,6 +41,25 @@ def test_candidates_matrix_lists_children_in_order():
     tokens, ids = tree.candidates()
     assert ids.tolist() == [[1, 2], [3, 4], [-1, -1], [-1, -1], [-1, -1]]
     assert tokens.tolist() == [[7, 8], [9, 1], [-1, -1], [-1, -1], [-1, -1]]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_forest_is_its_trees_one_after_another(seed):
+    rng = random.Random(seed)
+    trees = []
+    for _ in range(rng.randrange(1, 5)):
+        n = rng.randrange(1, 12)
+        draft = torch.rand(n, 30)
+        trees.append(DraftTree.from_parents([rng.randrange(30) for _ in range(n)], random_parents(n, rng), draft_probs=draft, sampled=True))
+    forest = DraftTree.forest(trees)
+    assert forest.size == sum(t.size for t in trees) and forest.height == max(t.height for t in trees) and forest.sampled
+    for image, (tree, (start, stop)) in enumerate(zip(trees, spans(trees))):
+        assert forest.images[start:stop].tolist() == [image] * tree.size
+        assert torch.equal(forest.tokens[start:stop], tree.tokens) and torch.equal(forest.depths[start:stop], tree.depths)
+        assert forest.parents[start:stop].tolist() == [p + start if p >= 0 else -1 for p in tree.parents.tolist()]
+        assert torch.equal(forest.mask[start:stop, start:stop], tree.mask) and forest.mask[start:stop].sum() == tree.mask.sum()
+        assert forest.children[start:stop] == tuple(tuple(c + start for c in kids) for kids in tree.children)
+        assert torch.equal(forest.draft_probs[start:stop], tree.draft_probs)
 
 
 def test_rejects_parents_after_children():

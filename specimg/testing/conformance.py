@@ -34,8 +34,8 @@ from specimg.plugins import PluginManager, get_plugin_manager
 from specimg.step import Acceptance, Scores
 from specimg.testing import statistics
 from specimg.testing.exact import outcomes
-from specimg.testing.strategies import RelaxCase, budgets, deltas, relax_cases
-from specimg.tree import DraftTree
+from specimg.testing.strategies import RelaxCase, budgets, deltas, relax_batches, relax_cases
+from specimg.tree import DraftTree, spans
 
 ATOL = 1e-6
 """Slack for float32 rounding in per-token comparisons (mass flow, exact acceptance)."""
@@ -135,6 +135,20 @@ def check_member_budgets(engine: Engine, case: RelaxCase, budget: Tensor) -> Non
         assert torch.equal(q[frozen], p[frozen]), f"{name}: changed nodes {frozen.nonzero().flatten().tolist()} whose budget is 0"
     zero = step_engine(engine.stack.name, case, engine.stack.options_dict(), delta=0.0, plugins=engine.plugins)
     assert relaxed(zero, case.tree, case.scores) is case.scores.probs, f"{engine.stack.name}: delta 0 did not leave p as it is"
+
+
+def check_batch(engine: Engine, cases: list[RelaxCase]) -> None:
+    """Relaxed as one batch (each member as it declares: once over the forest of every
+    image's tree, or tree by tree), every image's q_R is the one it gets alone."""
+    assert engine.stack is not None
+    trees = [case.tree for case in cases]
+    scores = Scores(torch.cat([case.p for case in cases]), *(torch.cat(parts, dim=1) for parts in zip(*(case.scores[1:3] for case in cases))))
+    together = engine.relax(DraftTree.forest(trees), scores, trees)
+    for image, (case, (start, stop)) in enumerate(zip(cases, spans(trees))):
+        alone = engine.relax(case.tree, case.scores)
+        assert torch.allclose(together[start:stop], alone, atol=ATOL, rtol=0), (
+            f"{engine.stack.name}: image {image}'s q_R in a batch differs from its own by {(together[start:stop] - alone).abs().max():.3g}"
+        )
 
 
 # --- exact acceptance -----------------------------------------------------------------------
@@ -317,6 +331,13 @@ def make_conformance_tests(
         def test_member_budgets(self, method: str, case: RelaxCase, data: st.DataObject) -> None:
             require_budget(method)
             check_member_budgets(engine_for(method, case, data), case, data.draw(budgets(case.tree.size), label="budget"))
+
+        @over_methods
+        @run
+        @given(cases=relax_batches(), data=st.data())
+        def test_batch_relaxation(self, method: str, cases: list[RelaxCase], data: st.DataObject) -> None:
+            require_budget(method)
+            check_batch(engine_for(method, cases[0], data), cases)
 
         @over_methods
         @run

@@ -199,3 +199,20 @@ def relax_cases(
     scores = Scores(probabilities(logits, sampling), draw(hidden_states(rows, tree.size, dim)), logits)
     target = EmbeddingTarget(draw(codebooks(v, dim)))
     return RelaxCase(tree, scores, sampling, target, CodebookTokenizer(draw(codebooks(v, draw(st.integers(2, 8))))))
+
+
+@st.composite
+def relax_batches(
+    draw: st.DrawFn, images: st.SearchStrategy[int] = st.integers(2, 3), max_nodes: int = 8, max_children: int = 3, sampled: bool = False
+) -> list[RelaxCase]:
+    """Several images' decode steps for one batch: each image its own tree, scores and
+    hidden states; one vocabulary, sampling, target and tokenizer."""
+    first = draw(relax_cases(max_nodes=max_nodes, max_children=max_children, sampled=sampled))
+    rows, _, dim = first.scores.hidden.shape
+    vocab = first.p.shape[-1]
+    batch = [first]
+    for _ in range(draw(images) - 1):
+        tree = draw(trees(vocab, max_nodes, max_children, sampled))
+        logits = draw(row_logits(rows, tree.size, vocab))
+        batch.append(attrs.evolve(first, tree=tree, scores=Scores(probabilities(logits, first.sampling), draw(hidden_states(rows, tree.size, dim)), logits)))
+    return batch
