@@ -17,6 +17,8 @@ from specimg.models.text_encoder import HashTextEncoder, captions_for_target
 from specimg.plugins import PluginManager
 from specimg.testing import statistics
 from specimg.testing.syncs import counting_host_reads
+from specimg_plugins import cascade
+from specimg_plugins.cascade import CascadeOptions
 from specimg.testing.trees import path_to, random_tree
 
 TINY = dict(dim=64, n_layer=2, n_head=4, vocab_size=64, block_size=16, multiple_of=32, num_classes=10, initializer_range=0.1)
@@ -451,3 +453,40 @@ def test_a_batch_on_the_device_reads_it_once_a_step_for_every_image(monkeypatch,
     assert torch.equal(on_the_device.tokens, on_the_host.tokens)
     steps = max(s.target_forwards for s in on_the_device.stats.images) - 1  # the prefill is no step
     assert sum(reads.values()) == reads_a_step * steps + 2 * len(labels), (dict(reads), steps)
+
+
+class OneTreeCascade:
+    """CASCADE's rule registered without ``batch=True``: a batch calls it tree by tree."""
+
+    def __init__(self):
+        self.saw_a_forest = False
+
+    @hookimpl
+    def register_methods(self, register):
+        register(MethodSpec("one-tree-cascade", CascadeOptions, "CASCADE, one tree at a time"))
+
+    @hookimpl
+    def build_relaxed_dist(self, dist, target_dist, budget, tree, scores, target, options):
+        self.saw_a_forest |= tree.images is not None
+        return cascade.build_relaxed_dist(dist=dist, target_dist=target_dist, budget=budget, tree=tree, scores=scores, target=target, options=options)
+
+
+def test_a_method_without_batch_relaxes_tree_by_tree_in_a_batch():
+    """Stacked with a method that takes the batch, a method that does not is called with
+    one image's tree at a time, and the images are those of the same rule taking the
+    batch (cascade+lantern) and of one image at a time."""
+    target = build_target("GPT-B", seed=0, **TINY)
+    drafter = build_drafter(target, seed=1)
+    tokenizer = build_tokenizer(seed=2, **dict(TINY_VQ, codebook_size=TINY["vocab_size"]))
+    one_tree = OneTreeCascade()
+    plugins = PluginManager()
+    plugins.register(one_tree, name="one-tree-cascade")
+    labels, seeds = [3, 7, 3, 0], [5, 6, 7, 40]
+    runs = [
+        Engine(target, drafter, method, sampling=Sampling(cfg_scale=3.0, top_k=30), tree=TREE, tokenizer=tokenizer, plugins=plugins, batch_size=size)
+        .generate(labels, seeds=seeds)
+        for method, size in [("one-tree-cascade", 3), ("one-tree-cascade+lantern", 3), ("cascade+lantern", 3), ("one-tree-cascade+lantern", 1)]
+    ]
+    assert min(s.tvd for s in runs[0].stats.images) > 0  # the rule relaxed every image
+    assert torch.equal(runs[1].tokens, runs[2].tokens) and torch.equal(runs[1].tokens, runs[3].tokens)
+    assert not one_tree.saw_a_forest
