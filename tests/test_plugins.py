@@ -167,3 +167,14 @@ def test_a_stack_binds_each_hook_to_its_members_in_method_string_order(manager):
     assert hooks.relaxers[0](dist=torch.ones(1, 2), **step) is None
     bare = StackHooks.bind(manager, manager.stack("toy"))
     assert (bare.propose.owner, bare.relaxers, bare.train_losses) == (None, (), ())
+
+
+def test_methods_says_which_relax_image_by_image_in_a_batch(fake_plugins, capsys):
+    """overspends relaxes without declaring batch=True; every built-in declares it."""
+    from cli_runner import run
+
+    fake_plugins(overspends="specimg_fake_plugins:overspends")
+    assert run("methods") == 0
+    blocks = capsys.readouterr().out.replace("\n    ", "    ").splitlines()  # one line per method
+    marked = [block.split()[0] for block in blocks if "in a batch: relaxes image by image (its MethodSpec does not declare batch=True)" in block]
+    assert marked == ["overspends"]

@@ -9,7 +9,7 @@ import click
 
 from specimg.config import DYNAMIC_DEFAULTS
 from specimg.methods import AR, Member, MethodSpec, make_options, paper_rows
-from specimg.plugins import get_plugin_manager
+from specimg.plugins import PluginManager, get_plugin_manager
 from specimg.train.drafter import TrainConfig
 
 
@@ -17,13 +17,14 @@ from specimg.train.drafter import TrainConfig
 @click.option("--paper", is_flag=True, help="each method's published settings beside specimg's defaults, and why they differ")
 def methods(paper: bool) -> None:
     """List methods with their options and defaults (--paper: beside their papers')."""
-    registry = get_plugin_manager().methods()
-    lines = paper_table(registry) if paper else option_list(registry)
+    plugins = get_plugin_manager()
+    registry = plugins.methods()
+    lines = paper_table(registry) if paper else option_list(registry, plugins)
     for line in lines:
         click.echo(line)
 
 
-def option_list(registry: dict[str, MethodSpec]) -> list[str]:
+def option_list(registry: dict[str, MethodSpec], plugins: PluginManager) -> list[str]:
     lines = [f"{AR:<12} plain autoregressive decoding, the baseline (core)"]
     for name, spec in sorted(registry.items()):
         lines.append(f"{name:<12} {spec.description}")
@@ -31,6 +32,8 @@ def option_list(registry: dict[str, MethodSpec]) -> list[str]:
         if spec.paper:
             flags = " ".join(f"-o {name}.{key}={value}" for key, value in spec.paper.items())
             lines.append(f"    as published: {flags}{_budget_note(spec)}  (specimg methods --paper)")
+        if not spec.batch and plugins.implementers("build_relaxed_dist", [Member(spec, spec.defaults)]):
+            lines.append("    in a batch: relaxes image by image (its MethodSpec does not declare batch=True)")
     return lines
 
 
