@@ -81,7 +81,7 @@ def walk_forest(forest: DraftTree, roots: Sequence[int], dist: Tensor, generator
     that tree's own node ids."""
     tokens, ids = forest.candidates()
     device, walkers = tokens.device, len(roots)
-    start = torch.tensor(list(roots), device=device)
+    start = stalls.on_device(list(roots), device)
     node, walking = start, torch.ones(walkers, dtype=torch.bool, device=device)
     variates = torch.empty(walkers, dist.shape[-1], dtype=dist.dtype, device=device)
     states: list[list[Tensor]] = [[g.get_state()] for g in generators] if generators is not None else []

@@ -354,8 +354,8 @@ class Engine:
         ``advance`` takes."""
         device, bucket = self.device, out.logits.shape[2]
         forest, rows = DraftTree.forest(trees), spans(trees)
-        nodes = torch.cat([torch.arange(tree.size) + place * bucket for place, tree in zip(places, trees)]).to(device)
-        roots = torch.tensor([len(lane.tokens) for lane in lanes], device=device)  # the image token each root predicts
+        nodes = stalls.on_device([place * bucket + node for place, tree in zip(places, trees) for node in range(tree.size)], device)
+        roots = stalls.on_device([len(lane.tokens) for lane in lanes], device)  # the image token each root predicts
         scores = scores_of(TargetOutput(*(t if t is None else t.flatten(1, 2)[:, nodes] for t in out)), forest, self.sampling, roots[forest.images])
         start = time.perf_counter()
         dist = self.relax(forest, scores, trees)

@@ -113,10 +113,10 @@ class DraftTree:
         acts per node (on its children, its distribution) reads a forest as it reads a
         tree; a rule that compares nodes must keep to one tree (``images``)."""
         sizes = [t.size for t in trees]
-        device = trees[0].tokens.device
-        starts = torch.tensor([0, *sizes[:-1]], device=device).cumsum(0)
-        images = torch.repeat_interleave(torch.arange(len(trees), device=device), torch.tensor(sizes, device=device))
-        offset = starts[images]
+        device, total = trees[0].tokens.device, sum(sizes)
+        counts = stalls.on_device(sizes, device)
+        images = torch.repeat_interleave(torch.arange(len(trees), device=device), counts, output_size=total)
+        offset = torch.repeat_interleave(counts.cumsum(0) - counts, counts, output_size=total)  # each node's tree's first id
         parents = torch.cat([t.parents for t in trees])
         width = max(t.child_ids.shape[1] for t in trees)
         child_ids = torch.cat([F.pad(t.child_ids, (0, width - t.child_ids.shape[1]), value=-1) for t in trees])

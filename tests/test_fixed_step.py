@@ -213,3 +213,20 @@ def test_graphed_speculative_steps_wait_for_the_device_at_most_twice() -> None:
         steps = len(engine.generate([1], seed=0).stats.images[0].accepted)  # captures; the same seed repeats its steps
         syncs = min(count_syncs(lambda: engine.generate([1], seed=0)) for _ in range(2))
         assert syncs <= per_step * steps + 6, (method, syncs, steps)
+
+
+@cuda
+def test_a_graphed_speculative_batch_waits_as_often_as_one_image() -> None:
+    """Three images decoded together wait for the device no more often a step than one
+    image does (their trees relaxed as one forest, walked in one program), plus a few waits
+    an image."""
+    target = build_target("GPT-B", seed=0, **{**TINY, "block_size": 64}).cuda()
+    drafter = build_drafter(target, seed=1)
+    tokenizer = build_tokenizer(seed=2, codebook_size=TINY["vocab_size"], codebook_embed_dim=8)
+    for method, per_step in (("naive", 1), ("cascade+lantern", 2)):
+        engine = specimg.Engine(target, drafter, method, sampling=specimg.Sampling(cfg_scale=3.0), tokenizer=tokenizer, cuda_graphs="on",
+                                tree=specimg.TreeConfig(kind="dynamic", depth=3, topk=3, total_tokens=12), batch_size=3)
+        images = engine.generate([1, 2, 3], seed=0).stats.images  # captures; the same seeds repeat their steps
+        steps = max(len(image.accepted) for image in images)
+        syncs = min(count_syncs(lambda: engine.generate([1, 2, 3], seed=0)) for _ in range(2))
+        assert syncs <= per_step * steps + 6 * len(images), (method, syncs, steps)
