@@ -108,7 +108,7 @@ def walk_forest(forest: DraftTree, roots: Sequence[int], dist: Tensor, generator
         if generators is not None:
             generators[walker].set_state(states[walker][count + 1])
         at = walkers + walker * depth
-        nodes = [node - root for node in outcome[at : at + count]]
+        nodes = [reached_node - root for reached_node in outcome[at : at + count]]
         token_list = outcome[walkers * (1 + depth) + walker * depth :][: count + 1]
         path = torch.cat([start.new_zeros(1), levels[:count, walker] - root])
         results.append(Acceptance([0, *nodes], token_list[-1], Walked(path, choices[: count + 1, walker], token_list)))

@@ -355,8 +355,8 @@ class Engine:
         device, bucket = self.device, out.logits.shape[2]
         forest, rows = DraftTree.forest(trees), spans(trees)
         nodes = stalls.on_device([place * bucket + node for place, tree in zip(places, trees) for node in range(tree.size)], device)
-        roots = stalls.on_device([len(lane.tokens) for lane in lanes], device)  # the image token each root predicts
-        scores = scores_of(TargetOutput(*(t if t is None else t.flatten(1, 2)[:, nodes] for t in out)), forest, self.sampling, roots[forest.images])
+        predicted = stalls.on_device([len(lane.tokens) for lane in lanes], device)  # the image token each root predicts
+        scores = scores_of(TargetOutput(*(t if t is None else t.flatten(1, 2)[:, nodes] for t in out)), forest, self.sampling, predicted[forest.images])
         start = time.perf_counter()
         dist = self.relax(forest, scores, trees)
         relaxed = time.perf_counter()
@@ -521,8 +521,8 @@ class Engine:
         def bound(hook: MemberHook) -> Callable[..., Tensor | None]:
             if trees is None or hook.batch:
                 return bind(hook, tree, scores)
-            places = spans(trees)
-            return relax.tree_by_tree([bind(hook, one, scores.nodes(*span)) for one, span in zip(trees, places)], places)
+            rows = spans(trees)
+            return relax.tree_by_tree([bind(hook, one, scores.nodes(*span)) for one, span in zip(trees, rows)], rows)
 
         return [(r.method, r.delta, bound(r)) for r in self.hooks.relaxers]
 

@@ -101,16 +101,16 @@ def candidate_rows(candidates: Tensor) -> Tensor:
     return (candidates >= 0).any(dim=1).nonzero().squeeze(1)
 
 
-def tree_by_tree(relaxers: Sequence[Callable[..., Tensor | None]], places: Sequence[tuple[int, int]]) -> Callable[..., Tensor | None]:
+def tree_by_tree(relaxers: Sequence[Callable[..., Tensor | None]], rows: Sequence[tuple[int, int]]) -> Callable[..., Tensor | None]:
     """A forest's relaxation by a method that relaxes one tree at a time: tree i's
-    ``relaxers[i]`` gets its rows ``places[i]`` of the forest's distribution and budget;
-    None where every tree passes."""
+    ``relaxers[i]`` gets its ``rows[i]`` (start, stop) of the forest's distribution and
+    budget; None where every tree passes."""
 
     def relax(dist: Tensor, budget: Tensor) -> Tensor | None:
-        parts = [one(dist=dist[a:b], budget=budget[a:b]) for one, (a, b) in zip(relaxers, places)]
+        parts = [one(dist=dist[a:b], budget=budget[a:b]) for one, (a, b) in zip(relaxers, rows)]
         if all(part is None for part in parts):
             return None
-        return torch.cat([dist[a:b] if part is None else part for part, (a, b) in zip(parts, places)])
+        return torch.cat([dist[a:b] if part is None else part for part, (a, b) in zip(parts, rows)])
 
     return relax
 

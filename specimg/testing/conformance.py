@@ -139,7 +139,8 @@ def check_member_budgets(engine: Engine, case: RelaxCase, budget: Tensor) -> Non
 
 def check_batch(engine: Engine, cases: list[RelaxCase]) -> None:
     """Relaxed as one batch (each member as it declares: once over the forest of every
-    image's tree, or tree by tree), every image's q_R is the one it gets alone."""
+    image's tree, or tree by tree), every image's q_R is the one it gets alone, up to
+    float32 rounding (a forest's matrix products are larger than one tree's)."""
     assert engine.stack is not None
     trees = [case.tree for case in cases]
     scores = Scores(torch.cat([case.p for case in cases]), *(torch.cat(parts, dim=1) for parts in zip(*(case.scores[1:3] for case in cases))))
