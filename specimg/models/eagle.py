@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from specimg import stalls
 from specimg.errors import SpecimgError
 from specimg.files import atomic_path
 from specimg.graphs import FixedSteps, GraphSet, bucket
@@ -376,70 +377,79 @@ class DraftBatch:
     @torch.no_grad()
     def start(self, requests: Mapping[int, DraftRequest]) -> dict[int, Tensor]:
         """Each requesting image commits its m new pairs; their root logits [rows, V]."""
-        core = self.core
-        m = {i: int(tokens.shape[0]) for i, (_, tokens) in requests.items()}
-        width = max(m.values())
-        for i in requests:
-            if self.lengths[i] + m[i] > self.capacity:
-                raise ValueError(f"{m[i]} new pairs overflow the drafter cache ({self.capacity - self.lengths[i]} slots left)")
-        states = self.feat.new_zeros(self.rows * self.size, width, self.feat.shape[-1])
-        tokens = torch.zeros(self.size, width, dtype=torch.long, device=self.device)
-        for i, (hidden, new) in requests.items():
-            states[i :: self.size, : m[i]] = core._lift(hidden.to(self.device))
-            tokens[i, : m[i]] = new.to(self.device)
+        core, images = self.core, list(requests)
+        m = [int(tokens.shape[0]) for _, tokens in requests.values()]
+        width = max(m)
+        for i, count in zip(images, m):
+            if self.lengths[i] + count > self.capacity:
+                raise ValueError(f"{count} new pairs overflow the drafter cache ({self.capacity - self.lengths[i]} slots left)")
+        # every (row, image, pair) at once: where it goes in the [rows * size, width] inputs, and the last pair of each image
+        pairs = [(r * self.size + i) * width + j for r in range(self.rows) for i, count in zip(images, m) for j in range(count)]
+        ends = [(r * self.size + i) * width + count - 1 for r in range(self.rows) for i, count in zip(images, m)]
+        at, last, placed, added = (stalls.on_device(v, self.device) for v in (pairs, ends, images, m))
+        lifted = torch.cat([core._lift(hidden.to(self.device)) for hidden, _ in requests.values()], dim=1)  # [rows, pairs, D]: one lift per image, as alone
+        states = self.feat.new_zeros(self.rows * self.size * width, self.feat.shape[-1])
+        states[at] = lifted.flatten(0, 1)
+        tokens = torch.zeros(self.size * width, dtype=torch.long, device=self.device)
+        tokens[at[: sum(m)]] = torch.cat([new.to(self.device) for _, new in requests.values()])  # row 0's places: image i's pair j at i * width + j
         slots = self.starts[:, None] + torch.arange(width, device=self.device)  # pair j of image i at lengths[i] + j
         used = max(self.lengths) + width  # the slots any image uses: attention stops there
         seen = torch.arange(used, device=self.device) < slots[..., None] + 1  # its prefix and itself
-        h = self._forward(states, tokens, slots, slots, seen)
-        ends = torch.stack([h[i :: self.size, m[i] - 1] for i in requests], dim=1)  # [rows, requests, D]
-        logits = core._logits(ends).float()
-        for k, i in enumerate(requests):
-            self.feat[i :: self.size, 0] = ends[:, k]
-            self.lengths[i] += m[i]
+        h = self._forward(states.view(self.rows * self.size, width, -1), tokens.view(self.size, width), slots, slots, seen)
+        root = h.flatten(0, 1)[last].view(self.rows, len(images), -1)  # [rows, requests, D]
+        logits = core._logits(root).float()
+        self.feat[:, 0].view(self.rows, self.size, -1)[:, placed] = root
+        self.starts[placed] += added
+        self.fed[placed] = 0
+        for i, count in zip(images, m):
+            self.lengths[i] += count
             self.counts[i] = 0
-            self.starts[i] += m[i]
-            self.fed[i] = 0
-        return {i: logits[:, k] for k, i in enumerate(requests)}
+        return {i: logits[:, k] for k, i in enumerate(images)}
 
     @torch.no_grad()
     def expand(self, requests: Mapping[int, DraftRequest]) -> dict[int, Tensor]:
         """Each requesting image feeds f nodes (children of its nodes ``parents``: 0 = root,
         k = its k-th node fed since its start); their logits [rows, f, V]."""
-        f = {i: int(tokens.shape[0]) for i, (_, tokens) in requests.items()}
-        width = max(f.values())
+        images = list(requests)
+        f = [int(tokens.shape[0]) for _, tokens in requests.values()]
+        width = max(f)
+        for i, count in zip(images, f):
+            if self.counts[i] + count > self.max_nodes:
+                raise ValueError(f"{self.counts[i] + count} draft nodes exceed max_tree_nodes={self.max_nodes}")
+        # every fed node at once: its image, its column in the inputs and its node id (image i's count + 1, + 2, ...)
+        owner = [i for i, count in zip(images, f) for _ in range(count)]
+        column = [j for count in f for j in range(count)]
+        ids = [self.counts[i] + 1 + j for i, count in zip(images, f) for j in range(count)]
+        image, col, node_id, placed, added = (stalls.on_device(v, self.device) for v in (owner, column, ids, images, f))
+        mine = torch.cat([parents.to(self.device) for parents, _ in requests.values()])
+        self.depth[image, node_id] = self.depth[image, mine] + 1
+        self.anc[image, node_id] = self.anc[image, mine]
+        self.anc[image, node_id, node_id] = True
         parents = torch.zeros(self.size, width, dtype=torch.long, device=self.device)
         tokens = torch.zeros(self.size, width, dtype=torch.long, device=self.device)
         new = torch.zeros(self.size, width, dtype=torch.long, device=self.device)  # node ids (padding: id 0, never read)
-        for i, (mine, fed) in requests.items():
-            c = self.counts[i]
-            if c + f[i] > self.max_nodes:
-                raise ValueError(f"{c + f[i]} draft nodes exceed max_tree_nodes={self.max_nodes}")
-            ids = torch.arange(c + 1, c + f[i] + 1, device=self.device)
-            mine = mine.to(self.device)
-            self.depth[i, ids] = self.depth[i, mine] + 1
-            self.anc[i, ids] = self.anc[i, mine]
-            self.anc[i, ids, ids] = True
-            parents[i, : f[i]], tokens[i, : f[i]], new[i, : f[i]] = mine, fed.to(self.device), ids
-        images = torch.arange(self.size, device=self.device)[:, None]
+        parents[image, col] = mine
+        tokens[image, col] = torch.cat([fed.to(self.device) for _, fed in requests.values()])
+        new[image, col] = node_id
+        images_all = torch.arange(self.size, device=self.device)[:, None]
         first = self.starts[:, None]
         slots = (first + self.fed[:, None] + torch.arange(width, device=self.device)).clamp_(max=self.capacity - 1)
-        positions = self.depth[images, new] + first - 1  # the root sits at lengths[i] - 1
+        positions = self.depth[images_all, new] + first - 1  # the root sits at lengths[i] - 1
         used = min(self.capacity, max(n + c for n, c in zip(self.lengths, self.counts)) + width)  # attention stops there
         keys = torch.arange(used, device=self.device)
         seen = (keys < first)[:, None, :].expand(-1, width, -1).clone()  # the committed prefix ...
         node = keys - first + 1  # ... and the node at each later slot (id 0, never an ancestor, past them)
         node = torch.where(node <= self.max_nodes, node.clamp(min=0), 0)[:, None, :].expand(-1, width, -1)
-        seen |= (keys >= first)[:, None, :] & self.anc[images, new].gather(2, node)
+        seen |= (keys >= first)[:, None, :] & self.anc[images_all, new].gather(2, node)
         states = self.feat.gather(1, parents.repeat(self.rows, 1)[..., None].expand(-1, -1, self.feat.shape[-1]))
         h = self._forward(states, tokens, slots, positions, seen)
         logits = self.core._logits(h).float().view(self.rows, self.size, width, -1)
-        out = {}
-        for i in requests:
-            self.feat[i :: self.size, new[i, : f[i]]] = h[i :: self.size, : f[i]]
-            self.counts[i] += f[i]
-            self.fed[i] += f[i]
-            out[i] = logits[:, i, : f[i]]
-        return out
+        h = h.view(self.rows, self.size, width, -1)
+        self.feat.view(self.rows, self.size, *self.feat.shape[1:])[:, image, node_id] = h[:, image, col]
+        self.fed[placed] += added
+        for i, count in zip(images, f):
+            self.counts[i] += count
+        return {i: logits[:, i, :count] for i, count in zip(images, f)}
 
     def _forward(self, states: Tensor, tokens: Tensor, slots: Tensor, positions: Tensor, seen: Tensor) -> Tensor:
         """The draft layer over every image's pairs: states [rows * B, w, D], tokens, slots,
