@@ -431,16 +431,16 @@ class DraftBatch:
         parents[image, col] = mine
         tokens[image, col] = torch.cat([fed.to(self.device) for _, fed in requests.values()])
         new[image, col] = node_id
-        images_all = torch.arange(self.size, device=self.device)[:, None]
+        every_image = torch.arange(self.size, device=self.device)[:, None]
         first = self.starts[:, None]
         slots = (first + self.fed[:, None] + torch.arange(width, device=self.device)).clamp_(max=self.capacity - 1)
-        positions = self.depth[images_all, new] + first - 1  # the root sits at lengths[i] - 1
+        positions = self.depth[every_image, new] + first - 1  # the root sits at lengths[i] - 1
         used = min(self.capacity, max(n + c for n, c in zip(self.lengths, self.counts)) + width)  # attention stops there
         keys = torch.arange(used, device=self.device)
         seen = (keys < first)[:, None, :].expand(-1, width, -1).clone()  # the committed prefix ...
         node = keys - first + 1  # ... and the node at each later slot (id 0, never an ancestor, past them)
         node = torch.where(node <= self.max_nodes, node.clamp(min=0), 0)[:, None, :].expand(-1, width, -1)
-        seen |= (keys >= first)[:, None, :] & self.anc[images_all, new].gather(2, node)
+        seen |= (keys >= first)[:, None, :] & self.anc[every_image, new].gather(2, node)
         states = self.feat.gather(1, parents.repeat(self.rows, 1)[..., None].expand(-1, -1, self.feat.shape[-1]))
         h = self._forward(states, tokens, slots, positions, seen)
         logits = self.core._logits(h).float().view(self.rows, self.size, width, -1)
