@@ -19,7 +19,7 @@ from specimg.config import Sampling, TreeConfig
 from specimg.errors import SpecimgError
 from specimg.graphs import CudaGraphs, step_mode
 from specimg.lane import Lane
-from specimg.lockstep import LaneDrafter, Lockstep
+from specimg.lockstep import BatchDrafting, LaneDrafter, Lockstep
 from specimg.methods import AR, Stack
 from specimg.models.base import BatchSteps, BatchTrees, Condition, Drafter, Target, TargetOutput, placed
 from specimg.planner import TreePlanner
@@ -28,7 +28,7 @@ from specimg.sampling import cfg_active_at, probabilities
 from specimg.stackhooks import MemberHook, StackHooks
 from specimg.stats import ImageStats, RunStats
 from specimg.step import Acceptance, Scores, Walked, scores_of
-from specimg.tree import DraftTree, spans, stack_trees
+from specimg.tree import BatchSession, DraftTree, build_dynamic_batch, dynamic_shape, spans, stack_trees
 
 OnImage = Callable[[int, Tensor, ImageStats], None]
 """Called with an image's index among the conditions, its tokens and statistics when it is done."""
@@ -261,8 +261,8 @@ class Engine:
         """Speculative decoding of the images ``batch_size`` at a time, each handed to
         ``done`` (index, tokens, statistics) when it finishes.  Each image drafts, relaxes
         and accepts in its own lane (its own generator and planner, from ``planners``, by
-        default :meth:`planner`) as it would alone; the lanes' drafter calls run together
-        (:mod:`specimg.lockstep`), and one target forward verifies every lane's tree.  When
+        default :meth:`planner`) as it would alone; the lanes' trees are grown, verified and
+        relaxed together (:meth:`_batch_step`).  When
         an image finishes, the next takes its place (``refill``), so the batch stays full
         until the images run out; a finished lane with none to follow rides along as a
         one-node tree that commits nothing, as does a lane its planner sent to AR.  An
@@ -316,13 +316,17 @@ class Engine:
         return self._threads
 
     def _batch_step(self, lanes: Sequence[Lane], lockstep: Lockstep | None) -> None:
-        """One step of every unfinished image: draft each tree (side by side, the drafter
-        calls batched), verify them all in one forward, relax their forest at once (a member
-        that takes no batch, tree by tree), accept each, commit them all."""
+        """One step of every unfinished image: draft every tree (grown together where the
+        core grows EAGLE-2 trees, else side by side with the drafter calls batched), verify
+        them all in one forward, relax their forest at once (a member that takes no batch,
+        tree by tree), accept each, commit them all."""
         target, sampling = self.target, self.sampling
         assert isinstance(target, BatchTrees)
-        drafting = {i: lane.propose for i, lane in enumerate(lanes) if not (lane.done or lane.goes_ar)}
-        proposed = lockstep.run(drafting) if lockstep else {i: propose() for i, propose in drafting.items()}
+        drafting = {i: lane for i, lane in enumerate(lanes) if not (lane.done or lane.goes_ar)}
+        proposed = self._draft_together(drafting, lockstep.batch) if lockstep else None
+        if proposed is None:
+            proposing = {i: lane.propose for i, lane in drafting.items()}
+            proposed = lockstep.run(proposing) if lockstep else {i: propose() for i, propose in proposing.items()}
         trees = [proposed[i] if i in proposed else lane.root_tree() for i, lane in enumerate(lanes)]
         start = time.perf_counter()
         out = target.forward_trees(*stack_trees(trees))
@@ -343,6 +347,41 @@ class Engine:
         target.commit_trees(paths)
         for i, step in steps.items():
             lanes[i].advance(*step)
+
+    def _draft_together(self, lanes: Mapping[int, Lane], batch: BatchDrafting) -> dict[int, DraftTree] | None:
+        """Every drafting lane's tree, grown together where the core grows EAGLE-2 trees
+        (no method brings its own, no static tree): one drafter call and one top-k per level
+        for all the lanes that draft one shape (:func:`specimg.tree.build_dynamic_batch`),
+        each tree the one its lane grows alone.  None otherwise: the lanes then propose side
+        by side (:mod:`specimg.lockstep`)."""
+        assert self.hooks is not None
+        shapes = {i: dynamic_shape(lane.tree_config, lane.max_depth) for i, lane in lanes.items()}
+        if not lanes or self.hooks.propose.owner is not None or any(shape is None for shape in shapes.values()):
+            return None
+        start = time.perf_counter()
+        roots = batch.start({i: (lane.hidden, lane.new_ids) for i, lane in lanes.items()})
+        trees: dict[int, DraftTree] = {}
+        for shape in dict.fromkeys(shapes.values()):
+            assert shape is not None
+            depth, topk, nodes, sample = shape
+            images = [i for i in lanes if shapes[i] == shape]
+            if depth == 0:  # the image's last token: the root alone
+                trees.update((i, lanes[i].root_tree()) for i in images)
+                continue
+
+            def expand(parents: Tensor, tokens: Tensor, images: list[int] = images) -> Tensor:
+                fed = batch.expand({i: (parents[g], tokens[g]) for g, i in enumerate(images)})
+                return torch.stack([fed[i] for i in images], dim=1)
+
+            root_index = stalls.on_device([len(lanes[i].tokens) - 1 for i in images], self.device)
+            session = BatchSession(expand, self.sampling, torch.stack([roots[i] for i in images], dim=1), root_index, filtered=sample)
+            generators = [lanes[i].generator for i in images] if sample else None
+            root_tokens = stalls.on_device([lanes[i].tokens[-1] for i in images], self.device)
+            trees.update(zip(images, build_dynamic_batch(session, root_tokens, depth, topk, nodes, sample, generators)))
+        share = (time.perf_counter() - start) / len(lanes)
+        for lane in lanes.values():
+            lane.stats.seconds["draft"] += share
+        return {i: trees[i] for i in lanes}
 
     def _relax_and_accept(
         self, out: TargetOutput, places: Sequence[int], lanes: Sequence[Lane], trees: Sequence[DraftTree], verify: float

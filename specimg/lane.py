@@ -2,9 +2,9 @@
 
 A step is draft -> verify -> relax -> accept -> commit.  The engine verifies (one
 image alone, or every image of a batch in one forward) and commits the target, and
-relaxes (and where it can, walks) a batch's trees together; the image's lane drafts,
-relaxes and accepts an image decoded alone, and keeps the rest: its tokens, generator,
-statistics, planner and drafter."""
+grows, relaxes and (where it can) walks a batch's trees together; the image's lane
+drafts, relaxes and accepts an image decoded alone, and keeps the rest: its tokens,
+generator, statistics, planner and drafter."""
 
 from __future__ import annotations
 
@@ -91,11 +91,21 @@ class Lane:
         yield
         self.stats.seconds[phase] += time.perf_counter() - start
 
+    @property
+    def tree_config(self) -> TreeConfig:
+        """This step's tree: the planner's, else the engine's."""
+        return self.planner.tree if self.planner else self.engine.tree_config
+
+    @property
+    def max_depth(self) -> int:
+        """The deepest tree this step may draft: the tokens still missing after the next."""
+        return self.engine.target.num_tokens - len(self.tokens) - 1
+
     def propose(self) -> DraftTree:
         """This step's draft tree, by the stack's propose_tree."""
         engine, sampling, tokens = self.engine, self.engine.sampling, self.tokens
         assert engine.hooks is not None
-        tree_config = self.planner.tree if self.planner else engine.tree_config
+        tree_config = self.tree_config
         with self.timed("draft"):
             session = None
             if self.drafter is not None:
@@ -103,7 +113,7 @@ class Lane:
                 session = DraftSession(self.drafter, sampling, root_logits, len(tokens) - 1, filtered=tree_config.sample)
             return engine.hooks.propose(
                 session=session, root_token=tokens[-1], tree_config=tree_config,
-                max_depth=engine.target.num_tokens - len(tokens) - 1, previous=self.previous, image_tokens=tokens, target=engine.target,
+                max_depth=self.max_depth, previous=self.previous, image_tokens=tokens, target=engine.target,
                 sampling=sampling, generator=self.generator,
             )
 

@@ -1,5 +1,7 @@
 """A batch's images propose their trees side by side, their drafter calls answered together.
 
+Where the core grows EAGLE-2 trees the engine grows a batch's trees together
+(``tree.build_dynamic_batch``); a method's own ``propose_tree`` and static trees come here.
 Each image of a batch builds its tree with the stack's ``propose_tree`` as it would alone,
 calling its drafter level by level.  Run one after another, B images make B drafter
 forwards per level; here each image proposes in a thread of its own, and its drafter is a

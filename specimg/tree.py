@@ -11,7 +11,7 @@ one top-k per level, whatever the number of nodes, and no host round trip per no
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import torch
@@ -337,6 +337,120 @@ def build_dynamic(
     return grow.tree(keep, sampled=sample)
 
 
+class BatchSession:
+    """One step's drafting for several images of a batch at once, each drafting the same
+    tree shape: :class:`DraftSession`'s distributions, image by image along a leading axis.
+
+    ``expand(parents, tokens)`` ([G, f] session ids and tokens) is the batched drafter's
+    call; it returns their logits [rows, G, f, V].  ``root_index`` [G]: the image token
+    each image's root is (its first drafts predict the next)."""
+
+    def __init__(self, expand: Callable[[Tensor, Tensor], Tensor], sampling: Sampling, root_logits: Tensor, root_index: Tensor, filtered: bool = True):
+        self._expand = expand
+        self.sampling = sampling if filtered else attrs.evolve(sampling, top_k=0, top_p=1.0)
+        self.root_index = root_index
+        self.device = root_logits.device
+        self._depths = torch.zeros(root_index.shape[0], 1, dtype=torch.long, device=self.device)
+        self.root_probs = self._process(root_logits[:, :, None, :], self._depths)[:, 0]
+
+    def _process(self, logits: Tensor, depths: Tensor) -> Tensor:
+        g, f = depths.shape
+        active = cfg_active_at((depths + self.root_index[:, None] + 1).flatten(), self.sampling)
+        return probabilities(logits.flatten(1, 2), self.sampling, active).view(g, f, -1)
+
+    def feed(self, parents: Tensor, tokens: Tensor) -> Tensor:
+        """Feed nodes [G, f] (children of fed session nodes ``parents``) and return their
+        draft distributions [G, f, V]; they get the next session ids in order."""
+        depths = self._depths.gather(1, parents) + 1
+        self._depths = torch.cat([self._depths, depths], dim=1)
+        return self._process(self._expand(parents, tokens).to(self.device), depths)
+
+
+def build_dynamic_batch(
+    session: BatchSession, root_tokens: Tensor, depth: int, topk: int, total_tokens: int, sample: bool = False,
+    generators: Sequence[torch.Generator] | None = None,
+) -> list[DraftTree]:
+    """:func:`build_dynamic` for G images at once (``root_tokens`` [G]), one batched drafter
+    call and one top-k per level for all of them: every image's tree is the one
+    ``build_dynamic`` grows from the same distributions (and, for sampled drafts, the same
+    draws from its own generator)."""
+    device, vocab = session.device, session.root_probs.shape[-1]
+    count = root_tokens.shape[0]
+    topk = min(topk, vocab)
+    levels: list[tuple[Tensor, Tensor, Tensor, Tensor]] = [
+        (root_tokens[:, None], torch.full((count, 1), -1, device=device), torch.zeros(count, 1, device=device), torch.zeros(count, 1, device=device))
+    ]  # (tokens, parents, logq, score) [G, nodes] per level
+    session_of = torch.full((count, 1 + depth * topk * topk), -1, dtype=torch.long, device=device)
+    session_of[:, 0] = 0
+    fed: list[tuple[Tensor, Tensor]] = [(torch.zeros(count, 1, dtype=torch.long, device=device), session.root_probs[:, None])]
+    size, fed_count, width = 1, 0, 0
+    frontier = torch.zeros(count, 1, dtype=torch.long, device=device)
+    frontier_scores = torch.zeros(count, 1, device=device)
+    probs, budget = session.root_probs[:, None], total_tokens - 1
+    for level in range(1, depth + 1):
+        if sample:
+            keep = min(frontier.shape[1], max(0, budget // topk))
+            frontier, frontier_scores, probs = frontier[:, :keep], frontier_scores[:, :keep], probs[:, :keep]
+        if frontier.shape[1] == 0:
+            break
+        tokens, logq = pick_children_batch(probs, topk, sample, generators)
+        scores = frontier_scores[..., None] + logq
+        f, k = tokens.shape[1:]
+        ids = torch.arange(size, size + f * k, device=device)
+        levels.append((tokens.flatten(1), frontier[..., None].expand(-1, f, k).flatten(1), logq.flatten(1), scores.flatten(1)))
+        size, width, budget = size + f * k, max(width, k), budget - f * k
+        if level == depth:
+            break
+        best = torch.sort(scores.flatten(1), dim=1, descending=True, stable=True).indices[:, :topk]  # ties: lower id first
+        frontier, frontier_scores = ids[best], scores.flatten(1).gather(1, best)
+        parents = levels[-1][1].gather(1, best)
+        session_of.scatter_(1, frontier, torch.arange(fed_count + 1, fed_count + 1 + best.shape[1], device=device).expand(count, -1))
+        probs = session.feed(session_of.gather(1, parents), tokens.flatten(1).gather(1, best))
+        fed_count += best.shape[1]
+        fed.append((frontier, probs))
+    tokens, parents, logq, scores = (torch.cat(parts, dim=1) for parts in zip(*levels))
+    depths = torch.cat([torch.full_like(part[1], level) for level, part in enumerate(levels)], dim=1)
+    if not sample:
+        best = torch.sort(scores[:, 1:], dim=1, descending=True, stable=True)
+        kept = [min(total_tokens - 1, size - 1)] * count
+        if not stalls.host_reads_stall(device):  # drop drafts of probability 0 where counting them is free
+            kept = [min(n, drawn) for n, drawn in zip(kept, (best.values > -torch.inf).sum(dim=1).tolist())]
+    trees = []
+    for image in range(count):
+        if sample:
+            keep = torch.nonzero(scores[image] > -torch.inf).squeeze(1)  # drop picks of probability 0
+        else:
+            zero = torch.zeros(1, dtype=torch.long, device=device)
+            keep = torch.cat([zero, best.indices[image, : kept[image]] + 1]).sort().values
+        new_id = torch.full((size,), -1, dtype=torch.long, device=device)
+        new_id[keep] = torch.arange(keep.shape[0], device=device)
+        kept_parents = parents[image, keep]
+        kept_parents = torch.where(kept_parents >= 0, new_id[kept_parents.clamp(min=0)], kept_parents)
+        draft_probs = None
+        if sample:
+            nodes, node_probs = (torch.cat([part[image] for part in c]) for c in zip(*fed))
+            drawn = new_id[nodes] >= 0
+            draft_probs = torch.zeros(keep.shape[0], vocab, device=device)
+            draft_probs[new_id[nodes[drawn]]] = node_probs[drawn]
+        trees.append(DraftTree.from_tensors(
+            tokens[image, keep], kept_parents, depths[image, keep], logq[image, keep], draft_probs, sample, width=width, height=len(levels) - 1
+        ))
+    return trees
+
+
+def pick_children_batch(probs: Tensor, count: int, sample: bool, generators: Sequence[torch.Generator] | None) -> tuple[Tensor, Tensor]:
+    """:func:`pick_children` for several images' rows ``probs`` [G, f, V], image g's
+    sampled picks drawn from ``generators[g]`` as it draws them alone."""
+    logq = probs.log()
+    keys = logq
+    if sample:
+        assert generators is not None
+        uniform = torch.stack([torch.rand(row.shape, generator=g, device=probs.device) for row, g in zip(probs, generators)]).clamp_(min=1e-20)
+        keys = logq - (-uniform.log()).log()
+    top = torch.topk(keys, min(count, probs.shape[-1]), dim=-1).indices
+    return top, logq.gather(-1, top)
+
+
 def build_static(
     session: DraftSession,
     root_token: int,
@@ -391,8 +505,19 @@ def build_tree(
         return _Growth(session, root_token, capacity=1).tree(torch.zeros(1, dtype=torch.long, device=session.device), sampled=False)
     if config.kind == "static":
         return build_static(session, root_token, config.rank_paths, config.sample, generator, max_depth=depth)
-    if config.kind == "chain":
-        return build_dynamic(session, root_token, depth, 1, depth + 1, config.sample, generator)
     if config.kind == "auto":
         raise SpecimgError("an auto tree is resolved by the engine's planner; build_tree takes a concrete shape")
-    return build_dynamic(session, root_token, depth, config.topk, config.total_tokens, config.sample, generator)
+    shape = dynamic_shape(config, max_depth)
+    assert shape is not None
+    return build_dynamic(session, root_token, *shape, generator)
+
+
+def dynamic_shape(config: TreeConfig, max_depth: int) -> tuple[int, int, int, bool] | None:
+    """The EAGLE-2 tree a dynamic or chain ``config`` grows no deeper than ``max_depth``:
+    (depth, top-k, nodes, sampled); None for another kind."""
+    depth = min(config.depth, max_depth)
+    if config.kind == "chain":
+        return depth, 1, depth + 1, config.sample
+    if config.kind == "dynamic":
+        return depth, config.topk, config.total_tokens, config.sample
+    return None

@@ -8,7 +8,8 @@ import torch
 from specimg.config import Sampling, TreeConfig
 from specimg.errors import SpecimgError
 from specimg.testing.markov import MarkovDrafter
-from specimg.tree import DraftSession, DraftTree, build_tree, spans
+from specimg import stalls
+from specimg.tree import BatchSession, DraftSession, DraftTree, build_dynamic, build_dynamic_batch, build_tree, spans
 
 
 def random_parents(n: int, rng: random.Random) -> list[int]:
@@ -124,3 +125,52 @@ def test_sampled_tree_keeps_every_drawn_child_and_its_draft_distribution():
             assert len(kids) == 3
             assert torch.isclose(tree.draft_probs[node].sum(), torch.tensor(1.0))
             assert len({int(tree.tokens[k]) for k in kids}) == 3
+
+
+def tree_fields(tree: DraftTree) -> tuple:
+    return (tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist(), tree.logprobs.tolist(), tree.child_ids.tolist(),
+            tree.height, tree.sampled, None if tree.draft_probs is None else tree.draft_probs.tolist())
+
+
+@pytest.mark.parametrize("device_form", [False, True], ids=["host", "device"])
+@pytest.mark.parametrize(("depth", "topk", "nodes", "sample"), [(4, 3, 10, False), (3, 2, 7, True), (5, 1, 6, False), (2, 4, 20, True), (3, 3, 4, False), (2, 8, 40, False), (2, 8, 40, True)])
+def test_a_batch_of_trees_grows_as_each_tree_alone(monkeypatch, device_form, depth, topk, nodes, sample):
+    """build_dynamic_batch against build_dynamic image by image: the same trees (nodes,
+    log-probs, draft distributions) and, for sampled drafts, the same draws from each
+    image's generator; a Markov drafter whose table masks some tokens (drafts of
+    probability 0) and CFG guiding only the first tokens."""
+    monkeypatch.setattr(stalls, "host_reads_stall", lambda device: device_form)
+    vocab, images = 9, 4
+    table = torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(depth)) * 3
+    table[:, :2] = -1e4  # two tokens of probability 0 (drafted only where fewer are left)
+    sampling = Sampling(cfg_scale=2.0, cfg_interval=2)
+    roots, starts = [1, 4, 1, 7], [0, 1, 5, 2]
+
+    def drafters():
+        out = []
+        for root in roots:
+            drafter = MarkovDrafter(table)
+            drafter.prefill(0, cfg=True)
+            out.append((drafter, drafter.start(torch.zeros(2, 1, 4), torch.tensor([root]))))
+        return out
+
+    alone = []
+    for (drafter, root_logits), root, start, seed in zip(drafters(), roots, starts, range(images)):
+        session = DraftSession(drafter, sampling, root_logits, root_index=start, filtered=sample)
+        alone.append(build_dynamic(session, root, depth, topk, nodes, sample, torch.Generator().manual_seed(seed)))
+    together = drafters()
+
+    def expand(parents, tokens):
+        return torch.stack([drafter.expand(parents[g], tokens[g]) for g, (drafter, _) in enumerate(together)], dim=1)
+
+    session = BatchSession(expand, sampling, torch.stack([logits for _, logits in together], dim=1), torch.tensor(starts), filtered=sample)
+    generators = [torch.Generator().manual_seed(seed) for seed in range(images)]
+    batch = build_dynamic_batch(session, torch.tensor(roots), depth, topk, nodes, sample, generators if sample else None)
+    for image, (one, grown) in enumerate(zip(alone, batch)):
+        assert tree_fields(grown) == tree_fields(one), image
+    if sample:  # each generator made the draws it makes alone
+        for seed, generator in enumerate(generators):
+            alone_generator = torch.Generator().manual_seed(seed)
+            session = DraftSession(drafters()[seed][0], sampling, drafters()[seed][1], root_index=starts[seed], filtered=True)
+            build_dynamic(session, roots[seed], depth, topk, nodes, True, alone_generator)
+            assert torch.equal(generator.get_state(), alone_generator.get_state())
