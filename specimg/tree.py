@@ -374,9 +374,8 @@ def build_dynamic_batch(
     call and one top-k per level for all of them: every image's tree is the one
     ``build_dynamic`` grows from the same distributions (and, for sampled drafts, the same
     draws from its own generator)."""
-    device, vocab = session.device, session.root_probs.shape[-1]
-    count = root_tokens.shape[0]
-    topk = min(topk, vocab)
+    device, count = session.device, root_tokens.shape[0]
+    topk = min(topk, session.root_probs.shape[-1])
     levels: list[tuple[Tensor, Tensor, Tensor, Tensor]] = [
         (root_tokens[:, None], torch.full((count, 1), -1, device=device), torch.zeros(count, 1, device=device), torch.zeros(count, 1, device=device))
     ]  # (tokens, parents, logq, score) [G, nodes] per level
@@ -408,8 +407,20 @@ def build_dynamic_batch(
         probs = session.feed(session_of.gather(1, parents), tokens.flatten(1).gather(1, best))
         fed_count += best.shape[1]
         fed.append((frontier, probs))
-    tokens, parents, logq, scores = (torch.cat(parts, dim=1) for parts in zip(*levels))
+    columns = [torch.cat(parts, dim=1) for parts in zip(*levels)]  # tokens, parents, logq, scores [G, size]
     depths = torch.cat([torch.full_like(part[1], level) for level, part in enumerate(levels)], dim=1)
+    return _kept_trees(*columns, depths, fed, total_tokens, sample, width, len(levels) - 1)
+
+
+def _kept_trees(
+    tokens: Tensor, parents: Tensor, logq: Tensor, scores: Tensor, depths: Tensor, fed: list[tuple[Tensor, Tensor]],
+    total_tokens: int, sample: bool, width: int, height: int,
+) -> list[DraftTree]:
+    """Each image's tree from the grown nodes [G, size]: as :func:`build_dynamic` keeps
+    them (every drawn pick of a sampled tree, else the ``total_tokens`` best), with the
+    draft distributions of the ``fed`` nodes for sampled trees."""
+    count, size = tokens.shape
+    device, vocab = tokens.device, fed[0][1].shape[-1]
     if not sample:
         best = torch.sort(scores[:, 1:], dim=1, descending=True, stable=True)
         kept = [min(total_tokens - 1, size - 1)] * count
@@ -420,8 +431,7 @@ def build_dynamic_batch(
         if sample:
             keep = torch.nonzero(scores[image] > -torch.inf).squeeze(1)  # drop picks of probability 0
         else:
-            zero = torch.zeros(1, dtype=torch.long, device=device)
-            keep = torch.cat([zero, best.indices[image, : kept[image]] + 1]).sort().values
+            keep = torch.cat([torch.zeros(1, dtype=torch.long, device=device), best.indices[image, : kept[image]] + 1]).sort().values
         new_id = torch.full((size,), -1, dtype=torch.long, device=device)
         new_id[keep] = torch.arange(keep.shape[0], device=device)
         kept_parents = parents[image, keep]
@@ -433,7 +443,7 @@ def build_dynamic_batch(
             draft_probs = torch.zeros(keep.shape[0], vocab, device=device)
             draft_probs[new_id[nodes[drawn]]] = node_probs[drawn]
         trees.append(DraftTree.from_tensors(
-            tokens[image, keep], kept_parents, depths[image, keep], logq[image, keep], draft_probs, sample, width=width, height=len(levels) - 1
+            tokens[image, keep], kept_parents, depths[image, keep], logq[image, keep], draft_probs, sample, width=width, height=height
         ))
     return trees
 
