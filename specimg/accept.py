@@ -5,7 +5,7 @@ the accepted child's token or the correction token.  With q = p that is exact
 speculative sampling; with a relaxed q the output follows q.
 
 Where a host read stalls the device (a GPU), sample-and-match and greedy walk the tree as a
-device program (:func:`_walk_on_device`): the host reads the outcome once and the commit
+device program (:func:`walk_forest`, one tree or a batch's): the host reads the outcome once and the commit
 copies nothing back.  On the CPU, where reads are free, they walk on the host, which
 draws only the nodes it reaches.  Both make the same draws from the same generator.
 """
@@ -42,36 +42,12 @@ def _walk(tree: DraftTree, choose: Callable[[int], int]) -> Acceptance:
         path.append(node)
 
 
-def _walk_on_device(tree: DraftTree, choose: Callable[[Tensor], Tensor], keep: Callable[[int], None] = lambda accepted: None) -> Acceptance:
-    """:func:`_walk` as a device program of ``tree.height + 1`` levels, whatever the outcome:
-    ``choose(node)`` ([1] node id -> [1] token) runs at every level, and once the walk has
-    stopped its choices are ignored.  The host reads the outcome in one copy, then
-    ``keep(accepted)`` learns how many levels counted."""
-    tokens, ids = tree.candidates()
-    node = torch.zeros(1, dtype=torch.long, device=tokens.device)
-    walking = torch.ones(1, dtype=torch.bool, device=tokens.device)
-    reached, chosen = [], []
-    for _ in range(tree.height + 1):
-        choice = choose(node)
-        hit = (tokens[node] == choice[:, None]) & (ids[node] >= 0)  # [1, C]; a node's children have distinct tokens
-        chosen.append(choice)  # while walking: the matched child's token, or at the stop the next token
-        walking = walking & hit.any(dim=1)
-        node = torch.where(walking, (ids[node] * hit).sum(dim=1), node)
-        reached.append(torch.where(walking, node, -1))
-    levels, choices = torch.cat(reached), torch.cat(chosen)
-    accepted = (levels >= 0).sum(dim=0, keepdim=True)
-    outcome = torch.cat([accepted, levels, choices]).tolist()  # the one host read
-    count, depth = outcome[0], tree.height + 1
-    keep(count)
-    path = torch.cat([node.new_zeros(1), levels[:count]])
-    token_list = outcome[1 + depth : 1 + depth + count + 1]
-    return Acceptance([0, *outcome[1 : 1 + count]], token_list[-1], Walked(path, choices[: count + 1], token_list))
-
-
 def walk_forest(forest: DraftTree, roots: Sequence[int], dist: Tensor, generators: Sequence[torch.Generator] | None) -> list[Acceptance]:
     """Sample-and-match (with ``generators``, one per tree) or greedy (None) on every tree of
-    a forest (:meth:`DraftTree.forest`, its roots at ``roots``) as one device program of
-    ``forest.height + 1`` levels: the batch's host read is one for all its images.
+    a forest (:meth:`DraftTree.forest`, its roots at ``roots``; or one tree, root 0) as one
+    device program of ``forest.height + 1`` levels, whatever the outcome: the host reads
+    the outcome once for every tree (the generators' states are host-side copies on CUDA:
+    no wait), and the levels after a walk stopped are ignored.
 
     Each level draws once per tree with that tree's generator, as
     ``torch.multinomial(row, 1)`` draws one token (an Exp(1) variate per entry from the
@@ -126,21 +102,14 @@ def sample_and_match(tree: DraftTree, dist: Tensor, generator: torch.Generator |
     """
     if generator is None or not stalls.host_reads_stall(dist.device):
         return _walk(tree, lambda node: int(torch.multinomial(dist[node], 1, generator=generator)))
-    states = [generator.get_state()]  # a host-side copy on CUDA (seed and offset): no wait
-
-    def draw(node: Tensor) -> Tensor:
-        choice = torch.multinomial(dist[node], 1, generator=generator).squeeze(1)
-        states.append(generator.get_state())
-        return choice
-
-    return _walk_on_device(tree, draw, lambda accepted: generator.set_state(states[accepted + 1]))
+    return walk_forest(tree, [0], dist, [generator])[0]
 
 
 def greedy(tree: DraftTree, dist: Tensor) -> Acceptance:
     """Temperature 0: each node's token is argmax of its distribution (one host copy)."""
     choices = dist.argmax(dim=-1)
     if stalls.host_reads_stall(dist.device):
-        return _walk_on_device(tree, choices.__getitem__)
+        return walk_forest(tree, [0], dist, None)[0]
     return _walk(tree, choices.tolist().__getitem__)
 
 

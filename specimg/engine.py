@@ -399,17 +399,17 @@ class Engine:
         start = time.perf_counter()
         dist = self.relax(forest, scores, trees)
         relaxed = time.perf_counter()
+        own = [scores.nodes(a, b) for a, b in rows]  # each image's scores, and its q_R (p itself where nothing relaxed)
+        dists = [mine.probs if dist is scores.probs else dist[a:b] for mine, (a, b) in zip(own, rows)]
         if self._walks_together(forest):
             results = acceptance.walk_forest(forest, [a for a, _ in rows], dist, None if self.sampling.greedy else [lane.generator for lane in lanes])
         else:
-            results = [self.accept(tree, dist[a:b], scores.nodes(a, b), lane.generator) for lane, tree, (a, b) in zip(lanes, trees, rows)]
+            results = [self.accept(*step, lane.generator) for lane, step in zip(lanes, zip(trees, dists, own))]
         shares = ((relaxed - start) / len(lanes), (time.perf_counter() - relaxed) / len(lanes))
         steps = {}
-        for place, lane, tree, (a, b), result in zip(places, lanes, trees, rows, results):
+        for place, lane, tree, mine, dist_of, result in zip(places, lanes, trees, own, dists, results):
             for phase, seconds in zip(("verify", "relax", "accept"), (verify, *shares)):
                 lane.stats.seconds[phase] += seconds
-            mine = scores.nodes(a, b)
-            dist_of = mine.probs if dist is scores.probs else dist[a:b]
             steps[place] = (tree, mine, dist_of, result, lane.walked(tree, mine, dist_of, result))
         return steps
 

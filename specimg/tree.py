@@ -211,13 +211,8 @@ def pick_children(probs: Tensor, count: int, sample: bool, generator: torch.Gene
     """Per row of ``probs`` [f, V]: the drafter's top-``count`` tokens, or ``count`` tokens
     drawn without replacement (Gumbel-top-k keeps the draw order), and their log-probs
     [f, count]; a pick of probability 0 has log-prob -inf and must not be kept."""
-    logq = probs.log()
-    keys = logq
-    if sample:
-        uniform = torch.rand(probs.shape, generator=generator, device=probs.device).clamp_(min=1e-20)
-        keys = logq - (-uniform.log()).log()
-    top = torch.topk(keys, min(count, probs.shape[-1]), dim=-1).indices
-    return top, logq.gather(-1, top)
+    top, logq = pick_children_batch(probs[None], count, sample, [generator])
+    return top[0], logq[0]
 
 
 class _Growth:
@@ -448,9 +443,9 @@ def _kept_trees(
     return trees
 
 
-def pick_children_batch(probs: Tensor, count: int, sample: bool, generators: Sequence[torch.Generator] | None) -> tuple[Tensor, Tensor]:
+def pick_children_batch(probs: Tensor, count: int, sample: bool, generators: Sequence[torch.Generator | None] | None) -> tuple[Tensor, Tensor]:
     """:func:`pick_children` for several images' rows ``probs`` [G, f, V], image g's
-    sampled picks drawn from ``generators[g]`` as it draws them alone."""
+    sampled picks drawn from ``generators[g]`` (None: torch's default generator)."""
     logq = probs.log()
     keys = logq
     if sample:
