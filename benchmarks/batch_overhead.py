@@ -13,14 +13,23 @@ with the same cost model (auto trees plan with the model measured at the batch s
 a relaxed method's images at another size differ by their plans, not by rounding).
 Auto trees send most steps to AR on a CPU; ``--tree DEPTH,TOPK,NODES`` drafts fixed
 EAGLE-2 trees instead, so that every step drafts, relaxes and accepts.
+
+``--split`` decodes each timed batch a second time (same seeds, so the same steps) with
+every torch operation outside the forwards timed (a TorchFunctionMode around each call),
+and splits "outside" into the operations' time and the rest: the Python of the loop,
+which is what must not grow with the batch.  The operations' time grows with the rows
+they touch (top-k over the vocabulary, the draws) and is arithmetic a GPU runs
+asynchronously; their count per step is what a GPU pays in launches.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from specimg.config import TreeConfig
 from specimg.engine import Engine
@@ -35,18 +44,52 @@ FORWARDS = {
 }
 
 
-def time_forwards(inside: list[float]) -> None:
-    """Add the time of every model forward to ``inside[0]`` (patched on the classes, so the
-    drafter replicas of a batch are timed too)."""
+class Clock:
+    """Time spent inside the models' forwards, and (when ``ops`` is on) the time and
+    number of torch operations called outside them."""
+
+    def __init__(self) -> None:
+        self.forwards = self.ops_time = 0.0
+        self.ops = self.depth = 0
+
+    def reset(self) -> None:
+        self.forwards = self.ops_time = 0.0
+        self.ops = 0
+
+
+class OpClock(TorchFunctionMode):
+    """Times each torch operation called outside a forward."""
+
+    def __init__(self, clock: Clock):
+        super().__init__()
+        self.clock = clock
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if self.clock.depth or getattr(func, "__name__", "") == "__get__":  # inside a forward, or reading an attribute (.shape)
+            return func(*args, **(kwargs or {}))
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        self.clock.ops_time += time.perf_counter() - start
+        self.clock.ops += 1
+        return out
+
+
+def time_forwards(clock: Clock) -> None:
+    """Add the time of every model forward to ``clock.forwards`` (patched on the classes,
+    so the drafter replicas of a batch are timed too)."""
     for cls, names in FORWARDS.items():
         for name in names:
             forward = getattr(cls, name)
 
             def timed(*a, _forward=forward, **k):
+                clock.depth += 1
                 start = time.perf_counter()
-                out = _forward(*a, **k)
-                inside[0] += time.perf_counter() - start
-                return out
+                try:
+                    return _forward(*a, **k)
+                finally:
+                    if clock.depth == 1:
+                        clock.forwards += time.perf_counter() - start
+                    clock.depth -= 1
 
             setattr(cls, name, timed)
 
@@ -62,32 +105,39 @@ def main() -> None:
     parser.add_argument("--methods", default="ar,naive", type=lambda t: t.split(","))
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--tree", type=fixed_tree, default=TreeConfig(), help="DEPTH,TOPK,NODES (default: auto)")
+    parser.add_argument("--split", action="store_true", help="split the time outside the forwards into torch operations and Python")
     args = parser.parse_args()
     torch.set_num_threads(1)
     models, sampling = load_demo(), demo_sampling()
     labels = [i % 10 for i in range(max(args.batch_sizes))]
-    inside = [0.0]
-    time_forwards(inside)
+    clock = Clock()
+    time_forwards(clock)
     alone = {}  # per method and size: the images of seeds 0, 1, ... decoded one at a time, planned alike
-    print("| round | method | batch size | wall s | steps | in forwards s | outside, per step | outside, per image and step | tokens unlike alone |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    split = " torch ops, per step | ops per step | Python, per step |" if args.split else ""
+    print(f"| round | method | batch size | wall s | steps | in forwards s | outside, per step | outside, per image and step |{split} tokens unlike alone |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|" + "---:|" * (4 if args.split else 1))
     for round_ in range(args.rounds):
         for method in args.methods:
             for size in args.batch_sizes:
                 drafter = None if method == "ar" else models.drafter
                 engine = Engine(models.target, drafter, method, sampling=sampling, tree=args.tree, tokenizer=models.tokenizer, batch_size=size)
                 engine.generate(labels[:size], seed=50)
-                inside[0] = 0.0
+                clock.reset()
                 start = time.perf_counter()
                 result = engine.generate(labels[:size], seed=0)
-                wall, forwards = time.perf_counter() - start, inside[0]
+                wall, forwards = time.perf_counter() - start, clock.forwards
+                if args.split:  # the same batch again (same seeds, same steps), its operations timed
+                    with OpClock(clock):
+                        engine.generate(labels[:size], seed=0)
                 steps = max(s.target_forwards for s in result.stats.images)
                 outside = 1e6 * (wall - forwards) / steps
+                ops = 1e6 * clock.ops_time / steps
+                split = f" {ops:.0f} us | {clock.ops / steps:.0f} | {outside - ops:.0f} us |" if args.split else ""
                 if (method, size) not in alone:
                     one = Engine(models.target, drafter, method, sampling=sampling, tree=args.tree, tokenizer=models.tokenizer, cost_model=engine.cost_model)
                     alone[method, size] = torch.cat([one.generate([label], seed=i).tokens for i, label in enumerate(labels[:size])])
                 differ = int((result.tokens != alone[method, size]).sum())
-                print(f"| {round_} | {method} | {size} | {wall:.2f} | {steps} | {forwards:.2f} | {outside:.0f} us | {outside / size:.0f} us | {differ} of {result.tokens.numel()} |")
+                print(f"| {round_} | {method} | {size} | {wall:.2f} | {steps} | {forwards:.2f} | {outside:.0f} us | {outside / size:.0f} us |{split} {differ} of {result.tokens.numel()} |")
 
 
 if __name__ == "__main__":

@@ -4,15 +4,16 @@ Every rule here emits, at each node it reaches, a sample of that node's distribu
 the accepted child's token or the correction token.  With q = p that is exact
 speculative sampling; with a relaxed q the output follows q.
 
-Where a host read stalls the device (a GPU), sample-and-match and greedy walk the tree as a
-device program (:func:`walk_forest`, one tree or a batch's): the host reads the outcome once and the commit
-copies nothing back.  On the CPU, where reads are free, they walk on the host, which
-draws only the nodes it reaches.  Both make the same draws from the same generator.
+Sample-and-match and greedy walk one tree or a batch's forest (:func:`walk_forest`).  Where
+a host read stalls the device (a GPU), the walk is a device program: the host reads the
+outcome once and the commit copies nothing back.  On the CPU, where reads are free, they
+walk on the host, which draws only the nodes it reaches.  Both make the same draws from
+the same generator.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -29,32 +30,52 @@ def rejects_recursively(sampling: Sampling, exact: bool, tree: DraftTree) -> boo
     return not sampling.greedy and exact and tree.sampled
 
 
-def _walk(tree: DraftTree, choose: Callable[[int], int]) -> Acceptance:
-    """From the root, descend to the child whose token is ``choose(node)``; emit the first
-    choice that is no child.  The candidates cross to the host once per step."""
-    tokens, ids = (t.tolist() for t in tree.candidates())
-    path, node = [0], 0
-    while True:
-        choice = choose(node)
-        if choice not in tokens[node]:
-            return Acceptance(path, choice)
-        node = ids[node][tokens[node].index(choice)]
-        path.append(node)
+def walk_forest(forest: DraftTree, roots: Sequence[int], dist: Tensor, generators: Sequence[torch.Generator | None] | None) -> list[Acceptance]:
+    """Sample-and-match (with ``generators``, one per tree) or greedy (None) on every tree
+    of a forest (:meth:`DraftTree.forest`, its roots at ``roots``; or one tree, root 0).
+
+    Where a host read stalls, one device program for every tree (:func:`_walk_on_device`);
+    else on the host, each tree drawing only at the nodes its walk reaches, the candidates
+    read once for all.  Both make the same draws and leave each generator as drawing alone
+    would.  Paths and tokens come back per tree, in that tree's own node ids, with their
+    device tensors (``walked``) made in one copy."""
+    if not stalls.host_reads_stall(dist.device) or (generators is not None and None in generators):
+        return _walk_on_host(forest, roots, dist, generators)
+    return _walk_on_device(forest, roots, dist, generators)  # type: ignore[arg-type]
 
 
-def walk_forest(forest: DraftTree, roots: Sequence[int], dist: Tensor, generators: Sequence[torch.Generator] | None) -> list[Acceptance]:
-    """Sample-and-match (with ``generators``, one per tree) or greedy (None) on every tree of
-    a forest (:meth:`DraftTree.forest`, its roots at ``roots``; or one tree, root 0) as one
-    device program of ``forest.height + 1`` levels, whatever the outcome: the host reads
-    the outcome once for every tree (the generators' states are host-side copies on CUDA:
-    no wait), and the levels after a walk stopped are ignored.
+def _walk_on_host(forest: DraftTree, roots: Sequence[int], dist: Tensor, generators: Sequence[torch.Generator | None] | None) -> list[Acceptance]:
+    """Each tree's walk on the host: descend to the child whose token is the node's draw
+    (greedy: its argmax); emit the first draw that is no child."""
+    tokens, ids = (t.tolist() for t in forest.candidates())
+    best = dist.argmax(dim=-1).tolist() if generators is None else []
+    walks = []
+    for walker, root in enumerate(roots):
+        path, node = [root], root
+        while True:
+            choice = best[node] if generators is None else int(torch.multinomial(dist[node], 1, generator=generators[walker]))
+            if choice not in tokens[node]:
+                break
+            node = ids[node][tokens[node].index(choice)]
+            path.append(node)
+        walks.append((path, choice))
+    node_tokens = forest.tokens.tolist()
+    new_tokens = [[node_tokens[node] for node in path[1:]] + [choice] for path, choice in walks]
+    paths = [[node - path[0] for node in path] for path, _ in walks]
+    parts = stalls.on_device([value for path, new in zip(paths, new_tokens) for value in (*path, *new)], dist.device).split(
+        [length for path in paths for length in (len(path), len(path))])
+    return [Acceptance(path, new[-1], Walked(parts[2 * i], parts[2 * i + 1], new)) for i, (path, new) in enumerate(zip(paths, new_tokens))]
+
+
+def _walk_on_device(forest: DraftTree, roots: Sequence[int], dist: Tensor, generators: Sequence[torch.Generator] | None) -> list[Acceptance]:
+    """Every tree's walk as one device program of ``forest.height + 1`` levels, whatever
+    the outcome: the host reads the outcome once for every tree (the generators' states
+    are host-side copies on CUDA: no wait), and the levels after a walk stopped are ignored.
 
     Each level draws once per tree with that tree's generator, as
     ``torch.multinomial(row, 1)`` draws one token (an Exp(1) variate per entry from the
     generator, the argmax of row / variate: the same draws and the same generator state),
-    and every tree's generator is then set back to its state after the draws that counted,
-    as :func:`sample_and_match` does for one tree.  Paths and tokens come back per tree, in
-    that tree's own node ids."""
+    and every tree's generator is then set back to its state after the draws that counted."""
     tokens, ids = forest.candidates()
     device, walkers = tokens.device, len(roots)
     start = stalls.on_device(list(roots), device)
@@ -96,21 +117,15 @@ def sample_and_match(tree: DraftTree, dist: Tensor, generator: torch.Generator |
 
     Exact for any tree built from draft-side information: each draw is fresh and
     independent of the tree.  The nodes on the path are drawn in path order, so the draws
-    are those of AR decoding with the same generator.  On the host: one round trip per
-    accepted token.  On a device (with a generator): one draw per level whatever the
-    outcome, then the generator is set back to its state after the draws that counted.
-    """
-    if generator is None or not stalls.host_reads_stall(dist.device):
-        return _walk(tree, lambda node: int(torch.multinomial(dist[node], 1, generator=generator)))
+    are those of AR decoding with the same generator (:func:`walk_forest`: on the host one
+    round trip per accepted token; on a device one draw per level whatever the outcome,
+    the generator then set back to its state after the draws that counted)."""
     return walk_forest(tree, [0], dist, [generator])[0]
 
 
 def greedy(tree: DraftTree, dist: Tensor) -> Acceptance:
-    """Temperature 0: each node's token is argmax of its distribution (one host copy)."""
-    choices = dist.argmax(dim=-1)
-    if stalls.host_reads_stall(dist.device):
-        return walk_forest(tree, [0], dist, None)[0]
-    return _walk(tree, choices.tolist().__getitem__)
+    """Temperature 0: each node's token is argmax of its distribution (:func:`walk_forest`)."""
+    return walk_forest(tree, [0], dist, None)[0]
 
 
 def recursive_rejection(tree: DraftTree, target_dist: Tensor, generator: torch.Generator | None) -> Acceptance:

@@ -28,7 +28,7 @@ from specimg.sampling import cfg_active_at, probabilities
 from specimg.stackhooks import MemberHook, StackHooks
 from specimg.stats import ImageStats, RunStats
 from specimg.step import Acceptance, Scores, Walked, scores_of
-from specimg.tree import BatchSession, DraftTree, build_dynamic_batch, dynamic_shape, spans, stack_trees
+from specimg.tree import BatchSession, DraftTree, build_dynamic_batch, dynamic_shape, stack_trees
 
 OnImage = Callable[[int, Tensor, ImageStats], None]
 """Called with an image's index among the conditions, its tokens and statistics when it is done."""
@@ -323,10 +323,12 @@ class Engine:
         target, sampling = self.target, self.sampling
         assert isinstance(target, BatchTrees)
         drafting = {i: lane for i, lane in enumerate(lanes) if not (lane.done or lane.goes_ar)}
-        proposed = self._draft_together(drafting, lockstep.batch) if lockstep else None
-        if proposed is None:
+        together = self._draft_together(drafting, lockstep.batch) if lockstep else None
+        if together is None:
             proposing = {i: lane.propose for i, lane in drafting.items()}
-            proposed = lockstep.run(proposing) if lockstep else {i: propose() for i, propose in proposing.items()}
+            proposed, forest = lockstep.run(proposing) if lockstep else {i: propose() for i, propose in proposing.items()}, None
+        else:
+            proposed, forest = together
         trees = [proposed[i] if i in proposed else lane.root_tree() for i, lane in enumerate(lanes)]
         start = time.perf_counter()
         out = target.forward_trees(*stack_trees(trees))
@@ -341,19 +343,24 @@ class Engine:
                 paths[i] = torch.zeros(1, dtype=torch.long, device=self.device)  # the root alone
                 if lane.progress:
                     lane.progress(1)
-        steps = self._relax_and_accept(out, list(proposed), [lanes[i] for i in proposed], list(proposed.values()), verify) if proposed else {}
+        steps = {}
+        if proposed:
+            drafted = list(proposed.values())
+            forest = forest if forest is not None else DraftTree.forest(drafted)
+            steps = self._relax_and_accept(out, list(proposed), [lanes[i] for i in proposed], forest, drafted, verify)
         for i, step in steps.items():
             paths[i] = step[-1].path
         target.commit_trees(paths)
         for i, step in steps.items():
             lanes[i].advance(*step)
 
-    def _draft_together(self, lanes: Mapping[int, Lane], batch: BatchDrafting) -> dict[int, DraftTree] | None:
+    def _draft_together(self, lanes: Mapping[int, Lane], batch: BatchDrafting) -> tuple[dict[int, DraftTree], DraftTree | None] | None:
         """Every drafting lane's tree, grown together where the core grows EAGLE-2 trees
         (no method brings its own, no static tree): one drafter call and one top-k per level
         for all the lanes that draft one shape (:func:`specimg.tree.build_dynamic_batch`),
-        each tree the one its lane grows alone.  None otherwise: the lanes then propose side
-        by side (:mod:`specimg.lockstep`)."""
+        each tree the one its lane grows alone; and where every lane drafted one shape,
+        their forest.  None otherwise: the lanes then propose side by side
+        (:mod:`specimg.lockstep`)."""
         assert self.hooks is not None
         shapes = {i: dynamic_shape(lane.tree_config, lane.max_depth) for i, lane in lanes.items()}
         if not lanes or self.hooks.propose.owner is not None or any(shape is None for shape in shapes.values()):
@@ -361,6 +368,7 @@ class Engine:
         start = time.perf_counter()
         roots = batch.start({i: (lane.hidden, lane.new_ids) for i, lane in lanes.items()})
         trees: dict[int, DraftTree] = {}
+        forest = None
         for shape in dict.fromkeys(shapes.values()):
             assert shape is not None
             depth, topk, nodes, sample = shape
@@ -377,27 +385,27 @@ class Engine:
             session = BatchSession(expand, self.sampling, torch.stack([roots[i] for i in images], dim=1), root_index, filtered=sample)
             generators = [lanes[i].generator for i in images] if sample else None
             root_tokens = stalls.on_device([lanes[i].tokens[-1] for i in images], self.device)
-            trees.update(zip(images, build_dynamic_batch(session, root_tokens, depth, topk, nodes, sample, generators)))
+            forest = build_dynamic_batch(session, root_tokens, depth, topk, nodes, sample, generators)
+            trees.update(zip(images, forest.trees()))
         share = (time.perf_counter() - start) / len(lanes)
         for lane in lanes.values():
             lane.stats.seconds["draft"] += share
-        return {i: trees[i] for i in lanes}
+        return {i: trees[i] for i in lanes}, forest if forest is not None and len(forest.sizes) == len(lanes) else None
 
     def _relax_and_accept(
-        self, out: TargetOutput, places: Sequence[int], lanes: Sequence[Lane], trees: Sequence[DraftTree], verify: float
+        self, out: TargetOutput, places: Sequence[int], lanes: Sequence[Lane], forest: DraftTree, trees: Sequence[DraftTree], verify: float
     ) -> dict[int, tuple[DraftTree, Scores, Tensor, Acceptance, Walked]]:
-        """The batch's drafted trees (of ``lanes`` at ``places``, verified in ``out``) as one
-        forest: their scores and q_R in one pass each, then every lane's acceptance of its
-        own rows, in one device program where the core's rule walks on a device
-        (:func:`specimg.accept.walk_forest`), else lane by lane.  Per place: what its lane's
-        ``advance`` takes."""
-        device, bucket = self.device, out.logits.shape[2]
-        forest, rows = DraftTree.forest(trees), spans(trees)
+        """The batch's drafted ``trees`` (of ``lanes`` at ``places``, verified in ``out``)
+        as their ``forest``: their scores and q_R in one pass each, then every lane's
+        acceptance of its own rows, all walked together where the core's rule walks
+        (:func:`specimg.accept.walk_forest`: one device program on a device), else lane by
+        lane.  Per place: what its lane's ``advance`` takes."""
+        device, bucket, rows = self.device, out.logits.shape[2], forest.spans
         nodes = stalls.on_device([place * bucket + node for place, tree in zip(places, trees) for node in range(tree.size)], device)
         predicted = stalls.on_device([len(lane.tokens) for lane in lanes], device)  # the image token each root predicts
         scores = scores_of(TargetOutput(*(t if t is None else t.flatten(1, 2)[:, nodes] for t in out)), forest, self.sampling, predicted[forest.images])
         start = time.perf_counter()
-        dist = self.relax(forest, scores, trees)
+        dist = self.relax(forest, scores)
         relaxed = time.perf_counter()
         own = [scores.nodes(a, b) for a, b in rows]  # each image's scores, and its q_R (p itself where nothing relaxed)
         dists = [mine.probs if dist is scores.probs else dist[a:b] for mine, (a, b) in zip(own, rows)]
@@ -414,12 +422,10 @@ class Engine:
         return steps
 
     def _walks_together(self, forest: DraftTree) -> bool:
-        """Whether a batch's trees are walked in one device program: under the core's
-        default rule when it walks (not recursive rejection), where a host read stalls.  On
-        the CPU each lane walks on the host, drawing only at the nodes it reaches."""
+        """Whether a batch's trees are walked together (:func:`specimg.accept.walk_forest`):
+        under the core's default rule when it walks (not recursive rejection)."""
         assert self.hooks is not None and self.stack is not None
-        default = self.hooks.accept.owner is None and not acceptance.rejects_recursively(self.sampling, self.stack.delta == 0.0, forest)
-        return default and stalls.host_reads_stall(self.device)
+        return self.hooks.accept.owner is None and not acceptance.rejects_recursively(self.sampling, self.stack.delta == 0.0, forest)
 
     def _finish_ar_batch(self, lanes: Sequence[Lane], progress: Callable[[int], None] | None, steps: int) -> None:
         """``steps`` AR steps of every unfinished image (their planners found no tree that
@@ -548,28 +554,28 @@ class Engine:
         if drawn:
             tokens.extend(torch.cat(drawn).tolist())
 
-    def relaxers(self, tree: DraftTree, scores: Scores, trees: Sequence[DraftTree] | None = None) -> list[tuple[str, float, Callable[..., Tensor | None]]]:
+    def relaxers(self, tree: DraftTree, scores: Scores) -> list[tuple[str, float, Callable[..., Tensor | None]]]:
         """The stack's build_relaxed_dist hooks bound to one step: (method, delta, relax).
-        For a batch, ``tree`` is the forest of ``trees``: a member that takes a batch relaxes
-        it in one call, any other tree by tree."""
+        For a batch, ``tree`` is a forest: a member that takes a batch relaxes it in one
+        call, any other tree by tree."""
         assert self.hooks is not None
 
         def bind(hook: Callable[..., Tensor | None], tree: DraftTree, scores: Scores) -> Callable[..., Tensor | None]:
             return functools.partial(hook, target_dist=scores.probs, tree=tree, scores=scores, target=self.target, tokenizer=self.tokenizer)
 
         def bound(hook: MemberHook) -> Callable[..., Tensor | None]:
-            if trees is None or hook.batch:
+            if tree.images is None or hook.batch:
                 return bind(hook, tree, scores)
-            rows = spans(trees)
-            return relax.tree_by_tree([bind(hook, one, scores.nodes(*span)) for one, span in zip(trees, rows)], rows)
+            rows = tree.spans
+            return relax.tree_by_tree([bind(hook, one, scores.nodes(*span)) for one, span in zip(tree.trees(), rows)], rows)
 
         return [(r.method, r.delta, bound(r)) for r in self.hooks.relaxers]
 
-    def relax(self, tree: DraftTree, scores: Scores, trees: Sequence[DraftTree] | None = None) -> Tensor:
-        """q_R [n, V] for one step: the stack's relaxations folded under its one budget (for
-        a batch, of the forest ``tree`` of ``trees``, :meth:`relaxers`)."""
+    def relax(self, tree: DraftTree, scores: Scores) -> Tensor:
+        """q_R [n, V] for one step: the stack's relaxations folded under its one budget (of
+        one tree, or of a batch's forest: :meth:`relaxers`)."""
         assert self.stack is not None
-        return relax.fold(scores.probs, self.relaxers(tree, scores, trees), self.stack.delta, check=self.check_relax)
+        return relax.fold(scores.probs, self.relaxers(tree, scores), self.stack.delta, check=self.check_relax)
 
     def accept(self, tree: DraftTree, dist: Tensor, scores: Scores, generator: torch.Generator) -> Acceptance:
         """One step's acceptance by the stack's accept hook or the core's default."""

@@ -30,11 +30,12 @@ class DraftTree:
     """A proposal: per node its token, parent (-1 at the root), depth, the ancestor mask
     [n, n], the drafter's log-prob of the token under its parent's draft distribution
     (0 at the root), each node's children padded with -1 as ``child_ids`` [n, C] (in
-    draft-rank order), the deepest depth ``height``, and for sampled trees the draft distribution each node's children
+    draft-rank order), ``height`` (the deepest depth, or a bound on it), and for sampled trees the draft distribution each node's children
     were drawn from ([n, V], zero rows for nodes without children).
 
-    A forest (:meth:`forest`) holds several images' trees as one: every tree's root has
-    parent -1, and ``images`` [n] names the tree each node belongs to (None: one tree)."""
+    A forest (:meth:`forest`) holds several images' trees as one, tree after tree: every
+    tree's root has parent -1, ``images`` [n] names the tree each node belongs to (None:
+    one tree) and ``sizes`` holds each tree's node count."""
 
     tokens: Tensor
     parents: Tensor
@@ -46,6 +47,7 @@ class DraftTree:
     draft_probs: Tensor | None = None
     sampled: bool = False
     images: Tensor | None = None
+    sizes: tuple[int, ...] = ()
 
     @classmethod
     def from_parents(
@@ -85,26 +87,29 @@ class DraftTree:
         sampled: bool = False,
         width: int | None = None,
         height: int | None = None,
+        images: Tensor | None = None,
+        sizes: Sequence[int] = (),
     ) -> DraftTree:
-        """A tree from node tensors whose parents precede their children (unchecked: the
-        builders guarantee it).  ``width`` (most children of a node) and ``height``
-        (deepest depth) save a host round trip each when the caller knows a bound."""
+        """A tree, or a forest (with ``images`` and ``sizes``), from node tensors whose
+        parents precede their children (unchecked: the builders guarantee it).  ``width``
+        (most children of a node) and ``height`` (deepest depth) save a host round trip
+        each when the caller knows a bound."""
         n, device = tokens.shape[0], tokens.device
         if height is None:
             height = int(depths.max())
         mask = torch.eye(n, dtype=torch.bool, device=device)
         for level in range(1, height + 1):  # ancestors-or-self: the parent's final row plus oneself
             mask = mask | (mask[parents.clamp(min=0)] & (depths == level)[:, None])
-        child_parents = parents[1:]
-        counts = torch.bincount(child_parents, minlength=n)
+        slot = torch.where(parents >= 0, parents, n)  # roots count as the children of a spare slot n
+        counts = torch.bincount(slot, minlength=n + 1)
         if width is None:
-            width = int(counts.max()) if n > 1 else 0
-        order = torch.sort(child_parents, stable=True)  # children of a node stay in id (= draft-rank) order
-        first = counts.cumsum(0) - counts
-        rank = torch.arange(n - 1, device=device) - first[order.values]
-        child_ids = torch.full((n, max(1, width)), -1, dtype=torch.long, device=device)
-        child_ids[order.values, rank] = order.indices + 1
-        return cls(tokens, parents, depths, mask, logprobs, child_ids, height, draft_probs, sampled)
+            width = int(counts[:n].max())
+        columns = max(1, width)
+        order = torch.sort(slot, stable=True)  # children of a node stay in id (= draft-rank) order
+        rank = torch.arange(n, device=device) - (counts.cumsum(0) - counts)[order.values]
+        child_ids = torch.full((n + 1, columns), -1, dtype=torch.long, device=device)
+        child_ids[order.values, rank.clamp(max=columns - 1)] = order.indices  # the spare slot's row is dropped
+        return cls(tokens, parents, depths, mask, logprobs, child_ids[:n], height, draft_probs, sampled, images, tuple(sizes))
 
     @classmethod
     def forest(cls, trees: Sequence[DraftTree]) -> DraftTree:
@@ -135,11 +140,32 @@ class DraftTree:
             draft_probs=draft_probs,
             sampled=all(t.sampled for t in trees),
             images=images,
+            sizes=tuple(sizes),
         )
 
     @property
+    def spans(self) -> list[tuple[int, int]]:
+        """Where a forest's trees lie: (start, stop) per tree."""
+        ends = list(itertools.accumulate(self.sizes))
+        return list(zip([0, *ends[:-1]], ends))
+
+    def trees(self) -> list[DraftTree]:
+        """A forest's trees, each in its own node ids (views of the forest's nodes; each
+        keeps the forest's ``height``, a bound on its own)."""
+        assert self.images is not None, "not a forest"
+        spans = self.spans
+        offset = stalls.on_device([a for a, _ in spans], self.tokens.device)[self.images]  # each node's tree's first id
+        parents = torch.where(self.parents >= 0, self.parents - offset, -1)
+        child_ids = torch.where(self.child_ids >= 0, self.child_ids - offset[:, None], -1)
+        return [
+            DraftTree(self.tokens[a:b], parents[a:b], self.depths[a:b], self.mask[a:b, a:b], self.logprobs[a:b], child_ids[a:b], self.height,
+                      None if self.draft_probs is None else self.draft_probs[a:b], self.sampled)
+            for a, b in spans
+        ]
+
+    @property
     def size(self) -> int:
-        return int(self.tokens.numel())
+        return self.tokens.shape[0]
 
     @property
     def children(self) -> tuple[tuple[int, ...], ...]:
@@ -151,12 +177,6 @@ class DraftTree:
         a node has fewer than C children; columns are in draft-rank order."""
         ids = self.child_ids
         return torch.where(ids >= 0, self.tokens[ids.clamp(min=0)], torch.full_like(ids, -1)), ids
-
-
-def spans(trees: Sequence[DraftTree]) -> list[tuple[int, int]]:
-    """Where each tree's nodes lie in their forest (:meth:`DraftTree.forest`): (start, stop)."""
-    ends = list(itertools.accumulate(t.size for t in trees))
-    return list(zip([0, *ends[:-1]], ends))
 
 
 def stack_trees(trees: Sequence[DraftTree]) -> tuple[Tensor, Tensor, Tensor]:
@@ -364,11 +384,11 @@ class BatchSession:
 def build_dynamic_batch(
     session: BatchSession, root_tokens: Tensor, depth: int, topk: int, total_tokens: int, sample: bool = False,
     generators: Sequence[torch.Generator] | None = None,
-) -> list[DraftTree]:
+) -> DraftTree:
     """:func:`build_dynamic` for G images at once (``root_tokens`` [G]), one batched drafter
-    call and one top-k per level for all of them: every image's tree is the one
-    ``build_dynamic`` grows from the same distributions (and, for sampled drafts, the same
-    draws from its own generator)."""
+    call and one top-k per level for all of them: a forest whose every image's tree is
+    the one ``build_dynamic`` grows from the same distributions (and, for sampled drafts,
+    the same draws from its own generator)."""
     device, count = session.device, root_tokens.shape[0]
     topk = min(topk, session.root_probs.shape[-1])
     levels: list[tuple[Tensor, Tensor, Tensor, Tensor]] = [
@@ -404,43 +424,48 @@ def build_dynamic_batch(
         fed.append((frontier, probs))
     columns = [torch.cat(parts, dim=1) for parts in zip(*levels)]  # tokens, parents, logq, scores [G, size]
     depths = torch.cat([torch.full_like(part[1], level) for level, part in enumerate(levels)], dim=1)
-    return _kept_trees(*columns, depths, fed, total_tokens, sample, width, len(levels) - 1)
+    return _kept_forest(*columns, depths, fed, total_tokens, sample, width, len(levels) - 1)
 
 
-def _kept_trees(
+def _kept_forest(
     tokens: Tensor, parents: Tensor, logq: Tensor, scores: Tensor, depths: Tensor, fed: list[tuple[Tensor, Tensor]],
     total_tokens: int, sample: bool, width: int, height: int,
-) -> list[DraftTree]:
-    """Each image's tree from the grown nodes [G, size]: as :func:`build_dynamic` keeps
-    them (every drawn pick of a sampled tree, else the ``total_tokens`` best), with the
-    draft distributions of the ``fed`` nodes for sampled trees."""
+) -> DraftTree:
+    """The forest of every image's tree from the grown nodes [G, size], kept as
+    :func:`build_dynamic` keeps them (every drawn pick of a sampled tree, else the
+    ``total_tokens`` best), with the draft distributions of the ``fed`` nodes for sampled
+    trees: one pass for all the images."""
     count, size = tokens.shape
-    device, vocab = tokens.device, fed[0][1].shape[-1]
-    if not sample:
+    device = tokens.device
+    if sample:
+        keep = scores > -torch.inf  # drop picks of probability 0
+    else:
         best = torch.sort(scores[:, 1:], dim=1, descending=True, stable=True)
-        kept = [min(total_tokens - 1, size - 1)] * count
+        ranked = (torch.arange(size - 1, device=device) < total_tokens - 1).expand(count, -1)  # kept, per rank
         if not stalls.host_reads_stall(device):  # drop drafts of probability 0 where counting them is free
-            kept = [min(n, drawn) for n, drawn in zip(kept, (best.values > -torch.inf).sum(dim=1).tolist())]
-    trees = []
-    for image in range(count):
-        if sample:
-            keep = torch.nonzero(scores[image] > -torch.inf).squeeze(1)  # drop picks of probability 0
-        else:
-            keep = torch.cat([torch.zeros(1, dtype=torch.long, device=device), best.indices[image, : kept[image]] + 1]).sort().values
-        new_id = torch.full((size,), -1, dtype=torch.long, device=device)
-        new_id[keep] = torch.arange(keep.shape[0], device=device)
-        kept_parents = parents[image, keep]
-        kept_parents = torch.where(kept_parents >= 0, new_id[kept_parents.clamp(min=0)], kept_parents)
-        draft_probs = None
-        if sample:
-            nodes, node_probs = (torch.cat([part[image] for part in c]) for c in zip(*fed))
-            drawn = new_id[nodes] >= 0
-            draft_probs = torch.zeros(keep.shape[0], vocab, device=device)
-            draft_probs[new_id[nodes[drawn]]] = node_probs[drawn]
-        trees.append(DraftTree.from_tensors(
-            tokens[image, keep], kept_parents, depths[image, keep], logq[image, keep], draft_probs, sample, width=width, height=height
-        ))
-    return trees
+            ranked = ranked & (best.values > -torch.inf)
+        drafts = torch.empty(count, size - 1, dtype=torch.bool, device=device).scatter_(1, best.indices, ranked)
+        keep = torch.cat([torch.ones(count, 1, dtype=torch.bool, device=device), drafts], dim=1)
+    if sample or not stalls.host_reads_stall(device):
+        sizes = keep.sum(dim=1).tolist()
+    else:
+        sizes = [min(total_tokens, size)] * count  # every image keeps as many, known without a read
+    flat = keep.flatten()
+    nodes = torch.sort((~flat).byte(), stable=True).indices[: sum(sizes)]  # the kept grown ids, image after image (no read)
+    new_id = flat.cumsum(0) - 1  # each kept grown node's forest id
+    image = nodes // size
+    grown_parents = parents.flatten()[nodes]
+    forest_parents = torch.where(grown_parents >= 0, new_id[image * size + grown_parents.clamp(min=0)], -1)
+    draft_probs = None
+    if sample:
+        fed_nodes, probs = (torch.cat(c, dim=1) for c in zip(*fed))  # [G, F], [G, F, V]
+        at = fed_nodes + torch.arange(count, device=device)[:, None] * size
+        rows = torch.where(flat[at], new_id[at], len(nodes)).flatten()  # a fed node that was not kept goes to a spare row
+        draft_probs = torch.zeros(len(nodes) + 1, probs.shape[-1], device=device).index_copy_(0, rows, probs.flatten(0, 1))[:-1]
+    return DraftTree.from_tensors(
+        tokens.flatten()[nodes], forest_parents, depths.flatten()[nodes], logq.flatten()[nodes], draft_probs, sample,
+        width=width, height=height, images=image, sizes=sizes,
+    )
 
 
 def pick_children_batch(probs: Tensor, count: int, sample: bool, generators: Sequence[torch.Generator | None] | None) -> tuple[Tensor, Tensor]:

@@ -1,6 +1,6 @@
 """The acceptance walk as a device program (where a host read stalls: a GPU) against the host
-walk it replaces, run on the CPU with the device form forced: the same path, next token and
-generator state for every tree and draw, and one read of the device a step."""
+walk, run on the CPU with the device form forced: the same path, next token and generator
+state for every tree and draw, and one read of the device a step."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from specimg.models.eagle import build_drafter
 from specimg.models.llamagen import build_target
 from specimg.models.vq import build_tokenizer
 from specimg.testing.syncs import counting_host_reads
-from specimg.tree import DraftTree, spans
+from specimg.tree import DraftTree
 
 TINY = dict(dim=64, n_layer=2, n_head=4, multiple_of=32, vocab_size=64, num_classes=5, block_size=16)
 
@@ -60,20 +60,21 @@ def test_the_device_walk_is_the_host_walk(monkeypatch, greedy):
         tree = random_tree(n, vocab, g)
         dist = torch.softmax(3 * torch.randn(n, vocab, generator=g), dim=-1)
         (host, host_state), (device, device_state) = walk_both(monkeypatch, rule, tree, dist, seed)
-        assert host.walked is None and device.walked is not None
         assert (device.path, device.next_token) == (host.path, host.next_token), seed
         assert torch.equal(device_state, host_state), seed
-        path, new_tokens, token_list = device.walked
-        assert path.tolist() == host.path
-        assert new_tokens.tolist() == token_list == tree.tokens[path[1:]].tolist() + [host.next_token]
+        for path, new_tokens, token_list in (host.walked, device.walked):
+            assert path.tolist() == host.path
+            assert new_tokens.tolist() == token_list == tree.tokens[path[1:]].tolist() + [host.next_token]
         lengths.add(len(host.path))
     assert len(lengths) >= 3  # walks that stop at the root, midway and deep
 
 
+@pytest.mark.parametrize("form", [False, True], ids=["host", "device"])
 @pytest.mark.parametrize("greedy", [False, True])
-def test_a_forest_walks_as_each_tree_alone(greedy):
-    """A batch's trees walked in one device program: each tree's path, next token, walked
-    tensors and generator state are those of its own walk."""
+def test_a_forest_walks_as_each_tree_alone(monkeypatch, greedy, form):
+    """A batch's trees walked together (on the host, or in one device program): each
+    tree's path, next token, walked tensors and generator state are those of its own walk
+    on the host."""
     g = torch.Generator().manual_seed(1)
     for seed in range(60):
         vocab = int(torch.randint(2, 6, (), generator=g))
@@ -81,8 +82,10 @@ def test_a_forest_walks_as_each_tree_alone(greedy):
         forest = DraftTree.forest(trees)
         dist = torch.softmax(3 * torch.randn(forest.size, vocab, generator=g), dim=-1)
         generators = [torch.Generator().manual_seed(seed * 10 + i) for i in range(len(trees))]
-        together = accept.walk_forest(forest, [start for start, _ in spans(trees)], dist, None if greedy else generators)
-        for i, (tree, (start, stop), result) in enumerate(zip(trees, spans(trees), together)):
+        monkeypatch.setattr(stalls, "host_reads_stall", lambda device: form)
+        together = accept.walk_forest(forest, [start for start, _ in forest.spans], dist, None if greedy else generators)
+        monkeypatch.setattr(stalls, "host_reads_stall", lambda device: False)
+        for i, (tree, (start, stop), result) in enumerate(zip(trees, forest.spans, together)):
             own = torch.Generator().manual_seed(seed * 10 + i)
             alone = accept.greedy(tree, dist[start:stop]) if greedy else accept.sample_and_match(tree, dist[start:stop], own)
             assert (result.path, result.next_token) == (alone.path, alone.next_token), (seed, i)

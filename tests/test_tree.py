@@ -9,7 +9,7 @@ from specimg.config import Sampling, TreeConfig
 from specimg.errors import SpecimgError
 from specimg.testing.markov import MarkovDrafter
 from specimg import stalls
-from specimg.tree import BatchSession, DraftSession, DraftTree, build_dynamic, build_dynamic_batch, build_tree, spans
+from specimg.tree import BatchSession, DraftSession, DraftTree, build_dynamic, build_dynamic_batch, build_tree
 
 
 def random_parents(n: int, rng: random.Random) -> list[int]:
@@ -54,13 +54,18 @@ def test_a_forest_is_its_trees_one_after_another(seed):
         trees.append(DraftTree.from_parents([rng.randrange(30) for _ in range(n)], random_parents(n, rng), draft_probs=draft, sampled=True))
     forest = DraftTree.forest(trees)
     assert forest.size == sum(t.size for t in trees) and forest.height == max(t.height for t in trees) and forest.sampled
-    for image, (tree, (start, stop)) in enumerate(zip(trees, spans(trees))):
+    for image, (tree, (start, stop)) in enumerate(zip(trees, forest.spans)):
         assert forest.images[start:stop].tolist() == [image] * tree.size
         assert torch.equal(forest.tokens[start:stop], tree.tokens) and torch.equal(forest.depths[start:stop], tree.depths)
         assert forest.parents[start:stop].tolist() == [p + start if p >= 0 else -1 for p in tree.parents.tolist()]
         assert torch.equal(forest.mask[start:stop, start:stop], tree.mask) and forest.mask[start:stop].sum() == tree.mask.sum()
         assert forest.children[start:stop] == tuple(tuple(c + start for c in kids) for kids in tree.children)
         assert torch.equal(forest.draft_probs[start:stop], tree.draft_probs)
+    for tree, part in zip(trees, forest.trees()):  # and back, in each tree's own ids (padded to the forest's width and height)
+        fields = (*tree_fields(part)[:4], part.children, *tree_fields(part)[6:])
+        assert fields == (*tree_fields(tree)[:4], tree.children, *tree_fields(tree)[6:]) and torch.equal(part.mask, tree.mask)
+    joined = DraftTree.from_tensors(forest.tokens, forest.parents, forest.depths, forest.logprobs, images=forest.images, sizes=forest.sizes)
+    assert torch.equal(joined.mask, forest.mask) and torch.equal(joined.child_ids, forest.child_ids) and joined.spans == forest.spans
 
 
 def test_rejects_parents_after_children():
@@ -166,7 +171,7 @@ def test_a_batch_of_trees_grows_as_each_tree_alone(monkeypatch, device_form, dep
     session = BatchSession(expand, sampling, torch.stack([logits for _, logits in together], dim=1), torch.tensor(starts), filtered=sample)
     generators = [torch.Generator().manual_seed(seed) for seed in range(images)]
     batch = build_dynamic_batch(session, torch.tensor(roots), depth, topk, nodes, sample, generators if sample else None)
-    for image, (one, grown) in enumerate(zip(alone, batch)):
+    for image, (one, grown) in enumerate(zip(alone, batch.trees())):
         assert tree_fields(grown) == tree_fields(one), image
     if sample:  # each generator made the draws it makes alone
         for seed, generator in enumerate(generators):

@@ -35,7 +35,7 @@ from specimg.step import Acceptance, Scores
 from specimg.testing import statistics
 from specimg.testing.exact import outcomes
 from specimg.testing.strategies import RelaxCase, budgets, deltas, relax_batches, relax_cases
-from specimg.tree import DraftTree, spans
+from specimg.tree import DraftTree
 
 ATOL = 1e-6
 """Slack for float32 rounding in per-token comparisons (mass flow, exact acceptance)."""
@@ -144,8 +144,9 @@ def check_batch(engine: Engine, cases: list[RelaxCase]) -> None:
     assert engine.stack is not None
     trees = [case.tree for case in cases]
     scores = Scores(torch.cat([case.p for case in cases]), *(torch.cat(parts, dim=1) for parts in zip(*(case.scores[1:3] for case in cases))))
-    together = engine.relax(DraftTree.forest(trees), scores, trees)
-    for image, (case, (start, stop)) in enumerate(zip(cases, spans(trees))):
+    forest = DraftTree.forest(trees)
+    together = engine.relax(forest, scores)
+    for image, (case, (start, stop)) in enumerate(zip(cases, forest.spans)):
         alone = engine.relax(case.tree, case.scores)
         assert torch.allclose(together[start:stop], alone, atol=ATOL, rtol=0), (
             f"{engine.stack.name}: image {image}'s q_R in a batch differs from its own by {(together[start:stop] - alone).abs().max():.3g}"
@@ -221,7 +222,7 @@ def check_deterministic(engine: Engine, case: RelaxCase, seed: int) -> None:
     assert engine.stack is not None
     q = relaxed(engine, case.tree, case.scores)
     assert torch.equal(q, relaxed(engine, case.tree, case.scores)), f"{engine.stack.name}: q_R differs between calls"
-    runs = [accepted(engine, case.tree, q, case.scores, torch.Generator().manual_seed(seed)) for _ in range(2)]
+    runs = [accepted(engine, case.tree, q, case.scores, torch.Generator().manual_seed(seed))[:2] for _ in range(2)]  # path, next token
     assert runs[0] == runs[1], f"accept gave {runs[0]} and {runs[1]} with the same seed"
 
 
