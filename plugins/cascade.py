@@ -77,8 +77,8 @@ def context_donors(tree: DraftTree, hidden: Tensor, ids: Tensor, tau_pos: float,
     n x n cosine matrix of the node states ``hidden`` [n, D]; in a forest, only nodes of
     the candidate's own tree."""
     device = hidden.device
-    feats = unit_states(hidden)
-    sim = feats @ feats.T
+    feats = unit_states(hidden).double()
+    sim = (feats @ feats.T).float()  # in float64 and then rounded: a forest's larger product rounds as one tree's, so near-equal donors keep their order
     depths, parents, tokens = (t.to(device) for t in (tree.depths, tree.parents, tree.tokens))
     node = ids.clamp(min=0)
     gap = depths[None, None, :] - depths[node][..., None]
