@@ -128,7 +128,7 @@ class Lane:
         return dist, result, self.walked(tree, scores, dist, result)
 
     def walked(self, tree: DraftTree, scores: Scores, dist: Tensor, result: Acceptance) -> Walked:
-        """The accepted path on the device (where the rule walked on the host, one copy);
+        """The accepted path on the device (one copy where the rule handed none over);
         the budget its nodes spent (q_R against p, where q_R is not p itself) is booked."""
         walked = result.walked or walk_on_device(tree, result)
         if dist is not scores.probs:
@@ -185,7 +185,8 @@ class Lane:
 
 
 def walk_on_device(tree: DraftTree, result: Acceptance) -> Walked:
-    """The device side of a path the rule walked on the host: one copy there, one read back."""
+    """The device side of a path a method's own ``accept`` returned without it (the core's
+    walks hand theirs over): one copy there, one read back."""
     path = torch.tensor(result.path, dtype=torch.long, device=tree.tokens.device)
     new_tokens = tree.tokens[path[1:]].tolist() + [result.next_token]
     return Walked(path, torch.tensor(new_tokens, device=path.device), new_tokens)
