@@ -45,12 +45,13 @@ FORWARDS = {
 
 
 class Clock:
-    """Time spent inside the models' forwards, and (when ``ops`` is on) the time and
-    number of torch operations called outside them."""
+    """Time spent inside the models' forwards (``depth``: how deep in them the decode is),
+    and, while an :class:`OpClock` is on, the time and number of torch operations called
+    outside them."""
 
     def __init__(self) -> None:
-        self.forwards = self.ops_time = 0.0
-        self.ops = self.depth = 0
+        self.depth = 0
+        self.reset()
 
     def reset(self) -> None:
         self.forwards = self.ops_time = 0.0
