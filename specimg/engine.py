@@ -331,9 +331,9 @@ class Engine:
             proposed, forest = together
         trees = [proposed[i] if i in proposed else lane.root_tree() for i, lane in enumerate(lanes)]
         start = time.perf_counter()
-        out = target.forward_trees(*stack_trees(trees))
+        out = target.forward_trees(*(forest.stacked() if forest is not None and len(proposed) == len(lanes) else stack_trees(trees)))
         verify = (time.perf_counter() - start) / sum(not lane.done for lane in lanes)
-        paths = [tree.tokens[:0] for tree in trees]  # a finished image commits nothing
+        paths = [torch.zeros(0, dtype=torch.long, device=self.device)] * len(lanes)  # a finished image commits nothing
         for i, lane in enumerate(lanes):
             if lane.goes_ar and not lane.done:
                 lane.stats.seconds["verify"] += verify
@@ -378,7 +378,7 @@ class Engine:
                 continue
 
             def expand(parents: Tensor, tokens: Tensor, images: list[int] = images) -> Tensor:
-                fed = batch.expand({i: (parents[g], tokens[g]) for g, i in enumerate(images)})
+                fed = batch.expand(dict(zip(images, zip(parents.unbind(), tokens.unbind()))))
                 return torch.stack([fed[i] for i in images], dim=1)
 
             root_index = stalls.on_device([len(lanes[i].tokens) - 1 for i in images], self.device)
@@ -400,25 +400,32 @@ class Engine:
         acceptance of its own rows, all walked together where the core's rule walks
         (:func:`specimg.accept.walk_forest`: one device program on a device), else lane by
         lane.  Per place: what its lane's ``advance`` takes."""
-        device, bucket, rows = self.device, out.logits.shape[2], forest.spans
-        nodes = stalls.on_device([place * bucket + node for place, tree in zip(places, trees) for node in range(tree.size)], device)
+        device, bucket, sizes = self.device, out.logits.shape[2], forest.sizes
+        starts = [a for a, _ in forest.spans]
+        nodes = stalls.on_device([place * bucket + node for place, size in zip(places, sizes) for node in range(size)], device)
         predicted = stalls.on_device([len(lane.tokens) for lane in lanes], device)  # the image token each root predicts
         scores = scores_of(TargetOutput(*(t if t is None else t.flatten(1, 2)[:, nodes] for t in out)), forest, self.sampling, predicted[forest.images])
         start = time.perf_counter()
         dist = self.relax(forest, scores)
         relaxed = time.perf_counter()
-        own = [scores.nodes(a, b) for a, b in rows]  # each image's scores, and its q_R (p itself where nothing relaxed)
-        dists = [mine.probs if dist is scores.probs else dist[a:b] for mine, (a, b) in zip(own, rows)]
+        own = scores.split(sizes)  # each image's scores, and its q_R (p itself where nothing relaxed)
+        dists = [mine.probs for mine in own] if dist is scores.probs else list(dist.split(sizes))
         if self._walks_together(forest):
-            results = acceptance.walk_forest(forest, [a for a, _ in rows], dist, None if self.sampling.greedy else [lane.generator for lane in lanes])
+            results = acceptance.walk_forest(forest, starts, dist, None if self.sampling.greedy else [lane.generator for lane in lanes])
+            walks = [result.walked for result in results]
+            if dist is not scores.probs:
+                paths = [[first + node for node in result.path] for first, result in zip(starts, results)]
+                for lane, spent in zip(lanes, relax.spent_per_path(dist, scores.probs, paths)):
+                    lane.spent.append(spent)
         else:
             results = [self.accept(*step, lane.generator) for lane, step in zip(lanes, zip(trees, dists, own))]
+            walks = [lane.walked(*step) for lane, step in zip(lanes, zip(trees, own, dists, results))]
         shares = ((relaxed - start) / len(lanes), (time.perf_counter() - relaxed) / len(lanes))
         steps = {}
-        for place, lane, tree, mine, dist_of, result in zip(places, lanes, trees, own, dists, results):
+        for place, lane, step in zip(places, lanes, zip(trees, own, dists, results, walks)):
             for phase, seconds in zip(("verify", "relax", "accept"), (verify, *shares)):
                 lane.stats.seconds[phase] += seconds
-            steps[place] = (tree, mine, dist_of, result, lane.walked(tree, mine, dist_of, result))
+            steps[place] = step
         return steps
 
     def _walks_together(self, forest: DraftTree) -> bool:
@@ -566,8 +573,7 @@ class Engine:
         def bound(hook: MemberHook) -> Callable[..., Tensor | None]:
             if tree.images is None or hook.batch:
                 return bind(hook, tree, scores)
-            rows = tree.spans
-            return relax.tree_by_tree([bind(hook, one, scores.nodes(*span)) for one, span in zip(tree.trees(), rows)], rows)
+            return relax.tree_by_tree([bind(hook, *one) for one in zip(tree.trees(), scores.split(tree.sizes))], tree.sizes)
 
         return [(r.method, r.delta, bound(r)) for r in self.hooks.relaxers]
 

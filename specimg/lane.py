@@ -13,10 +13,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Protocol
 
+import attrs
 import torch
 from torch import Tensor
 
-from specimg import relax
+from specimg import relax, stalls
 from specimg.config import Sampling, TreeConfig
 from specimg.models.base import Condition, Drafter, Target, TargetOutput, draft_features
 from specimg.planner import TreePlanner
@@ -63,9 +64,11 @@ class Lane:
         if drafter is not None:
             drafter.prefill(condition, engine.sampling.cfg)
             self.hidden = draft_features(drafter, prefill)
-        self.previous = Step(self.root_tree(), Scores(first, prefill.hidden, prefill.logits, prefill.layers), Acceptance([0], tokens[-1]))  # the prefill as a step
+        self._one_node = DraftTree.from_tensors(torch.tensor(tokens[-1:], device=device), torch.tensor([-1], device=device),
+                                                torch.zeros(1, dtype=torch.long, device=device), torch.zeros(1, device=device), width=0, height=0)
+        self.previous = Step(self._one_node, Scores(first, prefill.hidden, prefill.logits, prefill.layers), Acceptance([0], tokens[-1]))  # the prefill as a step
         self.new_ids = torch.tensor(tokens[-1:], device=device)
-        self.spent = torch.zeros((), dtype=torch.float64, device=device)  # TVD(q_R, p) over the walked paths' nodes
+        self.spent: list[Tensor] = []  # per step, TVD(q_R, p) over the walked path's nodes (summed when the image closes)
         self.started = time.perf_counter()
 
     @property
@@ -79,10 +82,9 @@ class Lane:
         return self.planner is not None and self.planner.plan.is_ar
 
     def root_tree(self) -> DraftTree:
-        """The one-node tree of the last token: an AR step."""
-        device = self.engine.device
-        return DraftTree.from_tensors(torch.tensor(self.tokens[-1:], device=device), torch.tensor([-1], device=device),
-                                      torch.zeros(1, dtype=torch.long, device=device), torch.zeros(1, device=device), width=0, height=0)
+        """The one-node tree of the last token: an AR step (the first one's columns, the token
+        copied in)."""
+        return attrs.evolve(self._one_node, tokens=stalls.on_device(self.tokens[-1:], self.engine.device))
 
     @contextmanager
     def timed(self, phase: str) -> Iterator[None]:
@@ -132,7 +134,7 @@ class Lane:
         the budget its nodes spent (q_R against p, where q_R is not p itself) is booked."""
         walked = result.walked or walk_on_device(tree, result)
         if dist is not scores.probs:
-            self.spent += relax.tvd(dist[walked.path], scores.probs[walked.path]).sum()
+            self.spent.append(relax.tvd(dist[walked.path], scores.probs[walked.path]).sum())
         return walked
 
     def advance(self, tree: DraftTree, scores: Scores, dist: Tensor, result: Acceptance, walked: Walked) -> None:
@@ -181,7 +183,8 @@ class Lane:
         """The budget spent per emitted draw, into the statistics."""
         stats = self.stats
         stats.tokens = len(self.tokens)
-        stats.tvd = float(self.spent) / max(1, sum(stats.accepted) + len(stats.accepted))
+        spent = float(torch.stack(self.spent).sum()) if self.spent else 0.0
+        stats.tvd = spent / max(1, sum(stats.accepted) + len(stats.accepted))
 
 
 def walk_on_device(tree: DraftTree, result: Acceptance) -> Walked:

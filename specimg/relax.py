@@ -25,6 +25,15 @@ def tvd(a: Tensor, b: Tensor) -> Tensor:
     return 0.5 * (a.double() - b.double()).abs().sum(dim=-1)
 
 
+def spent_per_path(dist: Tensor, target_dist: Tensor, paths: Sequence[Sequence[int]]) -> tuple[Tensor, ...]:
+    """Per path (node ids of ``dist``'s rows: each tree's walk in a forest), the TVD of
+    q_R to p summed over its nodes: one pass for every path."""
+    nodes = stalls.on_device([node for path in paths for node in path], dist.device)
+    owner = stalls.on_device([k for k, path in enumerate(paths) for _ in path], dist.device)
+    per_node = tvd(dist[nodes], target_dist[nodes])
+    return torch.zeros(len(paths), dtype=per_node.dtype, device=dist.device).index_add_(0, owner, per_node).unbind()
+
+
 def first_occurrence(tokens: Tensor) -> Tensor:
     """True where a token appears for the first time along the last dim (ignoring -1)."""
     ordered, order = tokens.sort(dim=-1, stable=True)
@@ -101,16 +110,17 @@ def candidate_rows(candidates: Tensor) -> Tensor:
     return (candidates >= 0).any(dim=1).nonzero().squeeze(1)
 
 
-def tree_by_tree(relaxers: Sequence[Callable[..., Tensor | None]], rows: Sequence[tuple[int, int]]) -> Callable[..., Tensor | None]:
+def tree_by_tree(relaxers: Sequence[Callable[..., Tensor | None]], sizes: Sequence[int]) -> Callable[..., Tensor | None]:
     """A forest's relaxation by a method that relaxes one tree at a time: tree i's
-    ``relaxers[i]`` gets its ``rows[i]`` (start, stop) of the forest's distribution and
-    budget; None where every tree passes."""
+    ``relaxers[i]`` gets its ``sizes[i]`` rows of the forest's distribution and budget (the
+    trees lie one after another); None where every tree passes."""
 
     def relax(dist: Tensor, budget: Tensor) -> Tensor | None:
-        parts = [one(dist=dist[a:b], budget=budget[a:b]) for one, (a, b) in zip(relaxers, rows)]
+        rows = list(zip(dist.split(sizes), budget.split(sizes)))
+        parts = [one(dist=mine, budget=spend) for one, (mine, spend) in zip(relaxers, rows)]
         if all(part is None for part in parts):
             return None
-        return torch.cat([dist[a:b] if part is None else part for part, (a, b) in zip(parts, rows)])
+        return torch.cat([mine if part is None else part for part, (mine, _) in zip(parts, rows)])
 
     return relax
 

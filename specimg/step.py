@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from torch import Tensor
@@ -24,9 +25,12 @@ class Scores(NamedTuple):
     logits: Tensor
     layers: Tensor | None = None
 
-    def nodes(self, start: int, stop: int) -> Scores:
-        """The scores of nodes ``start`` to ``stop`` (one image's tree in a forest's)."""
-        return Scores(self.probs[start:stop], *(t if t is None else t[:, start:stop] for t in self[1:]))
+    def split(self, sizes: Sequence[int]) -> list[Scores]:
+        """The scores of consecutive runs of ``sizes`` nodes (each image's tree in a forest's),
+        one split per field."""
+        fields = [self.probs.split(sizes), *(t.split(sizes, dim=1) for t in self[1:3])]
+        layers = [None] * len(sizes) if self.layers is None else self.layers.split(sizes, dim=1)
+        return [Scores(*parts) for parts in zip(*fields, layers)]
 
 
 def scores_of(out: TargetOutput, tree: DraftTree, sampling: Sampling, token_index: int | Tensor) -> Scores:

@@ -150,18 +150,29 @@ class DraftTree:
         return list(zip([0, *ends[:-1]], ends))
 
     def trees(self) -> list[DraftTree]:
-        """A forest's trees, each in its own node ids (views of the forest's nodes; each
-        keeps the forest's ``height``, a bound on its own)."""
+        """A forest's trees, each in its own node ids (views of the forest's nodes, one
+        split per column; each keeps the forest's ``height``, a bound on its own)."""
         assert self.images is not None, "not a forest"
-        spans = self.spans
+        sizes, spans = list(self.sizes), self.spans
         offset = stalls.on_device([a for a, _ in spans], self.tokens.device)[self.images]  # each node's tree's first id
         parents = torch.where(self.parents >= 0, self.parents - offset, -1)
         child_ids = torch.where(self.child_ids >= 0, self.child_ids - offset[:, None], -1)
+        columns = (self.tokens, parents, self.depths, self.mask, self.logprobs, child_ids)
+        draft_probs = [None] * len(sizes) if self.draft_probs is None else self.draft_probs.split(sizes)
         return [
-            DraftTree(self.tokens[a:b], parents[a:b], self.depths[a:b], self.mask[a:b, a:b], self.logprobs[a:b], child_ids[a:b], self.height,
-                      None if self.draft_probs is None else self.draft_probs[a:b], self.sampled)
-            for a, b in spans
+            DraftTree(tokens, parents, depths, mask[:, a:b], logprobs, child_ids, self.height, probs, self.sampled)
+            for (a, b), tokens, parents, depths, mask, logprobs, child_ids, probs in zip(spans, *(c.split(sizes) for c in columns), draft_probs)
         ]
+
+    def stacked(self) -> tuple[Tensor, Tensor, Tensor]:
+        """A forest as one batch input, as :func:`stack_trees` stacks its trees: views of its
+        columns where every tree has one size (the diagonal blocks of its ancestor mask)."""
+        assert self.images is not None, "not a forest"
+        count, n = len(self.sizes), self.sizes[0]
+        if any(size != n for size in self.sizes):
+            return stack_trees(self.trees())
+        mask = self.mask.view(count, n, count, n).diagonal(dim1=0, dim2=2).permute(2, 0, 1)  # [i, j, b] = mask[b, i, b, j]
+        return self.tokens.view(count, n), self.depths.view(count, n), mask
 
     @property
     def size(self) -> int:

@@ -9,7 +9,7 @@ from specimg.config import Sampling, TreeConfig
 from specimg.errors import SpecimgError
 from specimg.testing.markov import MarkovDrafter
 from specimg import stalls
-from specimg.tree import BatchSession, DraftSession, DraftTree, build_dynamic, build_dynamic_batch, build_tree
+from specimg.tree import BatchSession, DraftSession, DraftTree, build_dynamic, build_dynamic_batch, build_tree, stack_trees
 
 
 def random_parents(n: int, rng: random.Random) -> list[int]:
@@ -66,6 +66,16 @@ def test_a_forest_is_its_trees_one_after_another(seed):
         assert fields == (*tree_fields(tree)[:4], tree.children, *tree_fields(tree)[6:]) and torch.equal(part.mask, tree.mask)
     joined = DraftTree.from_tensors(forest.tokens, forest.parents, forest.depths, forest.logprobs, images=forest.images, sizes=forest.sizes)
     assert torch.equal(joined.mask, forest.mask) and torch.equal(joined.child_ids, forest.child_ids) and joined.spans == forest.spans
+
+
+@pytest.mark.parametrize("equal", [True, False], ids=["one-size", "ragged"])
+def test_a_forest_stacks_as_its_trees(equal):
+    """The batch input of a forest (views where its trees have one size) is its trees' stack."""
+    rng = random.Random(3)
+    sizes = [5, 5, 5] if equal else [5, 2, 7]
+    trees = [DraftTree.from_parents([rng.randrange(30) for _ in range(n)], random_parents(n, rng)) for n in sizes]
+    for got, want in zip(DraftTree.forest(trees).stacked(), stack_trees(trees)):
+        assert torch.equal(got, want)
 
 
 def test_rejects_parents_after_children():
