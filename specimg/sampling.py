@@ -13,10 +13,10 @@ from specimg.config import Sampling
 
 
 def guided_logits(logits: Tensor, sampling: Sampling, cfg_active: Tensor | bool = True) -> Tensor:
-    """Combine the rows of ``logits`` [rows, n, V] into [n, V].
+    """Combine the rows of ``logits`` [rows, *n, V] into [*n, V].
 
     With two rows, row 0 is conditional and row 1 unconditional; guidance applies where
-    ``cfg_active`` ([n] bool, or one bool) holds, elsewhere the conditional row is used.
+    ``cfg_active`` ([*n] bool, or one bool) holds, elsewhere the conditional row is used.
     """
     logits = logits.float()
     cond = logits[0]
@@ -25,7 +25,7 @@ def guided_logits(logits: Tensor, sampling: Sampling, cfg_active: Tensor | bool 
     guided = logits[1] + (cond - logits[1]) * sampling.cfg_scale
     if isinstance(cfg_active, bool):
         return guided if cfg_active else cond
-    return torch.where(cfg_active[:, None], guided, cond)
+    return torch.where(cfg_active[..., None], guided, cond)
 
 
 def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
@@ -46,7 +46,7 @@ def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
 
 
 def probabilities(logits: Tensor, sampling: Sampling, cfg_active: Tensor | bool = True) -> Tensor:
-    """Processed next-token distributions [n, V] from raw row logits [rows, n, V]."""
+    """Processed next-token distributions [*n, V] from raw row logits [rows, *n, V]."""
     guided = guided_logits(logits, sampling, cfg_active)
     temperature = sampling.temperature if sampling.temperature > 0 else 1.0
     return filter_logits(guided / temperature, sampling.top_k, sampling.top_p).softmax(dim=-1)

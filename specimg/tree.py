@@ -208,107 +208,147 @@ def tree_name(depth: int, topk: int, nodes: int) -> str:
     return "AR (no tree pays)" if nodes == 1 else f"depth {depth}, top-k {topk}, {nodes} nodes"
 
 
-class DraftSession:
-    """One step's drafting: the drafter's processed distributions for fed nodes.
+class BatchSession:
+    """One step's drafting for G images of a batch at once, each drafting the same tree
+    shape: the drafter's processed distributions for fed nodes, image by image along a
+    leading axis.
 
-    Node ids are the session's own: 0 is the root, fed nodes count from 1 in feeding order.
-    The drafter's logits get the run's CFG and temperature; the top-k/top-p filters only
-    when drafts are sampled (``filtered``), so that no draft is a token the target masks.
-    Ranking top-k drafts needs no filter, and skipping it saves a selection over V per node.
-    """
+    Node ids are the session's own, per image: 0 is the root, fed nodes count from 1 in
+    feeding order.  ``expand(parents, tokens)`` ([G, f] session ids and tokens) is the
+    drafter's call; it returns their logits [rows, G, f, V].  ``root_index`` [G]: the
+    image token each image's root is (its first drafts predict the next).  The logits get
+    the run's CFG and temperature; the top-k/top-p filters only when drafts are sampled
+    (``filtered``), so that no draft is a token the target masks.  Ranking top-k drafts
+    needs no filter, and skipping it saves a selection over V per node."""
 
-    def __init__(self, drafter: Drafter, sampling: Sampling, root_logits: Tensor, root_index: int, filtered: bool = True):
-        self.drafter = drafter
+    def __init__(self, expand: Callable[[Tensor, Tensor], Tensor], sampling: Sampling, root_logits: Tensor, root_index: Tensor, filtered: bool = True):
+        self._expand = expand
         self.sampling = sampling if filtered else attrs.evolve(sampling, top_k=0, top_p=1.0)
-        self.root_index = root_index
         self.device = root_logits.device
-        self._depths = torch.zeros(1, dtype=torch.long, device=self.device)
-        self.root_probs = self._process(root_logits[:, None, :], self._depths)[0]
+        self._first = root_index[:, None] + 1  # the image token each image's first drafts predict
+        self._depths = torch.zeros(root_index.shape[0], 1, dtype=torch.long, device=self.device)
+        self.root_probs = self._process(root_logits[:, :, None, :], self._depths)[:, 0]
 
     def _process(self, logits: Tensor, depths: Tensor) -> Tensor:
-        return probabilities(logits, self.sampling, cfg_active_at(depths + self.root_index + 1, self.sampling))
+        return probabilities(logits, self.sampling, cfg_active_at(depths + self._first, self.sampling))
+
+    def feed(self, parents: Tensor, tokens: Tensor) -> Tensor:
+        """Feed nodes [G, f] (children of fed session nodes ``parents``) and return their
+        draft distributions [G, f, V]; they get the next session ids in order."""
+        depths = self._depths.gather(1, parents) + 1
+        self._depths = torch.cat([self._depths, depths], dim=1)
+        return self._process(self._expand(parents, tokens).to(self.device), depths)
+
+
+class DraftSession:
+    """One step's drafting for one image: the drafter's processed distributions for fed
+    nodes (node ids as :class:`BatchSession`'s), ``root_probs`` [V] those of the root's
+    children.  ``batch`` is the same session as a batch of one, in which the builders grow
+    one image's tree as they grow a batch's."""
+
+    def __init__(self, drafter: Drafter, sampling: Sampling, root_logits: Tensor, root_index: int, filtered: bool = True):
+        self.drafter, self.root_index, self.device = drafter, root_index, root_logits.device
+        self.batch = BatchSession(lambda parents, tokens: drafter.expand(parents[0], tokens[0])[:, None], sampling, root_logits[:, None],
+                                  torch.full((1,), root_index, device=self.device), filtered)
+        self.sampling = self.batch.sampling
+
+    @property
+    def root_probs(self) -> Tensor:
+        return self.batch.root_probs[0]
 
     def feed(self, parents: Tensor | Sequence[int], tokens: Tensor | Sequence[int]) -> Tensor:
         """Feed nodes (children of fed session nodes ``parents``) and return their draft
         distributions [f, V]; they get the next session ids in order."""
         parents = torch.as_tensor(parents, dtype=torch.long, device=self.device)
         tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
-        depths = self._depths[parents] + 1
-        self._depths = torch.cat([self._depths, depths])
-        return self._process(self.drafter.expand(parents, tokens).to(self.device), depths)
+        return self.batch.feed(parents[None], tokens[None])[0]
 
 
-def pick_children(probs: Tensor, count: int, sample: bool, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
-    """Per row of ``probs`` [f, V]: the drafter's top-``count`` tokens, or ``count`` tokens
-    drawn without replacement (Gumbel-top-k keeps the draw order), and their log-probs
-    [f, count]; a pick of probability 0 has log-prob -inf and must not be kept."""
-    top, logq = pick_children_batch(probs[None], count, sample, [generator])
-    return top[0], logq[0]
+def pick_children(probs: Tensor, count: int, sample: bool, generators: Sequence[torch.Generator | None] | None) -> tuple[Tensor, Tensor]:
+    """Per row of G images' ``probs`` [G, f, V]: the drafter's top-``count`` tokens, or
+    ``count`` tokens drawn without replacement from image g's ``generators[g]`` (None:
+    torch's default generator; Gumbel-top-k keeps the draw order), and their log-probs
+    [G, f, count]; a pick of probability 0 has log-prob -inf and must not be kept."""
+    logq = probs.log()
+    keys = logq
+    if sample:
+        assert generators is not None
+        uniform = torch.stack([torch.rand(row.shape, generator=g, device=probs.device) for row, g in zip(probs, generators)]).clamp_(min=1e-20)
+        keys = logq - (-uniform.log()).log()
+    top = torch.topk(keys, min(count, probs.shape[-1]), dim=-1).indices
+    return top, logq.gather(-1, top)
 
 
 class _Growth:
-    """A tree under construction: node tensors appended level by level, the map from tree
-    node to the session node that fed it, and the draft distributions of fed nodes."""
+    """G images' trees under construction, all of one shape: node columns [G, nodes]
+    appended level by level, the map from tree node to the session node that fed it, and
+    the draft distributions of fed nodes."""
 
-    def __init__(self, session: DraftSession, root_token: int, capacity: int):
-        device = session.device
-        self.session = session
-        self.parts: list[tuple[Tensor, Tensor, Tensor, Tensor]] = [
-            (torch.full((1,), root_token, device=device), torch.full((1,), -1, device=device),
-             torch.zeros(1, device=device), torch.zeros(1, device=device))
-        ]  # (tokens, parents, logq, score) per level; a fill, not a copy from the host
-        self.size, self.levels, self.width = 1, 0, 0
+    def __init__(self, session: BatchSession, root_tokens: Tensor, capacity: int):
+        count, device = root_tokens.shape[0], session.device
+        self.session, self.device = session, device
+        self.levels: list[tuple[Tensor, Tensor, Tensor, Tensor]] = [
+            (root_tokens[:, None], torch.full((count, 1), -1, device=device), torch.zeros(count, 1, device=device), torch.zeros(count, 1, device=device))
+        ]  # (tokens, parents, logq, score) [G, nodes] per level
+        self.session_of = torch.full((count, capacity), -1, dtype=torch.long, device=device)
+        self.session_of[:, 0] = 0
+        self.fed: list[tuple[Tensor, Tensor]] = [(torch.zeros(count, 1, dtype=torch.long, device=device), session.root_probs[:, None])]
+        self.size, self.fed_count, self.width = 1, 0, 0
         self._columns: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None
-        self.session_of = torch.full((capacity,), -1, dtype=torch.long, device=device)
-        self.session_of[0] = 0
-        self.fed_count = 0
-        self.fed: list[tuple[Tensor, Tensor]] = [(torch.zeros(1, dtype=torch.long, device=device), session.root_probs[None])]
 
     def add(self, parents: Tensor, tokens: Tensor, logq: Tensor, scores: Tensor) -> Tensor:
-        """Append one level: ``parents`` [f] with ``tokens``, ``logq``, ``scores`` [f, k]
-        (children in draft-rank order); returns the new node ids [f, k]."""
-        f, k = tokens.shape
-        ids = torch.arange(self.size, self.size + f * k, device=tokens.device).view(f, k)
-        self.parts.append((tokens.flatten(), parents[:, None].expand(f, k).flatten(), logq.flatten(), scores.flatten()))
-        self.size += f * k
-        self.levels += 1
-        self.width = max(self.width, k)
-        return ids
+        """Append one level: ``parents`` [G, f] with ``tokens``, ``logq``, ``scores`` [G, f, k]
+        (children in draft-rank order); returns the new node ids [f * k], every image's."""
+        f, k = tokens.shape[1:]
+        self.levels.append((tokens.flatten(1), parents[..., None].expand(-1, f, k).flatten(1), logq.flatten(1), scores.flatten(1)))
+        self.size, self.width = self.size + f * k, max(self.width, k)
+        return torch.arange(self.size - f * k, self.size, device=self.device)
 
     def feed(self, nodes: Tensor, parents: Tensor, tokens: Tensor) -> Tensor:
-        """Feed tree nodes ``nodes`` (children of fed ``parents``, with ``tokens``) to the
-        drafter; their draft distributions [f, V]."""
-        probs = self.session.feed(self.session_of[parents], tokens)
-        f = nodes.shape[0]
-        self.session_of[nodes] = torch.arange(self.fed_count + 1, self.fed_count + 1 + f, device=nodes.device)
+        """Feed tree nodes ``nodes`` [G, f] (children of fed ``parents``, with ``tokens``) to
+        the drafter; their draft distributions [G, f, V]."""
+        count, f = nodes.shape
+        self.session_of.scatter_(1, nodes, torch.arange(self.fed_count + 1, self.fed_count + 1 + f, device=self.device).expand(count, -1))
+        probs = self.session.feed(self.session_of.gather(1, parents), tokens)
         self.fed_count += f
         self.fed.append((nodes, probs))
         return probs
 
     def columns(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """tokens, parents, logq, scores and depths of every node so far (joined once per level)."""
-        if self._columns is None or self._columns[0].shape[0] != self.size:
-            tokens, parents, logq, scores = (torch.cat(c) for c in zip(*self.parts))
-            depths = torch.cat([torch.full_like(p[0], level) for level, p in enumerate(self.parts)])
+        """tokens, parents, logq, scores and depths [G, size] of every node so far (joined once per level)."""
+        if self._columns is None or self._columns[0].shape[1] != self.size:
+            tokens, parents, logq, scores = (torch.cat(c, dim=1) for c in zip(*self.levels))
+            depths = torch.cat([torch.full_like(part[1], level) for level, part in enumerate(self.levels)], dim=1)
             self._columns = (tokens, parents, logq, scores, depths)
         return self._columns
 
-    def tree(self, keep: Tensor, sampled: bool) -> DraftTree:
-        """The subtree of nodes ``keep`` (sorted ids, closed under ancestors)."""
+    def forest(self, keep: Tensor, sizes: Sequence[int], sampled: bool) -> DraftTree:
+        """The forest of every image's subtree of the nodes ``keep`` [G, size] (closed under
+        ancestors; image g keeps ``sizes[g]``), with the draft distributions of the fed nodes
+        for sampled trees: one pass for all the images, no host read."""
         tokens, parents, logq, _, depths = self.columns()
-        new_id = torch.full((self.size,), -1, dtype=torch.long, device=keep.device)
-        new_id[keep] = torch.arange(keep.shape[0], device=keep.device)
-        kept_parents = parents[keep]
-        kept_parents = torch.where(kept_parents >= 0, new_id[kept_parents.clamp(min=0)], kept_parents)
+        count, size = tokens.shape
+        flat = keep.flatten()
+        nodes = torch.sort((~flat).byte(), stable=True).indices[: sum(sizes)]  # the kept grown ids, image after image
+        new_id = flat.cumsum(0) - 1  # each kept grown node's forest id
+        image = nodes // size
+        grown_parents = parents.flatten()[nodes]
+        forest_parents = torch.where(grown_parents >= 0, new_id[image * size + grown_parents], -1)  # a root's -1 reads a wrong id, unused
         draft_probs = None
         if sampled:
-            nodes, probs = (torch.cat(c) for c in zip(*self.fed))
-            kept = new_id[nodes] >= 0
-            draft_probs = torch.zeros(keep.shape[0], probs.shape[-1], device=probs.device)
-            draft_probs[new_id[nodes[kept]]] = probs[kept]
+            fed_nodes, probs = (torch.cat(c, dim=1) for c in zip(*self.fed))  # [G, F], [G, F, V]
+            at = fed_nodes + torch.arange(count, device=self.device)[:, None] * size
+            rows = torch.where(flat[at], new_id[at], len(nodes)).flatten()  # a fed node that was not kept goes to a spare row
+            draft_probs = torch.zeros(len(nodes) + 1, probs.shape[-1], device=self.device).index_copy_(0, rows, probs.flatten(0, 1))[:-1]
         return DraftTree.from_tensors(
-            tokens[keep], kept_parents, depths[keep], logq[keep], draft_probs, sampled, width=self.width, height=self.levels
+            tokens.flatten()[nodes], forest_parents, depths.flatten()[nodes], logq.flatten()[nodes], draft_probs, sampled,
+            width=self.width, height=len(self.levels) - 1, images=image, sizes=sizes,
         )
+
+
+def _alone(forest: DraftTree) -> DraftTree:
+    """The one tree of a forest of one."""
+    return attrs.evolve(forest, images=None, sizes=())
 
 
 def build_dynamic(
@@ -320,97 +360,30 @@ def build_dynamic(
     sample: bool = False,
     generator: torch.Generator | None = None,
 ) -> DraftTree:
-    """EAGLE-2's dynamic tree: per depth, expand the ``topk`` best frontier nodes by
-    cumulative draft log-prob into ``topk`` children each.
-
-    Top-k drafts then keep the ``total_tokens`` best nodes overall (a set closed under
-    ancestors, since a child never scores above its parent).  Sampled drafts keep every
-    drawn child (recursive rejection needs each node's full draw) and spend the budget by
-    expanding fewer nodes.  On a device where a host read stalls, drafts of probability 0
-    (all sorted last, parents before children) stay in the tree rather than be counted.
-    """
-    topk = min(topk, session.root_probs.shape[-1])
-    grow = _Growth(session, root_token, capacity=1 + depth * topk * topk)
-    device = session.device
-    frontier = torch.zeros(1, dtype=torch.long, device=device)
-    frontier_scores = torch.zeros(1, device=device)
-    probs = session.root_probs[None]
-    budget = total_tokens - 1
-    for level in range(1, depth + 1):
-        if sample:
-            keep = min(frontier.shape[0], max(0, budget // topk))
-            frontier, frontier_scores, probs = frontier[:keep], frontier_scores[:keep], probs[:keep]
-        if frontier.shape[0] == 0:
-            break
-        tokens, logq = pick_children(probs, topk, sample, generator)
-        scores = frontier_scores[:, None] + logq
-        ids = grow.add(frontier, tokens, logq, scores)
-        budget -= ids.numel()
-        if level == depth:
-            break
-        best = torch.sort(scores.flatten(), descending=True, stable=True).indices[:topk]  # ties: lower id first
-        frontier, frontier_scores = ids.flatten()[best], scores.flatten()[best]
-        probs = grow.feed(frontier, grow.parts[-1][1][best], tokens.flatten()[best])
-    scores = grow.columns()[3]
-    if sample:
-        keep = torch.nonzero(scores > -torch.inf).squeeze(1)  # drop picks of probability 0
-    else:
-        best = torch.sort(scores[1:], descending=True, stable=True)
-        count = min(total_tokens - 1, best.values.shape[0])
-        if not stalls.host_reads_stall(device):  # drop drafts of probability 0 where counting them is free
-            count = min(count, int((best.values > -torch.inf).sum()))
-        keep = torch.cat([torch.zeros(1, dtype=torch.long, device=device), best.indices[:count] + 1]).sort().values
-    return grow.tree(keep, sampled=sample)
-
-
-class BatchSession:
-    """One step's drafting for several images of a batch at once, each drafting the same
-    tree shape: :class:`DraftSession`'s distributions, image by image along a leading axis.
-
-    ``expand(parents, tokens)`` ([G, f] session ids and tokens) is the batched drafter's
-    call; it returns their logits [rows, G, f, V].  ``root_index`` [G]: the image token
-    each image's root is (its first drafts predict the next)."""
-
-    def __init__(self, expand: Callable[[Tensor, Tensor], Tensor], sampling: Sampling, root_logits: Tensor, root_index: Tensor, filtered: bool = True):
-        self._expand = expand
-        self.sampling = sampling if filtered else attrs.evolve(sampling, top_k=0, top_p=1.0)
-        self.root_index = root_index
-        self.device = root_logits.device
-        self._depths = torch.zeros(root_index.shape[0], 1, dtype=torch.long, device=self.device)
-        self.root_probs = self._process(root_logits[:, :, None, :], self._depths)[:, 0]
-
-    def _process(self, logits: Tensor, depths: Tensor) -> Tensor:
-        g, f = depths.shape
-        active = cfg_active_at((depths + self.root_index[:, None] + 1).flatten(), self.sampling)
-        return probabilities(logits.flatten(1, 2), self.sampling, active).view(g, f, -1)
-
-    def feed(self, parents: Tensor, tokens: Tensor) -> Tensor:
-        """Feed nodes [G, f] (children of fed session nodes ``parents``) and return their
-        draft distributions [G, f, V]; they get the next session ids in order."""
-        depths = self._depths.gather(1, parents) + 1
-        self._depths = torch.cat([self._depths, depths], dim=1)
-        return self._process(self._expand(parents, tokens).to(self.device), depths)
+    """EAGLE-2's dynamic tree of one image (:func:`build_dynamic_batch`)."""
+    root = torch.full((1,), root_token, device=session.device)
+    return _alone(build_dynamic_batch(session.batch, root, depth, topk, total_tokens, sample, [generator]))
 
 
 def build_dynamic_batch(
     session: BatchSession, root_tokens: Tensor, depth: int, topk: int, total_tokens: int, sample: bool = False,
-    generators: Sequence[torch.Generator] | None = None,
+    generators: Sequence[torch.Generator | None] | None = None,
 ) -> DraftTree:
-    """:func:`build_dynamic` for G images at once (``root_tokens`` [G]), one batched drafter
-    call and one top-k per level for all of them: a forest whose every image's tree is
-    the one ``build_dynamic`` grows from the same distributions (and, for sampled drafts,
-    the same draws from its own generator)."""
-    device, count = session.device, root_tokens.shape[0]
+    """EAGLE-2's dynamic trees of G images (``root_tokens`` [G]), as one forest: per depth,
+    expand each image's ``topk`` best frontier nodes by cumulative draft log-prob into
+    ``topk`` children each, one drafter call and one top-k per level for all the images.
+
+    Top-k drafts then keep each image's ``total_tokens`` best nodes (a set closed under
+    ancestors, since a child never scores above its parent).  Sampled drafts (image g's
+    from ``generators[g]``) keep every drawn child (recursive rejection needs each node's
+    full draw) and spend the budget by expanding fewer nodes.  On a device where a host
+    read stalls, drafts of probability 0 (all sorted last, parents before children) stay
+    in the tree rather than be counted."""
+    count = root_tokens.shape[0]
     topk = min(topk, session.root_probs.shape[-1])
-    levels: list[tuple[Tensor, Tensor, Tensor, Tensor]] = [
-        (root_tokens[:, None], torch.full((count, 1), -1, device=device), torch.zeros(count, 1, device=device), torch.zeros(count, 1, device=device))
-    ]  # (tokens, parents, logq, score) [G, nodes] per level
-    session_of = torch.full((count, 1 + depth * topk * topk), -1, dtype=torch.long, device=device)
-    session_of[:, 0] = 0
-    fed: list[tuple[Tensor, Tensor]] = [(torch.zeros(count, 1, dtype=torch.long, device=device), session.root_probs[:, None])]
-    size, fed_count, width = 1, 0, 0
-    frontier = torch.zeros(count, 1, dtype=torch.long, device=device)
-    frontier_scores = torch.zeros(count, 1, device=device)
+    grow = _Growth(session, root_tokens, capacity=1 + depth * topk * topk)
+    frontier = torch.zeros(count, 1, dtype=torch.long, device=session.device)
+    frontier_scores = torch.zeros(count, 1, device=session.device)
     probs, budget = session.root_probs[:, None], total_tokens - 1
     for level in range(1, depth + 1):
         if sample:
@@ -418,78 +391,32 @@ def build_dynamic_batch(
             frontier, frontier_scores, probs = frontier[:, :keep], frontier_scores[:, :keep], probs[:, :keep]
         if frontier.shape[1] == 0:
             break
-        tokens, logq = pick_children_batch(probs, topk, sample, generators)
+        tokens, logq = pick_children(probs, topk, sample, generators)
         scores = frontier_scores[..., None] + logq
-        f, k = tokens.shape[1:]
-        ids = torch.arange(size, size + f * k, device=device)
-        levels.append((tokens.flatten(1), frontier[..., None].expand(-1, f, k).flatten(1), logq.flatten(1), scores.flatten(1)))
-        size, width, budget = size + f * k, max(width, k), budget - f * k
+        ids = grow.add(frontier, tokens, logq, scores)
+        budget -= ids.shape[0]
         if level == depth:
             break
         best = torch.sort(scores.flatten(1), dim=1, descending=True, stable=True).indices[:, :topk]  # ties: lower id first
         frontier, frontier_scores = ids[best], scores.flatten(1).gather(1, best)
-        parents = levels[-1][1].gather(1, best)
-        session_of.scatter_(1, frontier, torch.arange(fed_count + 1, fed_count + 1 + best.shape[1], device=device).expand(count, -1))
-        probs = session.feed(session_of.gather(1, parents), tokens.flatten(1).gather(1, best))
-        fed_count += best.shape[1]
-        fed.append((frontier, probs))
-    columns = [torch.cat(parts, dim=1) for parts in zip(*levels)]  # tokens, parents, logq, scores [G, size]
-    depths = torch.cat([torch.full_like(part[1], level) for level, part in enumerate(levels)], dim=1)
-    return _kept_forest(*columns, depths, fed, total_tokens, sample, width, len(levels) - 1)
+        probs = grow.feed(frontier, grow.levels[-1][1].gather(1, best), tokens.flatten(1).gather(1, best))
+    return grow.forest(*_best_kept(grow.columns()[3], total_tokens, sample), sample)
 
 
-def _kept_forest(
-    tokens: Tensor, parents: Tensor, logq: Tensor, scores: Tensor, depths: Tensor, fed: list[tuple[Tensor, Tensor]],
-    total_tokens: int, sample: bool, width: int, height: int,
-) -> DraftTree:
-    """The forest of every image's tree from the grown nodes [G, size], kept as
-    :func:`build_dynamic` keeps them (every drawn pick of a sampled tree, else the
-    ``total_tokens`` best), with the draft distributions of the ``fed`` nodes for sampled
-    trees: one pass for all the images."""
-    count, size = tokens.shape
-    device = tokens.device
+def _best_kept(scores: Tensor, total_tokens: int, sample: bool) -> tuple[Tensor, list[int]]:
+    """Which grown nodes (scores [G, size]) each image keeps, and how many: every drawn pick
+    of a sampled tree, else the ``total_tokens`` best (the root first: it scores 0, the
+    most, with the lowest id); a host read only where it is free (the CPU: drafts of
+    probability 0 dropped) or needed (sampled trees' sizes)."""
+    count, size = scores.shape
     if sample:
         keep = scores > -torch.inf  # drop picks of probability 0
-    else:
-        best = torch.sort(scores[:, 1:], dim=1, descending=True, stable=True)
-        ranked = (torch.arange(size - 1, device=device) < total_tokens - 1).expand(count, -1)  # kept, per rank
-        if not stalls.host_reads_stall(device):  # drop drafts of probability 0 where counting them is free
-            ranked = ranked & (best.values > -torch.inf)
-        drafts = torch.empty(count, size - 1, dtype=torch.bool, device=device).scatter_(1, best.indices, ranked)
-        keep = torch.cat([torch.ones(count, 1, dtype=torch.bool, device=device), drafts], dim=1)
-    if sample or not stalls.host_reads_stall(device):
-        sizes = keep.sum(dim=1).tolist()
-    else:
-        sizes = [min(total_tokens, size)] * count  # every image keeps as many, known without a read
-    flat = keep.flatten()
-    nodes = torch.sort((~flat).byte(), stable=True).indices[: sum(sizes)]  # the kept grown ids, image after image (no read)
-    new_id = flat.cumsum(0) - 1  # each kept grown node's forest id
-    image = nodes // size
-    grown_parents = parents.flatten()[nodes]
-    forest_parents = torch.where(grown_parents >= 0, new_id[image * size + grown_parents.clamp(min=0)], -1)
-    draft_probs = None
-    if sample:
-        fed_nodes, probs = (torch.cat(c, dim=1) for c in zip(*fed))  # [G, F], [G, F, V]
-        at = fed_nodes + torch.arange(count, device=device)[:, None] * size
-        rows = torch.where(flat[at], new_id[at], len(nodes)).flatten()  # a fed node that was not kept goes to a spare row
-        draft_probs = torch.zeros(len(nodes) + 1, probs.shape[-1], device=device).index_copy_(0, rows, probs.flatten(0, 1))[:-1]
-    return DraftTree.from_tensors(
-        tokens.flatten()[nodes], forest_parents, depths.flatten()[nodes], logq.flatten()[nodes], draft_probs, sample,
-        width=width, height=height, images=image, sizes=sizes,
-    )
-
-
-def pick_children_batch(probs: Tensor, count: int, sample: bool, generators: Sequence[torch.Generator | None] | None) -> tuple[Tensor, Tensor]:
-    """:func:`pick_children` for several images' rows ``probs`` [G, f, V], image g's
-    sampled picks drawn from ``generators[g]`` (None: torch's default generator)."""
-    logq = probs.log()
-    keys = logq
-    if sample:
-        assert generators is not None
-        uniform = torch.stack([torch.rand(row.shape, generator=g, device=probs.device) for row, g in zip(probs, generators)]).clamp_(min=1e-20)
-        keys = logq - (-uniform.log()).log()
-    top = torch.topk(keys, min(count, probs.shape[-1]), dim=-1).indices
-    return top, logq.gather(-1, top)
+        return keep, keep.sum(dim=1).tolist()
+    best = torch.sort(scores, dim=1, descending=True, stable=True)  # ties: lower id first
+    if stalls.host_reads_stall(scores.device):
+        return torch.zeros_like(scores, dtype=torch.bool).scatter_(1, best.indices[:, :total_tokens], True), [min(total_tokens, size)] * count
+    keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, best.indices[:, :total_tokens], best.values[:, :total_tokens] > -torch.inf)
+    return keep, keep.sum(dim=1).tolist()  # drafts of probability 0 dropped, where counting them is free
 
 
 def build_static(
@@ -512,29 +439,30 @@ def build_static(
     device = session.device
     levels = [sorted({p[:-1] for p in paths if len(p) == level}) for level in range(1, max((len(p) for p in paths), default=0) + 1)]
     widths = [1 + max(p[-1] for p in paths if len(p) == level) for level in range(1, len(levels) + 1)]
-    grow = _Growth(session, root_token, capacity=1 + sum(len(ps) * w for ps, w in zip(levels, widths)))
+    grow = _Growth(session.batch, torch.full((1,), root_token, device=device), capacity=1 + sum(len(ps) * w for ps, w in zip(levels, widths)))
     node_of: dict[tuple[int, ...], int] = {(): 0}
-    probs = session.root_probs[None]
+    probs = session.batch.root_probs[:, None]
     for level, (prefixes, width) in enumerate(zip(levels, widths), start=1):
         prefixes = [p for p in prefixes if p in node_of]  # not below ranks the vocabulary lacks
         if not prefixes:
             break
-        nodes = torch.tensor([node_of[p] for p in prefixes], device=device)
+        nodes = torch.tensor([[node_of[p] for p in prefixes]], device=device)
         tokens, _, logq, _, _ = grow.columns()
         if level > 1:  # feed this level's parents, one drafter call
-            parents = torch.tensor([node_of[p[:-1]] for p in prefixes], device=device)
-            probs = grow.feed(nodes, parents, tokens[nodes])
-        picked, pick_logq = pick_children(probs, width, sample, generator)
-        pick_logq = torch.where(logq[nodes, None] > -torch.inf, pick_logq, torch.full_like(pick_logq, -torch.inf))  # below a dropped pick
-        base, picks = grow.size, picked.shape[1]  # fewer than width when the vocabulary is smaller
+            parents = torch.tensor([[node_of[p[:-1]] for p in prefixes]], device=device)
+            probs = grow.feed(nodes, parents, tokens.gather(1, nodes))
+        picked, pick_logq = pick_children(probs, width, sample, [generator])
+        pick_logq = torch.where(logq.gather(1, nodes)[..., None] > -torch.inf, pick_logq, -torch.inf)  # below a dropped pick
+        base, picks = grow.size, picked.shape[2]  # fewer than width when the vocabulary is smaller
         grow.add(nodes, picked, pick_logq, pick_logq)
         for row, prefix in enumerate(prefixes):
             for rank in range(picks):
                 if prefix + (rank,) in known:
                     node_of[prefix + (rank,)] = base + row * picks + rank
-    wanted = torch.tensor(sorted(node_of.values()), device=device)
-    keep = wanted[grow.columns()[2][wanted] > -torch.inf]  # a pick of probability 0 and everything below it
-    return grow.tree(keep, sampled=sample)
+    wanted = torch.zeros(1, grow.size, dtype=torch.bool, device=device)
+    wanted[0, sorted(node_of.values())] = True
+    keep = wanted & (grow.columns()[2] > -torch.inf)  # not a pick of probability 0, nor anything below it
+    return _alone(grow.forest(keep, keep.sum(dim=1).tolist(), sample))
 
 
 def build_tree(
@@ -543,7 +471,8 @@ def build_tree(
     """The tree ``config`` asks for, no deeper than ``max_depth`` (the tokens still missing)."""
     depth = min(config.depth, max_depth)
     if depth == 0:
-        return _Growth(session, root_token, capacity=1).tree(torch.zeros(1, dtype=torch.long, device=session.device), sampled=False)
+        one = _Growth(session.batch, torch.full((1,), root_token, device=session.device), capacity=1)
+        return _alone(one.forest(torch.ones(1, 1, dtype=torch.bool, device=session.device), [1], sampled=False))
     if config.kind == "static":
         return build_static(session, root_token, config.rank_paths, config.sample, generator, max_depth=depth)
     if config.kind == "auto":
