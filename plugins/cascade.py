@@ -73,23 +73,23 @@ def build_relaxed_dist(
 
 
 def context_donors(tree: DraftTree, hidden: Tensor, ids: Tensor, tau_pos: float, tau_seq: float) -> Tensor:
-    """Donor tokens [n, C, K] of each candidate node ``ids`` [n, C] (-1 = none), from one
-    n x n cosine matrix of the node states ``hidden`` [n, D]; in a forest, only nodes of
-    the candidate's own tree."""
+    """Donor tokens [n, C, K] of each candidate node ``ids`` [n, C] (-1 = none): the nodes
+    of the candidate's own tree (each tree of a forest padded to the largest, K nodes)
+    ranked by the cosine of their states ``hidden`` [n, D], one K x K matrix per tree."""
     device = hidden.device
-    feats = unit_states(hidden).double()
-    sim = (feats @ feats.T).float()  # in float64 and then rounded: a forest's larger product rounds as one tree's, so near-equal donors keep their order
-    depths, parents, tokens = (t.to(device) for t in (tree.depths, tree.parents, tree.tokens))
+    image, local, slot = (t.to(device) for t in tree.places())
+    feats = torch.zeros(*slot.shape, hidden.shape[-1], dtype=torch.float64, device=device)
+    feats[image, local] = unit_states(hidden).double()
+    sim = (feats @ feats.transpose(1, 2)).float()  # in float64 and then rounded: a tree's product rounds as alone in any batch, so near-equal donors keep their order
     node = ids.clamp(min=0)
-    gap = depths[None, None, :] - depths[node][..., None]
-    other_branch = (gap == 0) & (parents[None, None, :] != parents[node][..., None])
-    s = sim[node]
-    keep = ((other_branch & (s >= tau_pos)) | ((gap.abs() == 1) & (s >= tau_seq))) & (ids >= 0)[..., None]
-    if tree.images is not None:
-        images = tree.images.to(device)
-        keep &= images[None, None, :] == images[node][..., None]
+    s = sim[image[node], local[node]]  # [n, C, K]: against every place of the candidate's own tree
+    columns = slot[image[node]]  # the node at each of those places (-1: padding)
+    depths, parents, tokens = (t.to(device) for t in (tree.depths, tree.parents, tree.tokens))
+    gap = depths[columns] - depths[node][..., None]
+    other_branch = (gap == 0) & (parents[columns] != parents[node][..., None])
+    keep = ((other_branch & (s >= tau_pos)) | ((gap.abs() == 1) & (s >= tau_seq))) & (columns >= 0) & (ids >= 0)[..., None]
     order = torch.where(keep, s, torch.full_like(s, -torch.inf)).argsort(dim=-1, descending=True, stable=True)  # every node a slot: no host read
-    return torch.where(keep.gather(-1, order), tokens[order], torch.full_like(order, -1))
+    return torch.where(keep.gather(-1, order), tokens[columns.gather(-1, order)], torch.full_like(order, -1))
 
 
 def unit_states(hidden: Tensor) -> Tensor:

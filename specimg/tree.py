@@ -164,15 +164,32 @@ class DraftTree:
             for (a, b), tokens, parents, depths, mask, logprobs, child_ids, probs in zip(spans, *(c.split(sizes) for c in columns), draft_probs)
         ]
 
+    def places(self) -> tuple[Tensor, Tensor, Tensor]:
+        """The trees side by side, padded to the largest (K nodes): each node's tree and
+        place in it ([n] each), and the node at each place ([trees, K], -1 past a tree's
+        end).  For rules that compare a node with the rest of its own tree."""
+        n, device = self.size, self.tokens.device
+        nodes = torch.arange(n, device=device)
+        if self.images is None:
+            return torch.zeros(n, dtype=torch.long, device=device), nodes, nodes[None]
+        local = nodes - stalls.on_device([a for a, _ in self.spans], device)[self.images]
+        slot = torch.full((len(self.sizes), max(self.sizes)), -1, dtype=torch.long, device=device)
+        return self.images, local, slot.index_put_((self.images, local), nodes)
+
     def stacked(self) -> tuple[Tensor, Tensor, Tensor]:
         """A forest as one batch input, as :func:`stack_trees` stacks its trees: views of its
-        columns where every tree has one size (the diagonal blocks of its ancestor mask)."""
+        columns where every tree has one size (the diagonal blocks of its ancestor mask),
+        else gathered into the trees' places."""
         assert self.images is not None, "not a forest"
         count, n = len(self.sizes), self.sizes[0]
-        if any(size != n for size in self.sizes):
-            return stack_trees(self.trees())
-        mask = self.mask.view(count, n, count, n).diagonal(dim1=0, dim2=2).permute(2, 0, 1)  # [i, j, b] = mask[b, i, b, j]
-        return self.tokens.view(count, n), self.depths.view(count, n), mask
+        if all(size == n for size in self.sizes):
+            mask = self.mask.view(count, n, count, n).diagonal(dim1=0, dim2=2).permute(2, 0, 1)  # [i, j, b] = mask[b, i, b, j]
+            return self.tokens.view(count, n), self.depths.view(count, n), mask
+        slot = self.places()[2]
+        real, node = slot >= 0, slot.clamp(min=0)
+        among = self.mask[node[:, :, None], node[:, None, :]] & real[:, None, :]
+        alone = torch.eye(slot.shape[1], dtype=torch.bool, device=slot.device).expand_as(among)  # a padding place sees only itself
+        return torch.where(real, self.tokens[node], 0), torch.where(real, self.depths[node], 0), torch.where(real[:, :, None], among, alone)
 
     @property
     def size(self) -> int:
