@@ -82,8 +82,9 @@ def context_donors(tree: DraftTree, hidden: Tensor, ids: Tensor, tau_pos: float,
     feats[image, local] = unit_states(hidden).double()
     sim = (feats @ feats.transpose(1, 2)).float()  # in float64 and then rounded: a tree's product rounds as alone in any batch, so near-equal donors keep their order
     node = ids.clamp(min=0)
-    s = sim[image[node], local[node]]  # [n, C, K]: against every place of the candidate's own tree
-    columns = slot[image[node]]  # the node at each of those places (-1: padding)
+    own = image[node]
+    s = sim[own, local[node]]  # [n, C, K]: against every place of the candidate's own tree
+    columns = slot[own]  # the node at each of those places (-1: padding)
     depths, parents, tokens = (t.to(device) for t in (tree.depths, tree.parents, tree.tokens))
     gap = depths[columns] - depths[node][..., None]
     other_branch = (gap == 0) & (parents[columns] != parents[node][..., None])
