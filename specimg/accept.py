@@ -4,16 +4,17 @@ Every rule here emits, at each node it reaches, a sample of that node's distribu
 the accepted child's token or the correction token.  With q = p that is exact
 speculative sampling; with a relaxed q the output follows q.
 
-Sample-and-match and greedy walk one tree or a batch's forest (:func:`walk_forest`).  Where
-a host read stalls the device (a GPU), the walk is a device program: the host reads the
-outcome once and the commit copies nothing back.  On the CPU, where reads are free, they
-walk on the host, which draws only the nodes it reaches.  Both make the same draws from
-the same generator.
+Every rule takes one tree or a batch's forest (:func:`accept_forest`).  Where a host read
+stalls the device (a GPU), the walk is a device program: the host reads the outcome once
+and the commit copies nothing back.  On the CPU, where reads are free, the rules walk on
+the host, drawing only what they use.  Sample-and-match and greedy make the same draws
+in both forms; recursive rejection's device form draws a level's worth whatever happens
+in it, so only its law is the host form's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -22,6 +23,11 @@ from specimg import stalls
 from specimg.config import Sampling
 from specimg.step import Acceptance, Walked
 from specimg.tree import DraftTree
+
+
+Level = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+"""One level of a device walk: (each walker's node, whether it still walks) -> (its emitted
+token, the child it descends to or -1)."""
 
 
 def rejects_recursively(sampling: Sampling, exact: bool, tree: DraftTree) -> bool:
@@ -41,7 +47,7 @@ def walk_forest(forest: DraftTree, roots: Sequence[int], dist: Tensor, generator
     device tensors (``walked``) made in one copy."""
     if not stalls.host_reads_stall(dist.device) or (generators is not None and None in generators):
         return _walk_on_host(forest, roots, dist, generators)
-    return _walk_on_device(forest, roots, dist, generators)  # type: ignore[arg-type]
+    return _walk_on_device(forest, roots, generators, _matching(forest, dist, generators))  # type: ignore[arg-type]
 
 
 def _walk_on_host(forest: DraftTree, roots: Sequence[int], dist: Tensor, generators: Sequence[torch.Generator | None] | None) -> list[Acceptance]:
@@ -59,42 +65,39 @@ def _walk_on_host(forest: DraftTree, roots: Sequence[int], dist: Tensor, generat
             node = ids[node][tokens[node].index(choice)]
             path.append(node)
         walks.append((path, choice))
+    return _copied(forest, walks)
+
+
+def _copied(forest: DraftTree, walks: Sequence[tuple[list[int], int]]) -> list[Acceptance]:
+    """The acceptances of walks made on the host (each path in forest ids from its root,
+    and its next token), with every path's device tensors (``walked``) made in one copy."""
     node_tokens = forest.tokens.tolist()
     new_tokens = [[node_tokens[node] for node in path[1:]] + [choice] for path, choice in walks]
     paths = [[node - path[0] for node in path] for path, _ in walks]
-    parts = stalls.on_device([value for path, new in zip(paths, new_tokens) for value in (*path, *new)], dist.device).split(
+    parts = stalls.on_device([value for path, new in zip(paths, new_tokens) for value in (*path, *new)], forest.tokens.device).split(
         [length for path in paths for length in (len(path), len(path))])
     return [Acceptance(path, new[-1], Walked(parts[2 * i], parts[2 * i + 1], new)) for i, (path, new) in enumerate(zip(paths, new_tokens))]
 
 
-def _walk_on_device(forest: DraftTree, roots: Sequence[int], dist: Tensor, generators: Sequence[torch.Generator] | None) -> list[Acceptance]:
+def _walk_on_device(forest: DraftTree, roots: Sequence[int], generators: Sequence[torch.Generator] | None, level: Level) -> list[Acceptance]:
     """Every tree's walk as one device program of ``forest.height + 1`` levels, whatever
-    the outcome: the host reads the outcome once for every tree (the generators' states
-    are host-side copies on CUDA: no wait), and the levels after a walk stopped are ignored.
-
-    Each level draws once per tree with that tree's generator, as
-    ``torch.multinomial(row, 1)`` draws one token (an Exp(1) variate per entry from the
-    generator, the argmax of row / variate: the same draws and the same generator state),
-    and every tree's generator is then set back to its state after the draws that counted."""
-    tokens, ids = forest.candidates()
-    device, walkers = tokens.device, len(roots)
+    the outcome: ``level(node, walking)`` gives each walker's emitted token at its node and
+    the child it descends to (-1: it stops there), drawing from each walker's generator.
+    The host reads the outcome once for every tree (the generators' states are host-side
+    copies on CUDA: no wait), the levels after a walk stopped are ignored, and every
+    tree's generator is set back to its state after the draws that counted."""
+    device, walkers = forest.tokens.device, len(roots)
     start = stalls.on_device(list(roots), device)
     node, walking = start, torch.ones(walkers, dtype=torch.bool, device=device)
-    variates = torch.empty(walkers, dist.shape[-1], dtype=dist.dtype, device=device)
     states: list[list[Tensor]] = [[g.get_state()] for g in generators] if generators is not None else []
     reached, chosen = [], []
     for _ in range(forest.height + 1):
-        if generators is None:
-            choice = dist[node].argmax(dim=-1)
-        else:
-            for row, generator, saved in zip(variates, generators, states):
-                row.exponential_(generator=generator)
-                saved.append(generator.get_state())
-            choice = (dist[node] / variates).argmax(dim=-1)
-        hit = (tokens[node] == choice[:, None]) & (ids[node] >= 0)  # [walkers, C]; a node's children have distinct tokens
+        choice, child = level(node, walking)
+        for generator, saved in zip(generators or (), states):
+            saved.append(generator.get_state())
         chosen.append(choice)
-        walking = walking & hit.any(dim=1)
-        node = torch.where(walking, (ids[node] * hit).sum(dim=1), node)
+        walking = walking & (child >= 0)
+        node = torch.where(walking, child, node)
         reached.append(torch.where(walking, node, -1))
     levels, choices = torch.stack(reached), torch.stack(chosen)  # [levels, walkers]
     accepted = (levels >= 0).sum(dim=0)
@@ -110,6 +113,64 @@ def _walk_on_device(forest: DraftTree, roots: Sequence[int], dist: Tensor, gener
         path = torch.cat([start.new_zeros(1), levels[:count, walker] - root])
         results.append(Acceptance([0, *nodes], token_list[-1], Walked(path, choices[: count + 1, walker], token_list)))
     return results
+
+
+def _matching(forest: DraftTree, dist: Tensor, generators: Sequence[torch.Generator] | None) -> Level:
+    """Sample-and-match's level (greedy without ``generators``): each walker draws once
+    from its node's distribution, as ``torch.multinomial(row, 1)`` draws one token (an
+    Exp(1) variate per entry from the generator, the argmax of row / variate: the same
+    draws and the same generator state), and descends to the child with that token."""
+    tokens, ids = forest.candidates()
+    variates = torch.empty(len(generators or ()), dist.shape[-1], dtype=dist.dtype, device=dist.device)
+
+    def level(node: Tensor, walking: Tensor) -> tuple[Tensor, Tensor]:
+        if generators is None:
+            choice = dist[node].argmax(dim=-1)
+        else:
+            for row, generator in zip(variates, generators):
+                row.exponential_(generator=generator)
+            choice = (dist[node] / variates).argmax(dim=-1)
+        hit = (tokens[node] == choice[:, None]) & (ids[node] >= 0)  # [walkers, C]; a node's children have distinct tokens
+        return choice, torch.where(hit.any(dim=1), (ids[node] * hit).sum(dim=1), -1)
+
+    return level
+
+
+def _rejecting(forest: DraftTree, target_dist: Tensor, generators: Sequence[torch.Generator]) -> Level:
+    """Recursive rejection's level (:func:`recursive_rejection`) for every walker at once:
+    C uniforms and V Exp(1) variates per walker and level, used or not, so that a level
+    draws as much whatever happens in it; the children in draft-rank order, a rejected
+    one's draft mass taken from the residual; after the last, a draw from the residual
+    (the argmax of residual / variate, as ``torch.multinomial``)."""
+    assert forest.draft_probs is not None
+    tokens, ids = forest.candidates()
+    walkers, vocab = len(generators), target_dist.shape[-1]
+    uniforms = torch.empty(walkers, ids.shape[1], dtype=torch.float64, device=target_dist.device)
+    variates = torch.empty(walkers, vocab, dtype=torch.float32, device=target_dist.device)
+
+    def level(node: Tensor, walking: Tensor) -> tuple[Tensor, Tensor]:
+        for u, e, generator in zip(uniforms, variates, generators):
+            u.uniform_(generator=generator)
+            e.exponential_(generator=generator)
+        residual, draft = target_dist[node].double(), forest.draft_probs[node].double()
+        child, trying = torch.full_like(node, -1), walking.clone()
+        for column in range(ids.shape[1]):
+            candidate, x = ids[node, column], tokens[node, column].clamp(min=0)[:, None]
+            trying = trying & (candidate >= 0)
+            take = trying & (uniforms[:, column] * draft.gather(1, x)[:, 0] <= residual.gather(1, x)[:, 0])
+            child = torch.where(take, candidate, child)
+            rejected = (trying & ~take)[:, None]
+            left = (residual - draft).clamp(min=0)
+            mass = left.sum(dim=1, keepdim=True)
+            residual = torch.where(rejected & (mass > 0), left / mass.clamp(min=torch.finfo(torch.float64).tiny), residual)
+            draft = torch.where(rejected, draft.scatter(1, x, 0.0), draft)
+            total = draft.sum(dim=1, keepdim=True)
+            draft = torch.where(rejected & (total > 0), draft / total.clamp(min=torch.finfo(torch.float64).tiny), draft)
+            trying = trying & ~take & (total[:, 0] > 0)  # no draft mass left: no child can be drawn
+        correction = (residual.float() / variates).argmax(dim=-1)
+        return torch.where(child >= 0, forest.tokens[child.clamp(min=0)], correction), child
+
+    return level
 
 
 def sample_and_match(tree: DraftTree, dist: Tensor, generator: torch.Generator | None) -> Acceptance:
@@ -134,9 +195,45 @@ def recursive_rejection(tree: DraftTree, target_dist: Tensor, generator: torch.G
 
     Sibling x_j is accepted with min(1, r(x_j) / q_j(x_j)); on rejection the residual
     becomes r <- norm(max(r - q_j, 0)) and q drops x_j.  Exact for a fixed target p.
+    (:func:`reject_forest` for one tree.)
     """
-    if tree.draft_probs is None:
+    return reject_forest(tree, [0], target_dist, [generator])[0]
+
+
+def reject_forest(forest: DraftTree, roots: Sequence[int], target_dist: Tensor, generators: Sequence[torch.Generator | None]) -> list[Acceptance]:
+    """:func:`recursive_rejection` on every tree of a forest (its roots at ``roots``; or one
+    tree, root 0), tree g drawing from ``generators[g]``.
+
+    On the host each tree draws only what it uses (:func:`_reject_on_host`).  Where a host
+    read stalls, one device program for every tree (:func:`_rejecting`): a level draws the
+    same whatever happens in it, so its draws are not the host's, but its law is the
+    same.  Paths and tokens come back per tree, in that tree's own node ids, with their
+    device tensors (``walked``)."""
+    if forest.draft_probs is None:
         raise ValueError("recursive rejection needs the draft distributions of a sampled tree")
+    if stalls.host_reads_stall(target_dist.device) and None not in generators:
+        return _walk_on_device(forest, roots, generators, _rejecting(forest, target_dist, generators))  # type: ignore[arg-type]
+    trees, dists = ([forest], [target_dist]) if forest.images is None else (forest.trees(), target_dist.split(list(forest.sizes)))
+    results = [_reject_on_host(tree, dist, generator) for tree, dist, generator in zip(trees, dists, generators)]
+    return _copied(forest, [([root + node for node in result.path], result.next_token) for root, result in zip(roots, results)])
+
+
+def accept_forest(
+    forest: DraftTree, roots: Sequence[int], dist: Tensor, target_dist: Tensor, sampling: Sampling, exact: bool,
+    generators: Sequence[torch.Generator | None],
+) -> list[Acceptance]:
+    """The core's rule on every tree of a forest (or one tree, root 0): recursive rejection
+    against ``target_dist`` where it applies (:func:`rejects_recursively`), else
+    sample-and-match on ``dist`` (greedy at temperature 0)."""
+    if rejects_recursively(sampling, exact, forest):
+        return reject_forest(forest, roots, target_dist, generators)
+    return walk_forest(forest, roots, dist, None if sampling.greedy else generators)
+
+
+def _reject_on_host(tree: DraftTree, target_dist: Tensor, generator: torch.Generator | None) -> Acceptance:
+    """One tree's recursive rejection on the host, drawing only what it uses: a uniform per
+    child it tries, and the residual's draw where it rejects them all."""
+    assert tree.draft_probs is not None
     tokens, children = tree.tokens.tolist(), tree.children
     path, node = [0], 0
     while True:

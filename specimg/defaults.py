@@ -29,6 +29,4 @@ def score(target: Target, tree: DraftTree, sampling: Sampling, token_index: int)
 
 @hookimpl(trylast=True)
 def accept(tree: DraftTree, dist: Tensor, scores: Scores, sampling: Sampling, generator: torch.Generator, exact: bool) -> Acceptance:
-    if acceptance.rejects_recursively(sampling, exact, tree):
-        return acceptance.recursive_rejection(tree, scores.probs, generator)
-    return acceptance.greedy(tree, dist) if sampling.greedy else acceptance.sample_and_match(tree, dist, generator)
+    return acceptance.accept_forest(tree, [0], dist, scores.probs, sampling, exact, [generator])[0]

@@ -397,9 +397,9 @@ class Engine:
     ) -> dict[int, tuple[DraftTree, Scores, Tensor, Acceptance, Walked]]:
         """The batch's drafted ``trees`` (of ``lanes`` at ``places``, verified in ``out``)
         as their ``forest``: their scores and q_R in one pass each, then every lane's
-        acceptance of its own rows, all walked together where the core's rule walks
-        (:func:`specimg.accept.walk_forest`: one device program on a device), else lane by
-        lane.  Per place: what its lane's ``advance`` takes."""
+        acceptance of its own rows, all in one call under the core's own rule
+        (:func:`specimg.accept.accept_forest`: one device program on a device), else lane
+        by lane by the method's.  Per place: what its lane's ``advance`` takes."""
         device, bucket, sizes = self.device, out.logits.shape[2], forest.sizes
         starts = [a for a, _ in forest.spans]
         nodes = stalls.on_device([place * bucket + node for place, size in zip(places, sizes) for node in range(size)], device)
@@ -410,8 +410,9 @@ class Engine:
         relaxed = time.perf_counter()
         own = scores.split(sizes)  # each image's scores, and its q_R (p itself where nothing relaxed)
         dists = [mine.probs for mine in own] if dist is scores.probs else list(dist.split(sizes))
-        if self._walks_together(forest):
-            results = acceptance.walk_forest(forest, starts, dist, None if self.sampling.greedy else [lane.generator for lane in lanes])
+        if self._accepts_together(forest):
+            exact = self.stack.delta == 0.0
+            results = acceptance.accept_forest(forest, starts, dist, scores.probs, self.sampling, exact, [lane.generator for lane in lanes])
             walks = [result.walked for result in results]
             if dist is not scores.probs:
                 paths = [[first + node for node in result.path] for first, result in zip(starts, results)]
@@ -428,11 +429,11 @@ class Engine:
             steps[place] = step
         return steps
 
-    def _walks_together(self, forest: DraftTree) -> bool:
-        """Whether a batch's trees are walked together (:func:`specimg.accept.walk_forest`):
-        under the core's default rule when it walks (not recursive rejection)."""
-        assert self.hooks is not None and self.stack is not None
-        return self.hooks.accept.owner is None and not acceptance.rejects_recursively(self.sampling, self.stack.delta == 0.0, forest)
+    def _accepts_together(self, forest: DraftTree) -> bool:
+        """Whether a batch's trees are accepted together (:func:`specimg.accept.accept_forest`):
+        under the core's own rule, not a method's."""
+        assert self.hooks is not None
+        return self.hooks.accept.owner is None
 
     def _finish_ar_batch(self, lanes: Sequence[Lane], progress: Callable[[int], None] | None, steps: int) -> None:
         """``steps`` AR steps of every unfinished image (their planners found no tree that

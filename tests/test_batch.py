@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
-from specimg import Engine, MethodSpec, Sampling, TreeConfig, costs, hookimpl, stalls
+from specimg import Engine, MethodSpec, Sampling, TreeConfig, accept, costs, hookimpl, stalls
 from specimg.engine import ar_tokens
 from specimg.costs import CostModel
 from specimg.errors import SpecimgError
@@ -456,6 +457,34 @@ def test_a_batch_on_the_device_reads_it_once_a_step_for_every_image(monkeypatch,
     steps = max(s.target_forwards for s in on_the_device.stats.images) - 1  # the prefill is no step
     reads_an_image = 1 if method == "naive" else 2
     assert sum(reads.values()) == reads_a_step * steps + reads_an_image * len(labels), (dict(reads), steps)
+
+
+def test_recursive_rejection_in_a_batch_on_the_device_reads_it_once_a_step(monkeypatch):
+    """Sampled trees under an exact stack: with the device forms forced, every image's
+    recursive rejection is one device program, read once a step for the whole batch (its
+    law: tests/test_device_walk.py).  The step's other read is the sampled trees' sizes,
+    known only once drawn."""
+    target = build_target("GPT-B", seed=0, **TINY)
+    drafter = build_drafter(target, seed=1)
+    tokenizer = build_tokenizer(seed=2, **dict(TINY_VQ, codebook_size=TINY["vocab_size"]))
+    engine = Engine(target, drafter, "naive", sampling=Sampling(cfg_scale=3.0, top_k=30), tree=attrs.evolve(TREE, sample=True), tokenizer=tokenizer, batch_size=3)
+    monkeypatch.setattr(stalls, "host_reads_stall", lambda device: True)
+    rejections, reject_forest = [], accept.reject_forest
+
+    def counted(*args, **kwargs):
+        with counting_host_reads() as reads:
+            results = reject_forest(*args, **kwargs)
+        rejections.append((len(results), sum(reads.values())))
+        return results
+
+    walks, walk_forest = [], accept.walk_forest
+    monkeypatch.setattr(accept, "reject_forest", counted)
+    monkeypatch.setattr(accept, "walk_forest", lambda *args, **kwargs: walks.append(1) or walk_forest(*args, **kwargs))  # the last token's one-node trees
+    out = engine.generate([3, 7, 3], seeds=[5, 6, 7])
+    steps = max(s.target_forwards for s in out.stats.images) - 1  # the prefill is no step
+    assert len(rejections) + len(walks) == steps and len(rejections) >= steps - 1
+    assert {reads for _, reads in rejections} == {1} and max(trees for trees, _ in rejections) == 3
+    assert sum(sum(s.accepted) for s in out.stats.images) > 0  # drafts were accepted
 
 
 class OneTreeCascade:

@@ -12,6 +12,8 @@ from specimg import accept, stalls
 from specimg.models.eagle import build_drafter
 from specimg.models.llamagen import build_target
 from specimg.models.vq import build_tokenizer
+from specimg.testing import statistics
+from specimg.testing.exact import outcomes
 from specimg.testing.syncs import counting_host_reads
 from specimg.tree import DraftTree
 
@@ -132,3 +134,70 @@ def test_a_checked_relaxation_on_the_device_reads_twice_a_step(models, monkeypat
     on_device, reads, steps = generate(models, "cascade+lantern", sampling)
     assert torch.equal(on_device, on_cpu)
     assert reads == 2 * steps + 2, (reads, steps)
+
+
+def sampled_tree() -> tuple[DraftTree, torch.Tensor]:
+    """Root -> tokens 1, 2 (drawn from the root's draft); 1 -> 0, 3; 2 -> 3; with a target
+    p that disagrees with the drafts, so that every branch of the rule is taken."""
+    draft = torch.tensor([[0.1, 0.5, 0.3, 0.1], [0.4, 0.1, 0.2, 0.3], [0.25, 0.25, 0.25, 0.25], [0.0] * 4, [0.0] * 4, [0.0] * 4])
+    tree = DraftTree.from_parents([0, 1, 2, 0, 3, 3], [-1, 0, 0, 1, 1, 2], draft_probs=draft, sampled=True)
+    p = torch.softmax(torch.randn(6, 4, generator=torch.Generator().manual_seed(3)), dim=-1)
+    return tree, p
+
+
+def exact_law(rule) -> dict[tuple[tuple[int, ...], int], float]:
+    """The probability of each (path, next token) of a host rule, by enumerating its draws."""
+    law: dict[tuple[tuple[int, ...], int], float] = {}
+    for weight, result in outcomes(lambda: rule(torch.Generator().manual_seed(0))):
+        key = (tuple(result.path), result.next_token)
+        law[key] = law.get(key, 0.0) + weight
+    return law
+
+
+def test_recursive_rejection_on_the_device_follows_the_law_of_the_host_rule(monkeypatch):
+    """The device program of recursive rejection draws otherwise than the host (a level
+    draws the same whatever happens in it), so its walks are checked against the host
+    rule's exact law: 12,000 walks of a forest of copies of one tree, chi-square p-value
+    above 1e-6 (a correct rule fails one run in a million).  The same walks reject the
+    law of sample-and-match, another exact rule that emits alike but walks otherwise
+    (the check has power)."""
+    tree, p = sampled_tree()
+    copies = 400
+    forest = DraftTree.forest([tree] * copies)
+    roots = [start for start, _ in forest.spans]
+    monkeypatch.setattr(stalls, "host_reads_stall", lambda device: True)
+    counts: dict[tuple[tuple[int, ...], int], int] = {}
+    for run in range(30):
+        generators = [torch.Generator().manual_seed(run * copies + i) for i in range(copies)]
+        for result in accept.reject_forest(forest, roots, p.repeat(copies, 1), generators):
+            key = (tuple(result.path), result.next_token)
+            counts[key] = counts.get(key, 0) + 1
+    monkeypatch.setattr(stalls, "host_reads_stall", lambda device: False)
+    walks = sum(counts.values())
+    for rule, holds in ((lambda g: accept.recursive_rejection(tree, p, g), True), (lambda g: accept.sample_and_match(tree, p, g), False)):
+        law = exact_law(rule)
+        assert set(counts) <= set(law) or not holds
+        keys = sorted(set(law) | set(counts))
+        observed = torch.tensor([float(counts.get(k, 0)) for k in keys], dtype=torch.float64)
+        expected = torch.tensor([walks * law.get(k, 1e-12) for k in keys], dtype=torch.float64)
+        assert (statistics.chi_square_pvalue(observed, expected) > 1e-6) == holds
+
+
+def test_recursive_rejection_on_the_device_leaves_each_generator_after_the_levels_it_walked(monkeypatch):
+    """Each tree's generator ends as if it had drawn the levels its walk reached (C uniforms
+    and V variates each), not every level of the program: so the image's next draws
+    continue its own stream."""
+    tree, p = sampled_tree()
+    forest = DraftTree.forest([tree] * 20)
+    generators = [torch.Generator().manual_seed(i) for i in range(20)]
+    monkeypatch.setattr(stalls, "host_reads_stall", lambda device: True)
+    results = accept.reject_forest(forest, [start for start, _ in forest.spans], p.repeat(20, 1), generators)
+    assert len({len(result.path) for result in results}) > 1  # walks of different lengths
+    for seed, (result, generator) in enumerate(zip(results, generators)):
+        replay = torch.Generator().manual_seed(seed)
+        for _ in result.path:  # one level per node reached
+            torch.empty(2, dtype=torch.float64).uniform_(generator=replay)
+            torch.empty(4).exponential_(generator=replay)
+        assert torch.equal(replay.get_state(), generator.get_state())
+        path, new_tokens, token_list = result.walked
+        assert path.tolist() == result.path and new_tokens.tolist() == token_list == tree.tokens[path[1:]].tolist() + [result.next_token]
