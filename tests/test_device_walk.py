@@ -126,6 +126,13 @@ def test_naive_on_the_device_reproduces_ar_reading_once_a_step(models, device_fo
     assert reads == steps + 1, (reads, steps)
 
 
+def test_sjd_on_the_device_reads_once_a_step(models, device_form):
+    """sjd's window is a sampled chain under the core's recursive rejection: with the
+    device forms forced, one read a step (the rejection's outcome) besides the first draw."""
+    _, reads, steps = generate(models, "sjd", specimg.Sampling(cfg_scale=3.0))
+    assert steps > 1 and reads == steps + 1, (reads, steps)
+
+
 def test_a_checked_relaxation_on_the_device_reads_twice_a_step(models, monkeypatch):
     """cascade+lantern: its checks' verdict and the walk's outcome; the same images as on the CPU path."""
     sampling = specimg.Sampling(cfg_scale=3.0)
