@@ -443,28 +443,32 @@ class Engine:
         target, sampling, device = self.target, self.sampling, self.device
         assert isinstance(target, BatchTrees)
         remaining = [target.num_tokens - len(lane.tokens) for lane in lanes]
-        last = list(torch.tensor([lane.tokens[-1] for lane in lanes], device=device))  # each image's root, as a device scalar
-        first = torch.tensor([len(lane.tokens) for lane in lanes], device=device)  # the token each one draws first
+        last = stalls.on_device([lane.tokens[-1] for lane in lanes], device)  # each image's root
+        first = stalls.on_device([len(lane.tokens) for lane in lanes], device)  # the token each one draws first
         depths, mask = torch.zeros(len(lanes), 1, dtype=torch.long, device=device), torch.ones(len(lanes), 1, 1, dtype=torch.bool, device=device)
         root, nothing = torch.zeros(1, dtype=torch.long, device=device), torch.zeros(0, dtype=torch.long, device=device)
-        drawn: list[list[Tensor]] = [[] for _ in lanes]
+        drawn: list[Tensor] = []  # per step, every image's last token (a finished image's stays as it was)
         start = time.perf_counter()
         for step in range(steps):
             running = [i for i, left in enumerate(remaining) if left > step]
-            logits = target.forward_trees(torch.stack(last)[:, None], depths, mask).logits[:, :, 0]
+            logits = target.forward_trees(last[:, None], depths, mask).logits[:, :, 0]
             probs = probabilities(logits, sampling, cfg_active_at(first + step, sampling))  # every image's; the finished ones' go unused
-            tokens = self._sample_rows([probs[i] for i in running], [lanes[i].generator for i in running])
+            if len(running) == len(lanes):
+                last = self._sample_rows(probs, [lane.generator for lane in lanes])
+            else:
+                at = stalls.on_device(running, device)
+                last = last.index_copy(0, at, self._sample_rows(probs[at], [lanes[i].generator for i in running]))
             target.commit_trees([root if left > step else nothing for left in remaining])
-            for j, i in enumerate(running):
-                last[i] = tokens[j]
-                drawn[i].append(tokens[j : j + 1])
-                lanes[i].stats.target_forwards += 1
+            drawn.append(last)
             if progress:
                 progress(len(running))
         share = (time.perf_counter() - start) / max(1, sum(1 for left in remaining if left))
-        for lane, tokens in zip(lanes, drawn):
-            if tokens:
-                lane.tokens.extend(torch.cat(tokens).tolist())
+        tokens = torch.stack(drawn, dim=1).tolist() if drawn else []  # the one read: [images, steps]
+        for lane, left, mine in zip(lanes, remaining, tokens):
+            count = min(steps, left)  # image i draws at the steps before its own end
+            if count > 0:
+                lane.tokens.extend(mine[:count])
+                lane.stats.target_forwards += count
                 lane.stats.seconds["verify"] += share
 
     def _sample_rows(self, probs: Tensor | Sequence[Tensor], generators: Sequence[torch.Generator]) -> Tensor:
