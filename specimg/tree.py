@@ -17,6 +17,7 @@ import attrs
 import torch
 from torch import Tensor
 from torch.nn import functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 from specimg import stalls
 from specimg.config import Sampling, TreeConfig
@@ -212,8 +213,8 @@ def stack_trees(trees: Sequence[DraftTree]) -> tuple[Tensor, Tensor, Tensor]:
     masks [B, n, n], n the largest tree's size; a smaller tree's padding nodes see only
     themselves (so no real node sees them, and none is ever accepted)."""
     n = max(t.size for t in trees)
-    tokens = torch.stack([F.pad(t.tokens, (0, n - t.size)) for t in trees])
-    depths = torch.stack([F.pad(t.depths, (0, n - t.size)) for t in trees])
+    tokens = pad_sequence([t.tokens for t in trees], batch_first=True)
+    depths = pad_sequence([t.depths for t in trees], batch_first=True)
     mask = torch.eye(n, dtype=torch.bool, device=tokens.device).repeat(len(trees), 1, 1)
     for rows, tree in zip(mask, trees):
         rows[: tree.size, : tree.size] = tree.mask
