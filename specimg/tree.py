@@ -117,7 +117,8 @@ class DraftTree:
         """Several images' trees as one, tree after tree: what a method that takes a batch
         relaxes in one call.  Node ids run on from one tree to the next, so a rule that
         acts per node (on its children, its distribution) reads a forest as it reads a
-        tree; a rule that compares nodes must keep to one tree (``images``)."""
+        tree; a rule that compares nodes must keep to one tree (``images``).  It is sampled
+        where its trees are (a one-node tree, which drew nothing, joins either kind)."""
         sizes = [t.size for t in trees]
         device, total = trees[0].tokens.device, sum(sizes)
         counts = stalls.on_device(sizes, device)
@@ -139,7 +140,7 @@ class DraftTree:
             child_ids=torch.where(child_ids >= 0, child_ids + offset[:, None], -1),
             height=max(t.height for t in trees),
             draft_probs=draft_probs,
-            sampled=all(t.sampled for t in trees),
+            sampled=any(t.sampled for t in trees) and all(t.sampled or t.size == 1 for t in trees),  # a one-node tree drew nothing
             images=images,
             sizes=tuple(sizes),
         )

@@ -208,6 +208,20 @@ def test_a_speculative_batch_draws_the_images_of_one_at_a_time(method: str):
     assert spent == pytest.approx([a.stats.images[0].tvd for a in alone], rel=1e-5, abs=1e-12)
 
 
+def test_a_batch_of_sampled_trees_draws_the_images_of_one_at_a_time():
+    """Sampled trees under an exact stack (recursive rejection), ragged lengths: each image
+    is the one it draws alone, also at the steps where another image of the batch is at
+    its last token (its one-node tree has no drafts, so the forest still rejects)."""
+    target = build_target("GPT-B", seed=0, **TINY)
+    drafter = build_drafter(target, seed=1)
+    tokenizer = build_tokenizer(seed=2, **dict(TINY_VQ, codebook_size=TINY["vocab_size"]))
+    engine = Engine(target, drafter, "naive", sampling=Sampling(cfg_scale=3.0, top_k=30), tree=attrs.evolve(TREE, sample=True), tokenizer=tokenizer, batch_size=3)
+    labels, seeds = [3, 7, 3, 0, 9], [5, 6, 7, 40, 2]
+    batched = engine.generate(labels, seeds=seeds)
+    alone = lanes_alone(engine, labels, seeds)
+    assert torch.equal(batched.tokens, torch.cat([a.tokens for a in alone]))
+
+
 def test_greedy_naive_in_a_batch_is_greedy_ar():
     target = build_target("GPT-B", seed=0, **TINY)
     greedy = Sampling(temperature=0.0, cfg_scale=3.0)
