@@ -74,8 +74,13 @@ def test_a_forest_stacks_as_its_trees(equal):
     rng = random.Random(3)
     sizes = [5, 5, 5] if equal else [5, 2, 7]
     trees = [DraftTree.from_parents([rng.randrange(30) for _ in range(n)], random_parents(n, rng)) for n in sizes]
-    for got, want in zip(DraftTree.forest(trees).stacked(), stack_trees(trees)):
+    forest = DraftTree.forest(trees)
+    for got, want in zip(forest.stacked(), stack_trees(trees)):
         assert torch.equal(got, want)
+    image, local, slot = forest.places()  # each node's tree and place, and the node at each place
+    assert image.tolist() == [i for i, n in enumerate(sizes) for _ in range(n)] and local.tolist() == [k for n in sizes for k in range(n)]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    assert slot.tolist() == [[start + k if k < n else -1 for k in range(max(sizes))] for start, n in zip(starts, sizes)]
 
 
 def test_rejects_parents_after_children():
