@@ -410,7 +410,8 @@ class Engine:
         relaxed = time.perf_counter()
         own = scores.split(sizes)  # each image's scores, and its q_R (p itself where nothing relaxed)
         dists = [mine.probs for mine in own] if dist is scores.probs else list(dist.split(sizes))
-        if self._accepts_together(forest):
+        assert self.hooks is not None
+        if self.hooks.accept.owner is None:  # the core's own rule: every lane at once
             exact = self.stack.delta == 0.0
             results = acceptance.accept_forest(forest, starts, dist, scores.probs, self.sampling, exact, [lane.generator for lane in lanes])
             walks = [result.walked for result in results]
@@ -428,12 +429,6 @@ class Engine:
                 lane.stats.seconds[phase] += seconds
             steps[place] = step
         return steps
-
-    def _accepts_together(self, forest: DraftTree) -> bool:
-        """Whether a batch's trees are accepted together (:func:`specimg.accept.accept_forest`):
-        under the core's own rule, not a method's."""
-        assert self.hooks is not None
-        return self.hooks.accept.owner is None
 
     def _finish_ar_batch(self, lanes: Sequence[Lane], progress: Callable[[int], None] | None, steps: int) -> None:
         """``steps`` AR steps of every unfinished image (their planners found no tree that
