@@ -156,7 +156,7 @@ class DraftTree:
         split per column; each keeps the forest's ``height``, a bound on its own)."""
         assert self.images is not None, "not a forest"
         sizes, spans = list(self.sizes), self.spans
-        offset = stalls.on_device([a for a, _ in spans], self.tokens.device)[self.images]  # each node's tree's first id
+        offset = self._tree_starts()
         parents = torch.where(self.parents >= 0, self.parents - offset, -1)
         child_ids = torch.where(self.child_ids >= 0, self.child_ids - offset[:, None], -1)
         columns = (self.tokens, parents, self.depths, self.mask, self.logprobs, child_ids)
@@ -166,6 +166,11 @@ class DraftTree:
             for (a, b), tokens, parents, depths, mask, logprobs, child_ids, probs in zip(spans, *(c.split(sizes) for c in columns), draft_probs)
         ]
 
+    def _tree_starts(self) -> Tensor:
+        """A forest's node ids of each node's tree's first node [n]."""
+        assert self.images is not None
+        return stalls.on_device([a for a, _ in self.spans], self.tokens.device)[self.images]
+
     def places(self) -> tuple[Tensor, Tensor, Tensor]:
         """The trees side by side, padded to the largest (K nodes): each node's tree and
         place in it ([n] each), and the node at each place ([trees, K], -1 past a tree's
@@ -174,24 +179,19 @@ class DraftTree:
         nodes = torch.arange(n, device=device)
         if self.images is None:
             return torch.zeros(n, dtype=torch.long, device=device), nodes, nodes[None]
-        local = nodes - stalls.on_device([a for a, _ in self.spans], device)[self.images]
+        local = nodes - self._tree_starts()
         slot = torch.full((len(self.sizes), max(self.sizes)), -1, dtype=torch.long, device=device)
         return self.images, local, slot.index_put_((self.images, local), nodes)
 
     def stacked(self) -> tuple[Tensor, Tensor, Tensor]:
         """A forest as one batch input, as :func:`stack_trees` stacks its trees: views of its
-        columns where every tree has one size (the diagonal blocks of its ancestor mask),
-        else gathered into the trees' places."""
+        columns where every tree has one size (the diagonal blocks of its ancestor mask)."""
         assert self.images is not None, "not a forest"
         count, n = len(self.sizes), self.sizes[0]
         if all(size == n for size in self.sizes):
             mask = self.mask.view(count, n, count, n).diagonal(dim1=0, dim2=2).permute(2, 0, 1)  # [i, j, b] = mask[b, i, b, j]
             return self.tokens.view(count, n), self.depths.view(count, n), mask
-        slot = self.places()[2]
-        real, node = slot >= 0, slot.clamp(min=0)
-        among = self.mask[node[:, :, None], node[:, None, :]] & real[:, None, :]
-        alone = torch.eye(slot.shape[1], dtype=torch.bool, device=slot.device).expand_as(among)  # a padding place sees only itself
-        return torch.where(real, self.tokens[node], 0), torch.where(real, self.depths[node], 0), torch.where(real[:, :, None], among, alone)
+        return stack_trees(self.trees())
 
     @property
     def size(self) -> int:
