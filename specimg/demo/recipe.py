@@ -4,7 +4,8 @@
 Every stage writes its result into DIR and records itself in ``DIR/manifest.json``; a run
 started again on the same folder skips the stages already done (same scale only).
 Intermediate data (token sets, sample images) lives in ``DIR/work`` and is removed when the
-bundle is complete.  Matrix products run under bfloat16 autocast on CPU (``autocast``).
+bundle is complete.  Matrix products run under bfloat16 autocast where the CPU computes in
+bfloat16 natively, in float32 elsewhere (``autocast``).
 """
 
 from __future__ import annotations
@@ -187,8 +188,17 @@ DEFAULT_SCALE = NEAR_DUPLICATE.name
 """What ``specimg train-demo`` makes when no scale is given: the bundle that ships."""
 
 
+def native_bfloat16() -> bool:
+    """Whether this CPU computes bfloat16 products in hardware (AVX512-BF16 or AMX).  Without
+    it bfloat16 is emulated and slower than float32: a target step took 2.1 s against
+    0.75 s, a VQ step 0.25 s against 0.11 s, on an AVX-512 Xeon without BF16."""
+    cpu = torch.cpu
+    return any(getattr(cpu, probe, lambda: False)() for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+
+
 def autocast() -> Any:
-    return torch.autocast("cpu", dtype=torch.bfloat16)
+    """bfloat16 autocast where it is native (faster), float32 elsewhere."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=native_bfloat16())
 
 
 class _Run:
@@ -258,7 +268,8 @@ def _fresh_manifest(scale: Scale) -> dict[str, Any]:
         "files": {},
         "stages": {},
         "defaults": {k: getattr(LLAMAGEN_SAMPLING, k) for k in ("cfg_scale", "temperature", "top_k", "top_p")},  # until the quality stage
-        "hardware": {"machine": platform.machine(), "processor": platform.processor(), "threads": torch.get_num_threads()},
+        "hardware": {"machine": platform.machine(), "processor": platform.processor(), "threads": torch.get_num_threads(),
+                     "autocast": "bfloat16" if native_bfloat16() else "off (float32)"},
     }
 
 
