@@ -37,6 +37,7 @@ from specimg.graphs import FixedSteps, GraphSet, bucket
 from specimg.models.base import Caption, Condition, TargetOutput, cfg_rows, exposed_layers
 from specimg.models.checkpoint import Checkpoint, Described, agree, load_into, read_checkpoint, settle
 from specimg.models.options import torch_device, torch_dtype
+from specimg.stalls import on_device
 
 ModelType = Literal["c2i", "t2i"]
 
@@ -374,12 +375,16 @@ class BatchCache:
     fixed-shape AR steps keep the lengths on the device too (``starts``), so that a step
     copies nothing from the host."""
 
-    caches: list[KVSlot]
+    store: Tensor  # [layers, 2 (k, v), rows * B, heads, slots, head_dim]: one tensor, so a commit moves every layer's entries at once
     valid: Tensor | None
     rows: int
     lengths: list[int]
     pending: int = 0
     starts: Tensor | None = None  # ``lengths`` on the device; None after eager AR steps: copied at the next step that reads it
+    caches: list[KVSlot] = attrs.field(init=False)  # per layer, views of ``store``
+
+    def __attrs_post_init__(self) -> None:
+        self.caches = [(k, v) for k, v in self.store]
 
     def device_lengths(self, device: torch.device) -> Tensor:
         if self.starts is None:
@@ -388,7 +393,7 @@ class BatchCache:
 
     @property
     def capacity(self) -> int:
-        return self.caches[0][0].shape[2]
+        return self.store.shape[4]
 
 
 class LlamaGenTarget(FixedSteps, nn.Module):
@@ -588,16 +593,16 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         if c.model_type == "t2i":
             valid = torch.ones(rows * n, slots, dtype=torch.bool, device=w.device)
             valid[:, :cls] = torch.stack([m for _, m in embedded]).repeat(rows, 1)
-        shape = (rows * n, c.kv_heads, slots, c.head_dim)
+        shape = (len(self.layers), 2, rows * n, c.kv_heads, slots, c.head_dim)
         old = self._batch
-        if old is not None and old.caches[0][0].shape == shape and not cache_is_stale(old.caches[0][0], w):
-            caches = old.caches  # the same storage: graphs captured on it stay valid (stale slots are never seen)
+        if old is not None and old.store.shape == shape and not cache_is_stale(old.store, w):
+            store = old.store  # the same storage: graphs captured on it stay valid (stale slots are never seen)
             if valid is not None:
                 valid = old.valid.copy_(valid) if old.valid is not None else valid
         else:
-            caches = [(w.new_zeros(shape), w.new_zeros(shape)) for _ in self.layers]
+            store = w.new_zeros(shape)
             self.graphs.clear()  # they read the old batch storage
-        self._batch = BatchCache(caches, valid, rows, [0] * n)
+        self._batch = BatchCache(store, valid, rows, [0] * n)
         return self._batch_last(prefix, None if valid is None else self.condition_mask(valid[:, :cls])[:, None])
 
     @torch.no_grad()
@@ -703,16 +708,17 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         if max(counts) > batch.pending:
             raise ValueError(f"cannot commit {max(counts)} nodes of {batch.pending}-node trees")
         device, m = self.tok_embeddings.weight.device, max(counts)
-        if m:
+        if m > 1:  # a path's root is already in place (its slot is the image's length): only its later nodes move
             start = batch.device_lengths(device)
-            nodes = torch.nn.utils.rnn.pad_sequence([p.to(device) for p in paths], batch_first=True, padding_value=-1)
-            dest = start[:, None] + torch.arange(m, device=device)
+            nodes = torch.nn.utils.rnn.pad_sequence([p[1:].to(device) for p in paths], batch_first=True, padding_value=-1)
+            dest = start[:, None] + torch.arange(1, m, device=device)
             source = torch.where(nodes >= 0, start[:, None] + nodes, dest)  # past a path: stays put
-            dest, source = (t.repeat(batch.rows, 1)[:, None, :, None] for t in (dest, source))
-            for cache in (c for kv in batch.caches for c in kv):
-                index = source.expand(-1, cache.shape[1], -1, cache.shape[3])
-                cache.scatter_(2, dest.expand_as(index), cache.gather(2, index))
-            start += (nodes >= 0).sum(dim=1)
+            dest, source = (t.repeat(batch.rows, 1)[None, None, :, None, :, None] for t in (dest, source))
+            store = batch.store
+            index = source.expand(*store.shape[:2], -1, store.shape[3], -1, store.shape[5])
+            store.scatter_(4, dest.expand_as(index), store.gather(4, index))
+        if m:
+            batch.device_lengths(device).add_(on_device(counts, device) if len(set(counts)) > 1 else m)
         batch.lengths = [n + k for n, k in zip(batch.lengths, counts)]
         batch.pending = 0
 
@@ -723,12 +729,10 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         cls, size = c.cls_token_num, len(batch.lengths)
         x, caption_mask = self.embed_condition(condition, batch.rows == 2)
         shape = (batch.rows, c.kv_heads, cls, c.head_dim)
-        fresh = [(w.new_zeros(shape), w.new_zeros(shape)) for _ in self.layers]  # the condition's cache, as prefill makes it
-        h, fused = self._run(x, self.rope[:cls], None if caption_mask is None else self.condition_mask(caption_mask[None])[0], 0, fresh)
+        fresh = w.new_zeros(len(self.layers), 2, *shape)  # the condition's cache, as prefill makes it
+        h, fused = self._run(x, self.rope[:cls], None if caption_mask is None else self.condition_mask(caption_mask[None])[0], 0, [(k, v) for k, v in fresh])
         rows = torch.arange(batch.rows, device=w.device) * size + image
-        for kv, new in zip(batch.caches, fresh):
-            for cache, part in zip(kv, new):
-                cache[rows, :, :cls] = part
+        batch.store[:, :, rows, :, :cls] = fresh
         if batch.valid is not None:
             batch.valid[rows] = True
             batch.valid[rows, :cls] = caption_mask
