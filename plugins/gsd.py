@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from attrs import validators as v
 from torch import Tensor
 
-from specimg import Acceptance, DraftTree, MethodSpec, Sampling, SpecimgError, Target, candidate_rows, hookimpl, transfer
+from specimg import Acceptance, DraftTree, MethodSpec, Sampling, SpecimgError, Target, candidate_rows, chain_acceptance, hookimpl, transfer
 
 
 @attrs.frozen
@@ -146,8 +146,8 @@ def group_acceptance(
     tree: DraftTree, probs: Tensor, embeddings: Tensor, generator: torch.Generator, options: GSDOptions, grouping: bool = True
 ) -> Acceptance:
     """GSD's acceptance along a chain of sampled drafts (module docstring).  Without
-    ``grouping`` every group is the draft alone: speculative sampling, exact.  Every node's
-    uniform is drawn at once; the host reads the walk's end and then the correction."""
+    ``grouping`` every group is the draft alone: speculative sampling, exact.  The walk is
+    the core's ``chain_acceptance`` (one device program where host reads stall)."""
     if tree.draft_probs is None or tree.child_ids.shape[1] > 1:
         raise SpecimgError("gsd's group acceptance verifies a chain of sampled drafts (sjd's windows): use it as sjd+gsd")
     candidates, ids = (t.to(probs.device) for t in tree.candidates())
@@ -161,15 +161,7 @@ def group_acceptance(
     p_group = (probs.gather(1, members) * inside).sum(1)
     q_group = (draft.gather(1, members) * inside).sum(1)
     ratio = torch.where(candidates[:, 0] >= 0, p_group / q_group.clamp(min=torch.finfo(q_group.dtype).tiny), 0.0)
-    uniforms = torch.rand(ratio.shape, generator=generator, dtype=torch.float64, device=probs.device)
-    accepted = (uniforms < ratio.double()).tolist()
-    path, node, next_ids = [0], 0, ids[:, 0].tolist()
-    while accepted[node]:
-        node = next_ids[node]
-        path.append(node)
-    if next_ids[node] < 0:  # the chain's last node: the bonus token
-        correction = probs[node]
-    else:
-        left = (probs[node] - draft[node]).clamp(min=0)
-        correction = left if bool(left.sum() > 0) else probs[node]  # p == q: rejection had probability 0
-    return Acceptance(path, int(torch.multinomial(correction.float(), 1, generator=generator)))
+    left = (probs - draft).clamp(min=0)
+    # the chain's last node emits the bonus token from p; so does a node where p == q (rejection had probability 0)
+    from_p = (ids[:, 0] < 0) | (left.sum(dim=1) <= 0)
+    return chain_acceptance(tree, ratio, torch.where(from_p[:, None], probs, left), generator)

@@ -173,6 +173,49 @@ def _rejecting(forest: DraftTree, target_dist: Tensor, generators: Sequence[torc
     return level
 
 
+def _thresholding(chain: DraftTree, accept_prob: Tensor, residual: Tensor, generators: Sequence[torch.Generator]) -> Level:
+    """:func:`chain_acceptance`'s level for every walker at once: one uniform and V Exp(1)
+    variates per walker and level, used or not; the child is taken where the uniform falls
+    below its node's probability, else the residual's draw (the argmax of residual /
+    variate, as ``torch.multinomial``) is emitted."""
+    tokens, ids = chain.candidates()
+    uniforms = torch.empty(len(generators), 1, dtype=torch.float64, device=residual.device)
+    variates = torch.empty(len(generators), residual.shape[-1], dtype=torch.float32, device=residual.device)
+
+    def level(node: Tensor, walking: Tensor) -> tuple[Tensor, Tensor]:
+        for u, e, generator in zip(uniforms, variates, generators):
+            u.uniform_(generator=generator)
+            e.exponential_(generator=generator)
+        child = ids[node, 0]
+        take = (uniforms[:, 0] < accept_prob[node].double()) & (child >= 0)
+        drawn = (residual[node].float() / variates).argmax(dim=-1)
+        return torch.where(take, tokens[node, 0], drawn), torch.where(take, child, -1)
+
+    return level
+
+
+def chain_acceptance(chain: DraftTree, accept_prob: Tensor, residual: Tensor, generator: torch.Generator) -> Acceptance:
+    """A chain of drafts whose node i accepts its child with probability ``accept_prob[i]``,
+    independently of the other nodes, and where the walk stops emits a draw from
+    ``residual[i]`` (weights [n, V]; at the last node, its bonus distribution).  GSD's
+    group test is such a rule.
+
+    On the host every node's uniform is drawn at once, then the residual's draw.  Where a
+    host read stalls, one device program (:func:`_walk_on_device`: a uniform and V
+    variates a level), with the same law and one read."""
+    if chain.child_ids.shape[1] > 1:
+        raise ValueError("chain_acceptance takes a chain: every node has at most one child")
+    if stalls.host_reads_stall(residual.device):
+        return _walk_on_device(chain, [0], [generator], _thresholding(chain, accept_prob, residual, [generator]))[0]
+    uniforms = torch.rand(accept_prob.shape, generator=generator, dtype=torch.float64, device=residual.device)
+    accepted = (uniforms < accept_prob.double()).tolist()
+    path, node, next_ids = [0], 0, chain.child_ids[:, 0].tolist()
+    while next_ids[node] >= 0 and accepted[node]:
+        node = next_ids[node]
+        path.append(node)
+    return Acceptance(path, int(torch.multinomial(residual[node].float(), 1, generator=generator)))
+
+
 def sample_and_match(tree: DraftTree, dist: Tensor, generator: torch.Generator | None) -> Acceptance:
     """Draw y_u ~ dist[u] at each node the walk reaches; descend while y_u is a child.
 

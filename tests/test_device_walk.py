@@ -133,6 +133,13 @@ def test_sjd_on_the_device_reads_once_a_step(models, device_form):
     assert steps > 1 and reads == steps + 1, (reads, steps)
 
 
+def test_sjd_gsd_on_the_device_reads_once_a_step(models, device_form):
+    """sjd+gsd as published (GSD's group test on sjd's chains, ``chain_acceptance``): with
+    the device forms forced, one read a step besides the first draw."""
+    _, reads, steps = generate(models, "sjd+gsd", specimg.Sampling(cfg_scale=3.0))
+    assert steps > 1 and reads == steps + 1, (reads, steps)
+
+
 def test_a_checked_relaxation_on_the_device_reads_twice_a_step(models, monkeypatch):
     """cascade+lantern: its checks' verdict and the walk's outcome; the same images as on the CPU path."""
     sampling = specimg.Sampling(cfg_scale=3.0)
@@ -208,3 +215,56 @@ def test_recursive_rejection_on_the_device_leaves_each_generator_after_the_level
         assert torch.equal(replay.get_state(), generator.get_state())
         path, new_tokens, token_list = result.walked
         assert path.tolist() == result.path and new_tokens.tolist() == token_list == tree.tokens[path[1:]].tolist() + [result.next_token]
+
+
+def sampled_chain() -> tuple[DraftTree, torch.Tensor, torch.Tensor]:
+    """Root -> 2 -> 0 -> 3, each node's child accepted with its own probability, and a
+    residual per node to emit from where the walk stops (the last node's: its bonus)."""
+    chain = DraftTree.from_parents([1, 2, 0, 3], [-1, 0, 1, 2])
+    accept_prob = torch.tensor([0.7, 0.45, 0.8, 0.0], dtype=torch.float64)
+    residual = torch.tensor([[0.2, 0.0, 0.5, 0.3], [0.0, 0.6, 0.1, 0.3], [0.25, 0.25, 0.25, 0.25], [0.1, 0.2, 0.3, 0.4]])
+    return chain, accept_prob, residual
+
+
+def test_chain_acceptance_on_the_device_follows_the_law_of_the_host_rule(monkeypatch):
+    """The device program of ``chain_acceptance`` (GSD's group test) draws a uniform and V
+    variates a level, the host every node's uniform at once: its walks are checked against
+    the host rule's exact law, 12,000 walks, chi-square p-value above 1e-6 (a correct rule
+    fails one run in a million).  The same walks reject the law of a rule that emits from
+    the wrong residual (the check has power)."""
+    chain, accept_prob, residual = sampled_chain()
+    monkeypatch.setattr(stalls, "host_reads_stall", lambda device: True)
+    counts: dict[tuple[tuple[int, ...], int], int] = {}
+    for seed in range(12_000):
+        result = accept.chain_acceptance(chain, accept_prob, residual, torch.Generator().manual_seed(seed))
+        key = (tuple(result.path), result.next_token)
+        counts[key] = counts.get(key, 0) + 1
+    monkeypatch.setattr(stalls, "host_reads_stall", lambda device: False)
+    walks = sum(counts.values())
+    wrong = residual.roll(1, dims=0)
+    for rows, holds in ((residual, True), (wrong, False)):
+        law = exact_law(lambda g, rows=rows: accept.chain_acceptance(chain, accept_prob, rows, g))
+        keys = sorted(set(law) | set(counts))
+        observed = torch.tensor([float(counts.get(k, 0)) for k in keys], dtype=torch.float64)
+        expected = torch.tensor([walks * law.get(k, 1e-12) for k in keys], dtype=torch.float64)
+        assert (statistics.chi_square_pvalue(observed, expected) > 1e-6) == holds
+
+
+def test_chain_acceptance_on_the_device_leaves_the_generator_after_the_levels_it_walked(monkeypatch):
+    """The generator ends as if it had drawn the levels the walk reached (a uniform and V
+    variates each), and the walked tensors are the path and its new tokens."""
+    chain, accept_prob, residual = sampled_chain()
+    monkeypatch.setattr(stalls, "host_reads_stall", lambda device: True)
+    lengths = set()
+    for seed in range(40):
+        generator = torch.Generator().manual_seed(seed)
+        result = accept.chain_acceptance(chain, accept_prob, residual, generator)
+        replay = torch.Generator().manual_seed(seed)
+        for _ in result.path:
+            torch.empty(1, dtype=torch.float64).uniform_(generator=replay)
+            torch.empty(4).exponential_(generator=replay)
+        assert torch.equal(replay.get_state(), generator.get_state()), seed
+        path, new_tokens, token_list = result.walked
+        assert path.tolist() == result.path and new_tokens.tolist() == token_list == chain.tokens[path[1:]].tolist() + [result.next_token]
+        lengths.add(len(result.path))
+    assert len(lengths) >= 3
