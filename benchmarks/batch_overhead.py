@@ -20,6 +20,10 @@ and splits "outside" into the operations' time and the rest: the Python of the l
 which is what must not grow with the batch.  The operations' time grows with the rows
 they touch (top-k over the vocabulary, the draws) and is arithmetic a GPU runs
 asynchronously; their count per step is what a GPU pays in launches.
+
+On a shared machine other work only ever adds time, so the closing table takes, per
+method and batch size, the least of the rounds (each figure on its own), and gives the
+Python time per step of each batch size over that of the smallest.
 """
 
 from __future__ import annotations
@@ -114,6 +118,7 @@ def main() -> None:
     clock = Clock()
     time_forwards(clock)
     alone = {}  # per method and size: the images of seeds 0, 1, ... decoded one at a time, planned alike
+    best: dict[tuple[str, int], dict[str, float]] = {}  # per method and size: the least of the rounds
     split = " torch ops, per step | ops per step | Python, per step |" if args.split else ""
     print(f"| round | method | batch size | wall s | steps | in forwards s | outside, per step | outside, per image and step |{split} tokens unlike alone |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|" + "---:|" * (4 if args.split else 1))
@@ -134,11 +139,29 @@ def main() -> None:
                 outside = 1e6 * (wall - forwards) / steps
                 ops = 1e6 * clock.ops_time / steps
                 split = f" {ops:.0f} us | {clock.ops / steps:.0f} | {outside - ops:.0f} us |" if args.split else ""
+                least = best.setdefault((method, size), {"outside": outside, "ops": ops, "count": clock.ops / steps})
+                least.update(outside=min(least["outside"], outside), ops=min(least["ops"], ops))
                 if (method, size) not in alone:
                     one = Engine(models.target, drafter, method, sampling=sampling, tree=args.tree, tokenizer=models.tokenizer, cost_model=engine.cost_model)
                     alone[method, size] = torch.cat([one.generate([label], seed=i).tokens for i, label in enumerate(labels[:size])])
                 differ = int((result.tokens != alone[method, size]).sum())
                 print(f"| {round_} | {method} | {size} | {wall:.2f} | {steps} | {forwards:.2f} | {outside:.0f} us | {outside / size:.0f} us |{split} {differ} of {result.tokens.numel()} |")
+    summary(best, args.batch_sizes, args.rounds, args.split)
+
+
+def summary(best: dict[tuple[str, int], dict[str, float]], sizes: list[int], rounds: int, split: bool) -> None:
+    """The least of the rounds per method and batch size; with ``split``, the Python time a
+    step (outside less the operations) over the smallest batch size's."""
+    print(f"\nLeast of {rounds} rounds, per step:\n")
+    print("| method | batch size | outside |" + (" torch ops | ops | Python | Python over B = " + f"{min(sizes)} |" if split else ""))
+    print("|---|---:|---:|" + ("---:|---:|---:|---:|" if split else ""))
+    for (method, size), least in best.items():
+        python = least["outside"] - least["ops"]
+        row = f"| {method} | {size} | {least['outside']:.0f} us |"
+        if split:
+            base = best[method, min(sizes)]
+            row += f" {least['ops']:.0f} us | {least['count']:.0f} | {python:.0f} us | {python / (base['outside'] - base['ops']):.2f}x |"
+        print(row)
 
 
 if __name__ == "__main__":
