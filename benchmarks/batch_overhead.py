@@ -19,7 +19,10 @@ every torch operation outside the forwards timed (a TorchFunctionMode around eac
 and splits "outside" into the operations' time and the rest: the Python of the loop,
 which is what must not grow with the batch.  The operations' time grows with the rows
 they touch (top-k over the vocabulary, the draws) and is arithmetic a GPU runs
-asynchronously; their count per step is what a GPU pays in launches.
+asynchronously; their count per step is what a GPU pays in launches.  A third pass counts
+the Python function calls made outside the forwards (a profile hook on the main thread):
+unlike the Python time, which is the difference of two noisy figures, their number is the
+same on every run, so it shows whether a step's Python grows with the batch.
 
 On a shared machine other work only ever adds time, so the closing table takes, per
 method and batch size, the least of the rounds (each figure on its own), and gives the
@@ -29,6 +32,7 @@ Python time per step of each batch size over that of the smallest.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from typing import Any
 
@@ -77,6 +81,24 @@ class OpClock(TorchFunctionMode):
         self.clock.ops_time += time.perf_counter() - start
         self.clock.ops += 1
         return out
+
+
+class CallCount:
+    """Python function calls made outside the models' forwards while on."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock, self.calls = clock, 0
+
+    def __enter__(self) -> CallCount:
+        sys.setprofile(self._event)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.setprofile(None)
+
+    def _event(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and not self.clock.depth:
+            self.calls += 1
 
 
 def time_forwards(clock: Clock) -> None:
@@ -135,11 +157,14 @@ def main() -> None:
                 if args.split:  # the same batch again (same seeds, same steps), its operations timed
                     with OpClock(clock):
                         engine.generate(labels[:size], seed=0)
+                    with CallCount(clock) as counted:
+                        engine.generate(labels[:size], seed=0)
                 steps = max(s.target_forwards for s in result.stats.images)
                 outside = 1e6 * (wall - forwards) / steps
                 ops = 1e6 * clock.ops_time / steps
                 split = f" {ops:.0f} us | {clock.ops / steps:.0f} | {outside - ops:.0f} us |" if args.split else ""
-                least = best.setdefault((method, size), {"outside": outside, "ops": ops, "count": clock.ops / steps})
+                least = best.setdefault((method, size), {"outside": outside, "ops": ops, "count": clock.ops / steps,
+                                                         "calls": counted.calls / steps if args.split else 0.0})
                 least.update(outside=min(least["outside"], outside), ops=min(least["ops"], ops))
                 if (method, size) not in alone:
                     one = Engine(models.target, drafter, method, sampling=sampling, tree=args.tree, tokenizer=models.tokenizer, cost_model=engine.cost_model)
@@ -151,16 +176,19 @@ def main() -> None:
 
 def summary(best: dict[tuple[str, int], dict[str, float]], sizes: list[int], rounds: int, split: bool) -> None:
     """The least of the rounds per method and batch size; with ``split``, the Python time a
-    step (outside less the operations) over the smallest batch size's."""
+    step (outside less the operations) and the Python calls a step, each over the smallest
+    batch size's."""
     print(f"\nLeast of {rounds} rounds, per step:\n")
-    print("| method | batch size | outside |" + (" torch ops | ops | Python | Python over B = " + f"{min(sizes)} |" if split else ""))
-    print("|---|---:|---:|" + ("---:|---:|---:|---:|" if split else ""))
+    low = min(sizes)
+    print("| method | batch size | outside |" + (f" torch ops | ops | Python | over B = {low} | Python calls | over B = {low} |" if split else ""))
+    print("|---|---:|---:|" + ("---:|" * 6 if split else ""))
     for (method, size), least in best.items():
         python = least["outside"] - least["ops"]
         row = f"| {method} | {size} | {least['outside']:.0f} us |"
         if split:
-            base = best[method, min(sizes)]
-            row += f" {least['ops']:.0f} us | {least['count']:.0f} | {python:.0f} us | {python / (base['outside'] - base['ops']):.2f}x |"
+            base = best[method, low]
+            row += (f" {least['ops']:.0f} us | {least['count']:.0f} | {python:.0f} us | {python / (base['outside'] - base['ops']):.2f}x |"
+                    f" {least['calls']:.0f} | {least['calls'] / base['calls']:.2f}x |")
         print(row)
 
 

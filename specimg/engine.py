@@ -322,7 +322,9 @@ class Engine:
         tree by tree), accept each, commit them all."""
         target, sampling = self.target, self.sampling
         assert isinstance(target, BatchTrees)
-        drafting = {i: lane for i, lane in enumerate(lanes) if not (lane.done or lane.goes_ar)}
+        running = [i for i, lane in enumerate(lanes) if not lane.done]
+        riding = [i for i in running if lanes[i].goes_ar]  # sent to AR by their planners: a one-node tree each
+        drafting = {i: lanes[i] for i in running if i not in riding}
         together = self._draft_together(drafting, lockstep.batch) if lockstep else None
         if together is None:
             proposing = {i: lane.propose for i, lane in drafting.items()}
@@ -332,17 +334,17 @@ class Engine:
         trees = [proposed[i] if i in proposed else lane.root_tree() for i, lane in enumerate(lanes)]
         start = time.perf_counter()
         out = target.forward_trees(*(forest.stacked() if forest is not None and len(proposed) == len(lanes) else stack_trees(trees)))
-        verify = (time.perf_counter() - start) / sum(not lane.done for lane in lanes)
+        verify = (time.perf_counter() - start) / len(running)
         paths = [torch.zeros(0, dtype=torch.long, device=self.device)] * len(lanes)  # a finished image commits nothing
-        for i, lane in enumerate(lanes):
-            if lane.goes_ar and not lane.done:
-                lane.stats.seconds["verify"] += verify
-                root = TargetOutput(*(t if t is None else t[:, i, :1] for t in out))
-                lane.tokens.append(self._draw(scores_of(root, trees[i], sampling, len(lane.tokens)).probs[0], lane.generator))
-                lane.stats.target_forwards += 1
-                paths[i] = torch.zeros(1, dtype=torch.long, device=self.device)  # the root alone
-                if lane.progress:
-                    lane.progress(1)
+        for i in riding:
+            lane = lanes[i]
+            lane.stats.seconds["verify"] += verify
+            root = TargetOutput(*(t if t is None else t[:, i, :1] for t in out))
+            lane.tokens.append(self._draw(scores_of(root, trees[i], sampling, len(lane.tokens)).probs[0], lane.generator))
+            lane.stats.target_forwards += 1
+            paths[i] = torch.zeros(1, dtype=torch.long, device=self.device)  # the root alone
+            if lane.progress:
+                lane.progress(1)
         steps = {}
         if proposed:
             drafted = list(proposed.values())
