@@ -7,7 +7,7 @@ import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import attrs
 import torch
@@ -301,13 +301,15 @@ class Engine:
                             decoding[place] = waiting.popleft()
                             lanes[place] = lane(place, target.refill(place, conditions[decoding[place]]))
                             live.add(place)
-                if not live:
-                    break
-                if all(running.done or running.goes_ar for running in lanes):
-                    left = [target.num_tokens - len(running.tokens) for running in lanes if not running.done]
+                running = [place for place in sorted(live) if not lanes[place].done]
+                if not running:
+                    continue
+                riding = [place for place in running if lanes[place].goes_ar]  # sent to AR by their planners
+                if len(riding) == len(running):
+                    left = [target.num_tokens - len(lanes[place].tokens) for place in running]
                     self._finish_ar_batch(lanes, progress, min(left) if waiting else max(left))  # until a place frees, or to the end
                 else:
-                    self._batch_step(lanes, lockstep)
+                    self._batch_step(lanes, running, riding, lockstep)
 
     def _lane_threads(self) -> ThreadPoolExecutor:
         """The threads a batch's images propose in, one per image, kept for the engine's life."""
@@ -315,15 +317,14 @@ class Engine:
             self._threads = ThreadPoolExecutor(max_workers=self.batch_size, thread_name_prefix="specimg-lane")
         return self._threads
 
-    def _batch_step(self, lanes: Sequence[Lane], lockstep: Lockstep | None) -> None:
-        """One step of every unfinished image: draft every tree (grown together where the
-        core grows EAGLE-2 trees, else side by side with the drafter calls batched), verify
-        them all in one forward, relax their forest at once (a member that takes no batch,
-        tree by tree), accept each, commit them all."""
-        target, sampling = self.target, self.sampling
-        assert isinstance(target, BatchTrees)
-        running = [i for i, lane in enumerate(lanes) if not lane.done]
-        riding = [i for i in running if lanes[i].goes_ar]  # sent to AR by their planners: a one-node tree each
+    def _batch_step(self, lanes: Sequence[Lane], running: Sequence[int], riding: Sequence[int], lockstep: Lockstep | None) -> None:
+        """One step of every unfinished image (the places ``running``): draft every tree
+        (grown together where the core grows EAGLE-2 trees, else side by side with the
+        drafter calls batched), verify them all in one forward, relax their forest at once (a
+        member that takes no batch, tree by tree), accept each, commit them all.  The places
+        ``riding`` (sent to AR by their planners) verify a one-node tree each."""
+        target = cast(BatchTrees, self.target)  # checked once, when the batch began
+        sampling = self.sampling
         drafting = {i: lanes[i] for i in running if i not in riding}
         together = self._draft_together(drafting, lockstep.batch) if lockstep else None
         if together is None:
