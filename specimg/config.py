@@ -63,7 +63,8 @@ class TreeConfig:
     static: the nodes are ``rank_paths``, each a tuple of draft ranks from the root.
     ``sample`` draws children from the drafter (without replacement) instead of taking its
     top-k; with an unrelaxed method this enables recursive rejection sampling.
-    ``ar_fallback`` (auto only): once no tree is predicted faster than AR, the image
+    ``ar_fallback`` (auto only): once no tree is predicted faster than AR (by the method's
+    measured acceptance, from the first step, or by the image's own steps), the image
     finishes with AR steps; off, the planner keeps its best tree (to measure a method's tau).
     """
 

@@ -39,7 +39,7 @@ from specimg.files import atomic_path
 from specimg.methods import AR, Stack
 from specimg.errors import SpecimgError
 from specimg.models.base import BatchTrees, Condition, Drafter, Target, draft_features
-from specimg.profile import AcceptanceProfile
+from specimg.profile import MAX_DEPTH, MAX_TOPK, AcceptanceProfile
 from specimg.sampling import probabilities
 from specimg.tree import DraftSession, DraftTree, build_dynamic, stack_trees
 
@@ -59,9 +59,11 @@ class CostModel:
     (``draft_level``: a drafter call for the frontier, its processing, the top-k), the
     drafter's ``draft_start`` per step (three new tokens), ``overhead`` per step (the
     acceptance walk, the commit, the planner's bookkeeping) and ``ar`` per AR token.
-    Sizes in between interpolate linearly; beyond, extrapolate.  ``step_scales``: per
-    method stack (under its :func:`scale_key`), what its real speculative step takes
-    against the sum of the timed parts (see :meth:`specimg.engine.Engine.prepare`)."""
+    Sizes in between interpolate linearly; beyond, extrapolate.  Per method stack (under
+    its :func:`scale_key`), from the decode that calibrated it (see
+    :meth:`specimg.engine.Engine.prepare`): ``step_scales``, what its real speculative
+    step takes against the sum of the timed parts, and ``acceptance``, the chances
+    [depth][rank] its drafts were accepted with (the planner's prior for the stack)."""
 
     key: str
     machine: str
@@ -72,9 +74,13 @@ class CostModel:
     overhead_ms: float
     ar_ms: float
     step_scales: Mapping[str, float] = attrs.field(factory=dict)
+    acceptance: Mapping[str, tuple[tuple[float, ...], ...]] = attrs.field(factory=dict)
 
     def scale(self, method: str) -> float:
         return self.step_scales.get(method, 1.0)
+
+    def calibrated(self, method: str) -> bool:
+        return method in self.step_scales and method in self.acceptance
 
     def verify(self, nodes: np.ndarray | int) -> np.ndarray:
         return _interp(nodes, self.verify_ms)
@@ -98,15 +104,16 @@ class CostModel:
             data = json.loads(text)
         except RecursionError:  # the C parser's answer to thousands of nested brackets
             raise ValueError("cost model nested too deeply") from None
-        if not isinstance(data, dict) or not _FIELDS - {"step_scales"} <= set(data) <= _FIELDS:
+        if not isinstance(data, dict) or not _FIELDS - {"step_scales", "acceptance"} <= set(data) <= _FIELDS:
             raise ValueError("not a cost model's fields")
-        scales = data.get("step_scales", {})
-        if not isinstance(data["key"], str) or not isinstance(data["machine"], str) or not isinstance(scales, dict):
+        scales, acceptance = data.get("step_scales", {}), data.get("acceptance", {})
+        if not isinstance(data["key"], str) or not isinstance(data["machine"], str) or not isinstance(scales, dict) or not isinstance(acceptance, dict):
             raise ValueError("cost model fields of the wrong type")
         return cls(
             data["key"], data["machine"], *(_table(data[name]) for name in ("verify_ms", "draft_base_ms", "draft_level_ms")),
             *(_positive(data[name]) for name in ("draft_start_ms", "overhead_ms", "ar_ms")),
             step_scales={method: _positive(scale) for method, scale in scales.items()},
+            acceptance={method: _chances(rates) for method, rates in acceptance.items()},
         )
 
 
@@ -123,6 +130,17 @@ def _positive(value: Any) -> float:
     except OverflowError:  # an integer beyond any float
         pass
     raise ValueError(f"{value!r} is not a finite positive number")
+
+
+def _chances(rows: Any) -> tuple[tuple[float, ...], ...]:
+    """Acceptance chances read back: a [depth][rank] table of numbers in [0, 1] as the
+    profile has them, or ValueError."""
+    shape = (MAX_DEPTH, MAX_TOPK)
+    if not isinstance(rows, list) or len(rows) != shape[0] or not all(isinstance(row, list) and len(row) == shape[1] for row in rows):
+        raise ValueError(f"acceptance chances are not a {shape[0]} x {shape[1]} table")
+    if not all(type(p) in (int, float) and 0.0 <= p <= 1.0 for row in rows for p in row):
+        raise ValueError("an acceptance chance is not a number in [0, 1]")
+    return tuple(tuple(float(p) for p in row) for row in rows)
 
 
 def _table(rows: Any) -> tuple[tuple[int, float], ...]:
@@ -239,10 +257,12 @@ def load_or_measure(target: Target, drafter: Drafter, sampling: Sampling, condit
     return model
 
 
-def with_scale(model: CostModel, name: str, scale: float) -> CostModel:
-    """``model`` with the step scale of the method stack ``name`` (:func:`scale_key`), kept
-    in memory and in the cache file (see :meth:`specimg.engine.Engine.prepare`)."""
-    model = attrs.evolve(model, step_scales={**model.step_scales, name: scale})
+def with_calibration(model: CostModel, name: str, scale: float, rates: np.ndarray) -> CostModel:
+    """``model`` with the step scale and acceptance ``rates`` of the method stack ``name``
+    (:func:`scale_key`), kept in memory and in the cache file (see
+    :meth:`specimg.engine.Engine.prepare`)."""
+    chances = tuple(tuple(float(p) for p in row) for row in rates)
+    model = attrs.evolve(model, step_scales={**model.step_scales, name: scale}, acceptance={**model.acceptance, name: chances})
     _memory[model.key] = model
     _save(cache_dir() / "costs" / f"{model.key}.json", model.to_json())
     return model

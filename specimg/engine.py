@@ -23,6 +23,7 @@ from specimg.lockstep import BatchDrafting, LaneDrafter, Lockstep
 from specimg.methods import AR, Stack
 from specimg.models.base import BatchSteps, BatchTrees, Condition, Drafter, Target, TargetOutput, placed
 from specimg.planner import TreePlanner
+from specimg.profile import AcceptanceProfile
 from specimg.plugins import PluginManager, get_plugin_manager
 from specimg.sampling import cfg_active_at, probabilities
 from specimg.stackhooks import MemberHook, StackHooks
@@ -201,27 +202,37 @@ class Engine:
         return model
 
     def _calibrated(self, condition: Condition) -> costs.CostModel:
-        """The cost model with this stack's step scale.  The parts are timed as calls in a
-        tight loop; a real step interleaves them with other work and adds the method's
-        relaxation and the loop's own Python (a fifth of a step or more on a small model).
-        So the first engine of a stack decodes one image (a batch of images, at a batch size
-        above 1) on auto trees (drafting to the end: no AR fallback) and divides its wall
-        time by what the parts predict for the steps it took; the scale is cached with the
-        model, so runs stay reproducible.  At a batch size above 1 the model is the one
-        measured at that size (:func:`specimg.costs.measure`)."""
+        """The cost model with this stack's step scale and acceptance.  The parts are timed
+        as calls in a tight loop; a real step interleaves them with other work and adds the
+        method's relaxation and the loop's own Python (a fifth of a step or more on a small
+        model).  So the first engine of a stack decodes one image (a batch of images, at a
+        batch size above 1) on auto trees (drafting to the end: no AR fallback) and divides
+        its wall time by what the parts predict for the steps it took.  The same decode
+        measures how often the stack's drafts are accepted, which every later image's
+        planner starts from (where it predicts no tree pays, an image runs AR from its
+        first step rather than drafting a dozen steps to find out).  Both are cached with
+        the model, so runs stay reproducible.  At a batch size above 1 the model is the
+        one measured at that size (:func:`specimg.costs.measure`)."""
         size = self.batch_size
         model = costs.load_or_measure(self.target, self.drafter, self.sampling, condition, batch=size)
         name = costs.scale_key(self.stack)
-        if name in model.step_scales:
+        if model.calibrated(name):
             return model
-        parts = attrs.evolve(model, step_scales={**model.step_scales, name: 1.0})
+        parts = attrs.evolve(model, step_scales={**model.step_scales, name: 1.0}, acceptance={k: v for k, v in model.acceptance.items() if k != name})
+        planners: list[TreePlanner] = []
+
+        def planner() -> TreePlanner:
+            planners.append(self.planner(parts, ar_fallback=False))
+            return planners[-1]
+
         if size == 1:
-            images = [self._image(condition, 0, None, self.planner(parts, ar_fallback=False))[1]]
+            images = [self._image(condition, 0, None, planner())[1]]
         else:
             images = []
-            self._batch_speculative([condition] * size, range(size), None, lambda _, __, image: images.append(image), lambda: self.planner(parts, ar_fallback=False))
+            self._batch_speculative([condition] * size, range(size), None, lambda _, __, image: images.append(image), planner)
         predicted = sum(image.predicted_ms for image in images)
-        return costs.with_scale(model, name, 1000 * sum(image.wall for image in images) / predicted if predicted else 1.0)
+        scale = 1000 * sum(image.wall for image in images) / predicted if predicted else 1.0
+        return costs.with_calibration(model, name, scale, AcceptanceProfile.pooled([p.profile for p in planners]).rates())
 
     def _image(self, condition: Condition, seed: int, progress: Callable[[int], None] | None, planner: TreePlanner | None) -> tuple[list[int], ImageStats]:
         """One image's tokens and statistics, drawn with a generator seeded ``seed``."""
@@ -437,10 +448,12 @@ class Engine:
         """``steps`` AR steps of every unfinished image (their planners found no tree that
         pays), all in one forward per token: as :meth:`_decode_ar` for one image, each
         image draws with its own generator and its tokens stay on the device until the
-        end.  An image that is finished rides along and commits nothing."""
-        target, sampling, device = self.target, self.sampling, self.device
-        assert isinstance(target, BatchTrees)
+        end.  An image that is finished rides along and commits nothing.  Images at one
+        length (all sent to AR from their first step) take the batched AR step, which
+        needs no per-image slots or mask."""
+        target, sampling, device = cast(BatchTrees, self.target), self.sampling, self.device
         remaining = [target.num_tokens - len(lane.tokens) for lane in lanes]
+        level = len({len(lane.tokens) for lane in lanes}) == 1  # then they also finish together: level to the end
         last = stalls.on_device([lane.tokens[-1] for lane in lanes], device)  # each image's root
         first = stalls.on_device([len(lane.tokens) for lane in lanes], device)  # the token each one draws first
         depths, mask = torch.zeros(len(lanes), 1, dtype=torch.long, device=device), torch.ones(len(lanes), 1, 1, dtype=torch.bool, device=device)
@@ -449,14 +462,15 @@ class Engine:
         start = time.perf_counter()
         for step in range(steps):
             running = [i for i, left in enumerate(remaining) if left > step]
-            logits = target.forward_trees(last[:, None], depths, mask).logits[:, :, 0]
+            logits = target.forward_batch(last) if level else target.forward_trees(last[:, None], depths, mask).logits[:, :, 0]
             probs = probabilities(logits, sampling, cfg_active_at(first + step, sampling))  # every image's; the finished ones' go unused
             if len(running) == len(lanes):
                 last = self._sample_rows(probs, [lane.generator for lane in lanes])
             else:
                 at = stalls.on_device(running, device)
                 last = last.index_copy(0, at, self._sample_rows(probs[at], [lanes[i].generator for i in running]))
-            target.commit_trees([root if left > step else nothing for left in remaining])
+            if not level:
+                target.commit_trees([root if left > step else nothing for left in remaining])
             drawn.append(last)
             if progress:
                 progress(len(running))

@@ -70,6 +70,8 @@ class Lane:
         self.new_ids = torch.tensor(tokens[-1:], device=device)
         self.spent: list[Tensor] = []  # per step, TVD(q_R, p) over the walked path's nodes (summed when the image closes)
         self.started = time.perf_counter()
+        if self.goes_ar:  # the measured acceptance says no tree pays: AR from the first step
+            self._book_ar_rest()
 
     @property
     def done(self) -> bool:
@@ -169,7 +171,7 @@ class Lane:
         planner.observe(tree, dist, path, self.engine.sampling.greedy)
 
     def _book_ar_rest(self) -> None:
-        """The planner just sent the image to AR: book the rest of it as one-node steps that
+        """The planner sent the image to AR: book the rest of it as one-node steps that
         accept nothing, with the AR plan's prediction (the engine decodes them)."""
         assert self.planner is not None
         plan, stats, steps = self.planner.plan, self.stats, self.engine.target.num_tokens - len(self.tokens)

@@ -121,6 +121,12 @@ def why_ar(cost: CostModel, use: Mapping[tuple[int, int, int], tuple[int, int]],
     model says they cost, against AR's token per AR step."""
     drafted = {tree: st for tree, st in use.items() if tree[2] > 1}
     steps = sum(n for n, _ in drafted.values())
+    if not steps and method in cost.acceptance:
+        best = choose(cost, np.array(cost.acceptance[method]), max(n for n, _ in cost.verify_ms), method=method)
+        return (
+            f"no step drafted: at the acceptance measured when the cost model was calibrated, the best tree ({best}) "
+            f"yields {best.tokens_per_step:.2f} tokens in {best.step_ms:.2f} ms against AR's one token in {cost.ar_ms:.2f} ms ({best.speedup:.2f}x)"
+        )
     if not steps:
         cheapest = float(cost.step(1, 1, 2, method))
         return (
@@ -148,24 +154,28 @@ def not_paying(cost: CostModel, run: RunStats, method: str = "") -> str | None:
 class TreePlanner:
     """One image's tree choice: plans from the prior, then re-plans every few steps from
     the image's own profile.  Every tree it switches to is kept with the step it started at.
+    The prior is the method stack's acceptance measured when the cost model was calibrated
+    (``cost.acceptance``), else a weak guess.
 
-    With ``ar_fallback``, a re-plan from the image's own steps in which no tree is
-    predicted faster than AR switches to AR (``ar_plan``) for the rest of the image: AR
-    steps teach the profile nothing, and the profile pools the whole image, so more of the
-    image would hardly move it.  The prior alone is no evidence: the first plan drafts."""
+    With ``ar_fallback``, a plan from evidence (the image's own steps, or the measured
+    prior) in which no tree is predicted faster than AR switches to AR (``ar_plan``) for
+    the rest of the image: AR steps teach the profile nothing, and the profile pools the
+    whole image, so more of the image would hardly move it.  The weak guess is no
+    evidence: a first plan from it drafts."""
 
     def __init__(self, cost: CostModel, max_nodes: int, max_fed: int, device: torch.device | str, sample: bool = False, method: str = "",
                  ar_fallback: bool = True):
         self.cost, self.max_nodes, self.max_fed, self.sample, self.method = cost, max_nodes, max_fed, sample, method
         self.ar_fallback = ar_fallback
-        self.profile = AcceptanceProfile(device)
+        measured = cost.acceptance.get(method)
+        self.profile = AcceptanceProfile(device, prior=None if measured is None else np.array(measured))
         self.plans: list[tuple[int, Plan]] = []
         self._steps = 0
         self._replan()
 
     def _replan(self) -> None:
         plan = choose(self.cost, self.profile.rates(), self.max_nodes, max_fed=self.max_fed, method=self.method)
-        if self.ar_fallback and self._steps and plan.speedup < 1.0:
+        if self.ar_fallback and (self._steps or self.profile.measured) and plan.speedup < 1.0:
             plan = ar_plan(self.cost)
         if not self.plans or plan.tree() != self.plans[-1][1].tree():
             self.plans.append((self._steps, plan))

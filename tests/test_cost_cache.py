@@ -5,6 +5,7 @@ import json
 import math
 import platform
 
+import numpy as np
 import pytest
 import torch
 
@@ -74,6 +75,11 @@ CORRUPT = {
     "NaN step scale": lambda m: fields(m, step_scales={"naive": math.nan}),
     "negative step scale": lambda m: fields(m, step_scales={"naive": -1.0}),
     "step scales as a list": lambda m: fields(m, step_scales=[1.0]),
+    "acceptance above 1": lambda m: fields(m, acceptance={"naive": [[1.5] * 10] * 10}),
+    "NaN acceptance": lambda m: fields(m, acceptance={"naive": [[math.nan] * 10] * 10}),
+    "acceptance as a boolean": lambda m: fields(m, acceptance={"naive": [[True] * 10] * 10}),
+    "acceptance short a depth": lambda m: fields(m, acceptance={"naive": [[0.5] * 10] * 9}),
+    "acceptance as a list": lambda m: fields(m, acceptance=[[0.5] * 10] * 10),
     "key as a number": lambda m: fields(m, key=12),
     "a field missing": lambda m: json.dumps({k: v for k, v in json.loads(m.to_json()).items() if k != "ar_ms"}),
     "an unknown field": lambda m: fields(m, speed="fast"),
@@ -102,9 +108,19 @@ def test_a_sound_cache_file_is_used_and_one_without_step_scales_still_reads(mode
     fresh, path, calls = measured
     path.parent.mkdir(parents=True)
     older = json.loads(fresh.to_json())
-    del older["step_scales"]  # files from before step scales
+    del older["step_scales"], older["acceptance"]  # files from before step scales and acceptance
     path.write_text(json.dumps(older))
     assert costs.load_or_measure(*models, SAMPLING, 0) == fresh and not calls
+
+
+def test_a_calibration_round_trips_through_the_cache_file(models, measured):
+    fresh, path, calls = measured
+    rates = np.linspace(0.9, 0.0, 100).reshape(10, 10)
+    calibrated = costs.with_calibration(costs.load_or_measure(*models, SAMPLING, 0), "naive", 1.2, rates)
+    assert calibrated.calibrated("naive") and not calibrated.calibrated("cascade")
+    read_back = CostModel.from_json(path.read_text())
+    assert read_back == calibrated and len(calls) == 1
+    np.testing.assert_array_equal(np.array(read_back.acceptance["naive"]), rates)
 
 
 def test_the_key_covers_the_tree_capacities():

@@ -104,7 +104,8 @@ def test_sampling_is_deterministic_per_seed_and_independent_of_batching(models):
 
 def test_stats_account_for_every_token(models):
     target, drafter = models
-    out = specimg.Engine(target, drafter, method="naive").generate([0, 1], seed=0)
+    drafting = specimg.TreeConfig(ar_fallback=False)  # a random drafter pays nowhere: every step drafts all the same
+    out = specimg.Engine(target, drafter, method="naive", tree=drafting).generate([0, 1], seed=0)
     for image in out.stats.images:
         assert image.tokens == target.num_tokens
         assert image.target_forwards == 1 + len(image.accepted)
@@ -145,7 +146,8 @@ def test_sampled_naive_reproduces_ar_tokens_seed_for_seed(models):
     target, drafter = models
     sampling = specimg.Sampling(cfg_scale=3.0, top_k=30)
     ar = specimg.Engine(target, method="ar", sampling=sampling).generate(list(range(5)) * 2, seed=11)
-    spec = specimg.Engine(target, drafter, method="naive", sampling=sampling).generate(list(range(5)) * 2, seed=11)
+    drafting = specimg.TreeConfig(ar_fallback=False)  # auto trees that keep drafting where none pays
+    spec = specimg.Engine(target, drafter, method="naive", sampling=sampling, tree=drafting).generate(list(range(5)) * 2, seed=11)
     assert spec.stats.mean_accepted > 0  # drafts were accepted, not only corrections drawn
     assert torch.equal(spec.tokens, ar.tokens)
 

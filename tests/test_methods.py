@@ -165,7 +165,7 @@ def test_lantern_needs_a_tokenizer():
 
 def test_lantern_pp_runs_through_the_engine_with_its_own_tree():
     target, drafter, tokenizer = world()
-    for tree in (TreeConfig(), TreeConfig(sample=True)):
+    for tree in (TreeConfig(ar_fallback=False), TreeConfig(sample=True, ar_fallback=False)):  # drafting, paying or not
         engine = Engine(target, drafter, method="lantern++", options={"lantern++": {"tree": "small"}}, tree=tree, tokenizer=tokenizer)
         out = engine.generate([0], seed=3)
         assert out.tokens.shape == (1, TOKENS)

@@ -3,6 +3,7 @@ it learns, the cost model's cache, and the engine's use of them."""
 
 import json
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -161,7 +162,7 @@ def test_why_ar_gives_the_drafted_steps_yield_against_ar_by_hand():
     assert "must yield 2.50 tokens" in planner.why_ar(slow, {(0, 0, 1): (90, 90)})
 
 
-def test_each_method_stack_gets_its_step_scale_once(tmp_path, monkeypatch):
+def test_each_method_stack_gets_its_step_scale_and_acceptance_once(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECIMG_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(costs, "_memory", {})
     target = build_target("GPT-B", seed=0, **TINY)
@@ -171,10 +172,14 @@ def test_each_method_stack_gets_its_step_scale_once(tmp_path, monkeypatch):
     naive = costs.scale_key(naive_engine.stack)
     model = naive_engine.prepare(0)
     assert set(model.step_scales) == {naive} and model.step_scales[naive] > 0
+    assert set(model.acceptance) == {naive} and model.calibrated(naive)
+    rates = np.array(model.acceptance[naive])
+    assert rates.shape == (10, 10) and np.all((rates >= 0) & (rates <= 1)) and np.all(np.diff(rates, axis=1) <= 0)
     monkeypatch.setattr(costs, "_memory", {})  # read back from the cache file, scale included, then one more stack
     cascade_engine = specimg.Engine(target, drafter, "cascade", sampling=sampling)
     both = cascade_engine.prepare(0)
     assert both.step_scales[naive] == model.step_scales[naive] and set(both.step_scales) == {naive, costs.scale_key(cascade_engine.stack)}
+    assert both.acceptance[naive] == model.acceptance[naive] and both.calibrated(costs.scale_key(cascade_engine.stack))
     fixed = specimg.Engine(target, drafter, "gsd", sampling=sampling, tree=specimg.TreeConfig(depth=2))
     assert fixed.prepare(0) is None and costs.load_or_measure(target, drafter, sampling, 0) == both  # a fixed tree is never planned: nothing to scale
     plan_naive = choose(both, TYPICAL_RATES, 128, method=naive)
@@ -200,7 +205,46 @@ def test_when_no_tree_pays_the_image_finishes_with_ar_steps():
         assert p.plan.speedup == 1.0 if fallback else p.plan.speedup < 1.0
     assert str(planner.ar_plan(dear)) == "AR (no tree pays)"
     hopeless = machine({1: 1.0, 2: 5.0, 128: 500.0})
-    assert not planner.TreePlanner(hopeless, max_nodes=128, max_fed=128, device="cpu").plan.is_ar  # the prior is no evidence
+    assert not planner.TreePlanner(hopeless, max_nodes=128, max_fed=128, device="cpu").plan.is_ar  # the weak prior is no evidence
+
+
+def test_a_measured_acceptance_is_the_first_plan_s_evidence():
+    """With the stack's acceptance from its calibration, the first plan is the tree those
+    chances favour, or AR from the first step where none pays (unless AR fallback is off)."""
+    by_depth = TYPICAL_RATES * np.linspace(1.0, 0.5, 10)[:, None]  # deeper drafts fare worse
+    np.testing.assert_array_equal(AcceptanceProfile(prior=by_depth).rates(), by_depth)  # kept as measured, depth by depth
+    measured = {"naive": tuple(map(tuple, TYPICAL_RATES))}
+    cheap = attrs.evolve(machine({1: 1.0, 8: 1.2, 128: 100.0}), acceptance=measured)
+    first = planner.TreePlanner(cheap, max_nodes=128, max_fed=128, device="cpu", method="naive").plan
+    assert first == choose(cheap, TYPICAL_RATES, 128, method="naive") and first.speedup > 1
+    hopeless = attrs.evolve(machine({1: 1.0, 2: 5.0, 128: 500.0}), acceptance=measured)
+    assert planner.TreePlanner(hopeless, max_nodes=128, max_fed=128, device="cpu", method="naive").plan.is_ar
+    assert not planner.TreePlanner(hopeless, max_nodes=128, max_fed=128, device="cpu", method="naive", ar_fallback=False).plan.is_ar
+    assert not planner.TreePlanner(hopeless, max_nodes=128, max_fed=128, device="cpu", method="cascade").plan.is_ar  # another stack's: no evidence
+    why = planner.why_ar(hopeless, {(0, 0, 1): (90, 90)}, "naive")
+    best = choose(hopeless, TYPICAL_RATES, 128, method="naive")
+    assert f"the best tree ({best}) yields {best.tokens_per_step:.2f} tokens in {best.step_ms:.2f} ms" in why and f"({best.speedup:.2f}x)" in why
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_an_image_the_measured_acceptance_sends_to_ar_never_drafts_and_equals_ar(batch_size):
+    target = build_target("GPT-B", seed=0, **TINY)
+    drafter = build_drafter(target, seed=1)
+    greedy = specimg.Sampling(temperature=0.0, cfg_scale=2.0)
+    engine = specimg.Engine(target, drafter, "naive", sampling=greedy, batch_size=batch_size)
+    hopeless = attrs.evolve(machine({1: 1.0, 2: 5.0, 128: 500.0}), acceptance={costs.scale_key(engine.stack): tuple(map(tuple, TYPICAL_RATES))})
+    engine.cost_model = hopeless
+    drafted, trees_verified = [], []
+    engine.on_step = lambda *step: drafted.append(step)
+    verify_trees = target.forward_trees
+    target.forward_trees = lambda *args: trees_verified.append(args) or verify_trees(*args)
+    out = engine.generate([1, 3, 0, 2], seed=3)
+    assert not drafted and not trees_verified  # a batch at one length takes batched AR steps
+    for image in out.stats.images:
+        assert image.trees == [[0, 0, 0, 1]] and image.target_forwards == target.num_tokens
+        assert image.tree_sizes == [1] * (target.num_tokens - 1) and image.predicted_speedup == pytest.approx(1.0)
+    ar = specimg.Engine(target, None, "ar", sampling=greedy).generate([1, 3, 0, 2], seed=3)
+    assert torch.equal(out.tokens, ar.tokens)
 
 
 def test_the_engine_finishes_ar_where_no_tree_pays_and_greedy_still_equals_ar():

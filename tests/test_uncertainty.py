@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specimg.config import Sampling
+from specimg.config import Sampling, TreeConfig
 from specimg.engine import Engine
 from specimg.eval.uncertainty import sampled_uncertainty
 from specimg.models.eagle import build_drafter
@@ -19,7 +19,7 @@ def test_teacher_forced_distributions_are_the_ones_speculative_sampling_drew_fro
     (after token 0, which the prefill draws; the last steps are the image's, earlier ones
     may come from the engine timing its first image)."""
     target = build_target("GPT-B", seed=0, **TINY)
-    engine = Engine(target, build_drafter(target, seed=1), "naive", sampling=sampling)
+    engine = Engine(target, build_drafter(target, seed=1), "naive", sampling=sampling, tree=TreeConfig(ar_fallback=False))  # every step drafts
     seen: list[torch.Tensor] = []
     engine.on_step = lambda tree, dist, path: seen.append(dist[torch.as_tensor(path)])
     tokens = engine.generate([2], seed=5).tokens

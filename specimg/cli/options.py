@@ -147,7 +147,7 @@ def tree_options(fn: F) -> F:
         click.option("--total-tokens", type=click.IntRange(min=1), default=None, help="tree size budget (dynamic)"),
         click.option("--rank-paths", type=RankPaths(), help="the nodes of --tree static, e.g. '0 1 0.0 0.1' (dot-separated draft ranks from the root)"),
         click.option("--sample-drafts", is_flag=True, help="draw draft children instead of taking the drafter's top-k"),
-        click.option("--ar-fallback/--no-ar-fallback", default=True, show_default=True, help="auto trees: finish an image with AR steps once no tree is predicted faster than AR"),
+        click.option("--ar-fallback/--no-ar-fallback", default=True, show_default=True, help="auto trees: AR steps once no tree is predicted faster than AR (by the method's acceptance measured with the cost model, or the image's own steps)"),
     ])(fn)
 
 

@@ -71,7 +71,7 @@ def tune(engine: Engine, conditions: Sequence[Condition], seed: int, out: str, e
         echo(f"auto would choose: {best} for these images' pooled acceptance (predicted {best.speedup:.2f}x)")
     picked = engine.generate(list(conditions), seed=seed).stats
     echo(
-        f"generate on the same images and seeds (each image plans from its own steps, starting from the prior): {picked.tree_shares()}; "
+        f"generate on the same images and seeds (each image starts from the acceptance measured at calibration, then plans from its own steps): {picked.tree_shares()}; "
         f"tau {picked.tau:.2f}, predicted {picked.predicted_speedup:.2f}x"
     )
     unpaid = planner.not_paying(cost, picked, scale_name)
