@@ -8,7 +8,8 @@ import torch
 
 from specimg.errors import SpecimgError
 from specimg.models.base import Drafter
-from specimg.models.eagle import EagleDrafter, build_drafter, load_drafter, save_drafter
+from specimg.models import load_drafter
+from specimg.models.eagle import EagleDrafter, build_drafter, save_drafter
 from specimg.models.llamagen import LlamaGenTarget, build_target
 
 TINY = dict(dim=64, n_layer=2, n_head=4, vocab_size=64, block_size=16, multiple_of=32, num_classes=10, initializer_range=0.1)

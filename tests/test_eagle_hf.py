@@ -12,7 +12,8 @@ pytest.importorskip("transformers")
 
 from specimg import Engine, Sampling, TreeConfig  # noqa: E402
 from specimg.models.base import Drafter, causal_tree_mask  # noqa: E402
-from specimg.models.eagle import EagleTarget, build_drafter, load_drafter, save_drafter  # noqa: E402
+from specimg.models import load_drafter  # noqa: E402
+from specimg.models.eagle import EagleTarget, build_drafter, save_drafter  # noqa: E402
 from specimg.models.families import load_target  # noqa: E402
 from specimg.models.llamagen import rope_1d  # noqa: E402
 from specimg.testing.tiny_hf import LUMINA_SIDE, save_tiny_janus, save_tiny_lumina  # noqa: E402

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from specimg import MethodSpec, Sampling, hookimpl
 from specimg.engine import ar_tokens
 from specimg.errors import SpecimgError
-from specimg.models.eagle import load_drafter
+from specimg.models import load_drafter
 from specimg.models.llamagen import LlamaGenTarget, build_target
 from specimg.plugins import PluginManager
 from specimg.train.data import DataSpec, DrafterData, make_drafter_data, shard_name

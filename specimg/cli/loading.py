@@ -57,7 +57,7 @@ def models_from(kw: dict[str, Any], model: str) -> Any:
     built_in = _built_in(model)
     if not drafter:
         return built_in
-    from specimg.models.eagle import load_drafter
+    from specimg.models.loading import load_drafter
 
     return attrs.evolve(built_in, drafter=load_drafter(built_in.target, drafter), name=f"{built_in.name} with drafter {drafter}")
 

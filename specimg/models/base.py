@@ -8,7 +8,7 @@ rows, row 0 conditional and row 1 unconditional (LlamaGen's order), and returns 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol, Union, runtime_checkable
+from typing import Any, NamedTuple, Protocol, Union, runtime_checkable
 
 import attrs
 import torch
@@ -191,3 +191,20 @@ def placed(model: object, device: torch.device | str | None, dtype: torch.dtype 
     if not isinstance(model, torch.nn.Module):
         return model
     return model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
+
+
+@attrs.frozen(eq=False)
+class Models:
+    """What a run decodes with: a target, its drafter (None: ``ar`` only), what decodes the
+    target's codes into images (``decode(codes)``; None: tokens only), and the name runs
+    record them under."""
+
+    target: Target
+    drafter: Drafter | None
+    tokenizer: Any
+    name: str
+
+    @property
+    def num_classes(self) -> int:
+        """The classes of a class-conditional LlamaGen target."""
+        return self.target.config.num_classes  # type: ignore[attr-defined]

@@ -14,7 +14,7 @@ import attrs
 from specimg.config import LLAMAGEN_SAMPLING, Sampling
 from specimg.errors import SpecimgError
 from specimg.files import atomic_path
-from specimg.models.loading import Models
+from specimg.models.base import Models
 
 DRAFTERS = {"plain": "drafter.safetensors", "cascade": "drafter-cascade.safetensors", "eagle3": "drafter-eagle3.safetensors"}
 TARGET_CONFIG_KEY = "specimg.gpt_config"
@@ -65,7 +65,7 @@ def load_demo(path: str | os.PathLike[str] | None = None, drafter: str = "plain"
     from ``path`` (default: the shipped bundle).
     ``drafter``: "plain" (EAGLE-1 loss), "cascade" (EAGLE-1 trained with CASCADE's
     reweighting) or "eagle3" (an EAGLE-3 drafter, in bundles made since it joined the recipe)."""
-    from specimg.models.eagle import build_drafter, load_drafter
+    from specimg.models.eagle import build_drafter, load_drafter_file
     from specimg.models.vq import load_tokenizer
 
     root = os.fspath(path) if path is not None else bundle_dir()
@@ -77,7 +77,7 @@ def load_demo(path: str | os.PathLike[str] | None = None, drafter: str = "plain"
     draft_path = os.path.join(root, DRAFTERS[drafter])
     if drafter == "eagle3" and not os.path.isfile(draft_path):
         raise SpecimgError(f"the demo bundle in {root} has no EAGLE-3 drafter ({DRAFTERS[drafter]}): re-create it with `specimg train-demo`")
-    draft = load_drafter(target, draft_path, max_tree_nodes=max_tree_nodes) if os.path.isfile(draft_path) else build_drafter(target)
+    draft = load_drafter_file(target, draft_path, max_tree_nodes=max_tree_nodes) if os.path.isfile(draft_path) else build_drafter(target)
     name = "demo" if drafter == "plain" else f"demo-{drafter}"  # what manifests and bench records name
     return Models(target, draft, load_tokenizer(os.path.join(root, "tokenizer.safetensors")), name)
 

@@ -527,14 +527,10 @@ def drafter_settings(path: str | os.PathLike[str]) -> dict[str, Any]:
     return settings
 
 
-def load_drafter(target: EagleTarget, path: str | os.PathLike[str], *, max_tree_nodes: int = 128) -> TreeDrafter:
-    """A drafter for ``target`` from ``path``: a specimg drafter file, of the type its header
-    records, or an EAGLE-style folder (:mod:`specimg.models.drafter_folder`); a missing,
-    extra or misshapen key (a drafter trained for another target) is a SpecimgError naming it."""
-    if os.path.isdir(path):
-        from specimg.models.drafter_folder import load_drafter_folder
-
-        return load_drafter_folder(target, path, max_tree_nodes=max_tree_nodes)
+def load_drafter_file(target: EagleTarget, path: str | os.PathLike[str], *, max_tree_nodes: int = 128) -> TreeDrafter:
+    """A drafter for ``target`` from a specimg drafter file, of the type its header records;
+    a missing, extra or misshapen key (a drafter trained for another target) is a
+    SpecimgError naming it.  :func:`specimg.models.load_drafter` takes EAGLE-style folders too."""
     settings = drafter_settings(path)
     drafter = build_drafter(target, max_tree_nodes=max_tree_nodes, kind=settings.pop("type"), **settings)
     w = target.input_embeddings()

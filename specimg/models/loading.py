@@ -10,7 +10,10 @@ import torch
 
 from specimg.errors import SpecimgError
 from specimg.models import base
-from specimg.models.eagle import EagleDrafter, EagleTarget, build_drafter, load_drafter
+from specimg.models.base import Models
+from specimg.models.demo import load_demo
+from specimg.models.drafter_folder import load_drafter_folder
+from specimg.models.eagle import EagleTarget, TreeDrafter, build_drafter, load_drafter_file
 from specimg.models.families import BUILT_IN_MODELS, detect_family, load_family_tokenizer, load_target
 from specimg.models.llamagen import build_target
 from specimg.models.vq import build_tokenizer
@@ -19,20 +22,6 @@ TINY_GPT = dict(dim=64, n_layer=2, n_head=4, multiple_of=32, vocab_size=256, num
 """A tiny random LlamaGen for trying the tool: 8x8 tokens, 10 classes."""
 TINY_VQ = dict(codebook_size=256, codebook_embed_dim=8, ch=16, encoder_ch_mult=(1, 2, 2), decoder_ch_mult=(1, 2, 2), z_channels=32, num_res_blocks=1, norm_groups=8)
 """A tiny random VQ tokenizer matching TINY_GPT's vocabulary (4x downsampling: 32x32 images)."""
-
-
-@attrs.frozen(eq=False)
-class Models:
-    target: EagleTarget
-    drafter: EagleDrafter | None
-    tokenizer: Any
-    """What decodes the target's codes into images (``decode(codes)``); None: tokens only."""
-    name: str
-
-    @property
-    def num_classes(self) -> int:
-        """The classes of a class-conditional LlamaGen target."""
-        return self.target.config.num_classes
 
 
 def placed(models: Models, device: torch.device | str, dtype: torch.dtype | None = None) -> Models:
@@ -52,10 +41,17 @@ def built_in(name: str) -> Models:
     if name == "tiny-random":
         return tiny_random()
     if name in BUILT_IN_MODELS:
-        from specimg.models.demo import load_demo
-
         return load_demo(drafter=name.partition("-")[2] or "plain")
     raise SpecimgError(f"unknown model {name!r}; the built-in ones are {', '.join(BUILT_IN_MODELS)}")
+
+
+def load_drafter(target: EagleTarget, path: str | os.PathLike[str], *, max_tree_nodes: int = 128) -> TreeDrafter:
+    """A drafter for ``target`` from ``path``: a specimg drafter file, of the type its header
+    records (:func:`~specimg.models.eagle.load_drafter_file`), or an EAGLE-style folder as
+    LANTERN releases them (:mod:`specimg.models.drafter_folder`)."""
+    if os.path.isdir(path):
+        return load_drafter_folder(target, path, max_tree_nodes=max_tree_nodes)
+    return load_drafter_file(target, path, max_tree_nodes=max_tree_nodes)
 
 
 def load_given_target(path: str | os.PathLike[str], preset: str | None, overrides: dict[str, Any]) -> Any:

@@ -67,7 +67,8 @@ from torch import Tensor, nn
 
 from specimg.errors import SpecimgError
 from specimg.files import atomic_path
-from specimg.models.eagle import DRAFTER_TYPES, EagleTarget, TreeDrafter, build_drafter, load_drafter, save_drafter
+from specimg.models.eagle import DRAFTER_TYPES, EagleTarget, TreeDrafter, build_drafter, save_drafter
+from specimg.models.loading import load_drafter
 from specimg.plugins import PluginManager, get_plugin_manager
 from specimg.progress import progress_bar
 from specimg.stackhooks import MemberHook, StackHooks
