@@ -226,10 +226,11 @@ def test_a_measured_acceptance_is_the_first_plan_s_evidence():
     assert f"the best tree ({best}) yields {best.tokens_per_step:.2f} tokens in {best.step_ms:.2f} ms" in why and f"({best.speedup:.2f}x)" in why
 
 
-@pytest.mark.parametrize("batch_size", [1, 2])
-def test_an_image_the_measured_acceptance_sends_to_ar_never_drafts_and_equals_ar(batch_size):
+@pytest.mark.parametrize(("batch_size", "mode"), [(1, "eager"), (2, "eager"), (2, "static")])
+def test_an_image_the_measured_acceptance_sends_to_ar_never_drafts_and_equals_ar(batch_size, mode):
     target = build_target("GPT-B", seed=0, **TINY)
     drafter = build_drafter(target, seed=1)
+    target.set_step_mode(mode)  # static: the fixed-shape steps a GPU captures as graphs
     greedy = specimg.Sampling(temperature=0.0, cfg_scale=2.0)
     engine = specimg.Engine(target, drafter, "naive", sampling=greedy, batch_size=batch_size)
     hopeless = attrs.evolve(machine({1: 1.0, 2: 5.0, 128: 500.0}), acceptance={costs.scale_key(engine.stack): tuple(map(tuple, TYPICAL_RATES))})
