@@ -388,7 +388,8 @@ def _split_structure(trained: Any, split: Any, test: Tensor, per: int) -> dict[s
             "sibling_cosine": round(cos[0, 1].item(), 4)}
 
 
-def _encode(tok: Any, images: Tensor, batch: int = 128) -> Tensor:
+def encode_images(tok: Any, images: Tensor, batch: int = 128) -> Tensor:
+    """The VQ codes of ``images``, ``batch`` at a time, with a progress bar."""
     out = []
     with torch.no_grad():
         for i in progress_bar(range(0, images.shape[0], batch), desc="tokenise"):
@@ -404,7 +405,7 @@ def _tokenise(run: _Run) -> dict[str, Any]:
     s = run.scale
     tok = load_tokenizer(run.file(TOKENIZER))
     images, labels = make_dataset(s.target.images, seed=s.seed + 3)
-    codes = _encode(tok, images)
+    codes = encode_images(tok, images)
     save_file({"codes": codes.to(torch.int16).contiguous(), "labels": labels}, run.work_file("tokens.safetensors"))
     hist = torch.bincount(codes.flatten(), minlength=tok.vocab_size).float()
     p = hist / hist.sum()
@@ -435,7 +436,7 @@ def _train_gpt(run: _Run) -> dict[str, Any]:
     order = torch.randperm(codes.shape[0], generator=g)
     null = s.target.config["num_classes"]
     test, test_labels = make_dataset(min(256, s.quality.real), seed=s.seed + 2, split="test")
-    test_codes = _encode(load_tokenizer(run.file(TOKENIZER)), test)
+    test_codes = encode_images(load_tokenizer(run.file(TOKENIZER)), test)
     history: list[dict[str, float]] = []
     ema = None
     schedule = WarmupCosine(opt, lr, steps, max(1, steps // 20))
@@ -464,12 +465,12 @@ def _train_gpt(run: _Run) -> dict[str, Any]:
             history.append({"step": step + 1, "loss": round(ema, 4)})
             if (step + 1) % 250 == 0 or step + 1 == steps:
                 model.eval()
-                history[-1].update(_held_out(model, test_labels[:64], test_codes[:64], null))
+                history[-1].update(held_out_metrics(model, test_labels[:64], test_codes[:64], null))
                 model.train()
             run.log(f"  gpt step {step + 1}/{steps} {history[-1]} ({time.perf_counter() - t0:.0f}s)")
     model.eval().requires_grad_(False)
     save_target(model, run.file(TARGET))
-    held_out = _held_out(model, test_labels, test_codes, null, classify=True)
+    held_out = held_out_metrics(model, test_labels, test_codes, null, classify=True)
     with autocast():
         slot_trained = class_slot_weight(model, test_labels[:16], test_codes[:16])
     return {"final_train_loss": history[-1]["loss"], "test_loss": held_out["test_loss"],
@@ -479,7 +480,7 @@ def _train_gpt(run: _Run) -> dict[str, Any]:
             "params": sum(p.numel() for p in model.parameters()), "log": history}
 
 
-def _held_out(model: Any, labels: Tensor, codes: Tensor, null: int, batch: int = 64, classify: bool = False) -> dict[str, float]:
+def held_out_metrics(model: Any, labels: Tensor, codes: Tensor, null: int, batch: int = 64, classify: bool = False) -> dict[str, float]:
     """Teacher-forced loss on real test images, and how much the true class lowers it per
     image against the null class: the class signal CFG amplifies (0 = class ignored).
     ``classify`` adds the target as a classifier, argmax over classes of p(image | class)."""
