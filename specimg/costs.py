@@ -261,8 +261,7 @@ def with_calibration(model: CostModel, name: str, scale: float, rates: np.ndarra
     """``model`` with the step scale and acceptance ``rates`` of the method stack ``name``
     (:func:`scale_key`), kept in memory and in the cache file (see
     :meth:`specimg.engine.Engine.prepare`)."""
-    chances = tuple(tuple(float(p) for p in row) for row in rates)
-    model = attrs.evolve(model, step_scales={**model.step_scales, name: scale}, acceptance={**model.acceptance, name: chances})
+    model = attrs.evolve(model, step_scales={**model.step_scales, name: scale}, acceptance={**model.acceptance, name: _chances(rates.tolist())})
     _memory[model.key] = model
     _save(cache_dir() / "costs" / f"{model.key}.json", model.to_json())
     return model

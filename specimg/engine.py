@@ -455,7 +455,7 @@ class Engine:
         remaining = [target.num_tokens - len(lane.tokens) for lane in lanes]
         level = len({len(lane.tokens) for lane in lanes}) == 1  # then they also finish together: level to the end
         last = stalls.on_device([lane.tokens[-1] for lane in lanes], device)  # each image's root
-        first = stalls.on_device([len(lane.tokens) for lane in lanes], device)  # the token each one draws first
+        first = len(lanes[0].tokens) if level else stalls.on_device([len(lane.tokens) for lane in lanes], device)  # the token each draws first (one index where level: no tensor a step)
         depths, mask = torch.zeros(len(lanes), 1, dtype=torch.long, device=device), torch.ones(len(lanes), 1, 1, dtype=torch.bool, device=device)
         root, nothing = torch.zeros(1, dtype=torch.long, device=device), torch.zeros(0, dtype=torch.long, device=device)
         drawn: list[Tensor] = []  # per step, every image's last token (a finished image's stays as it was)
