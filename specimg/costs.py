@@ -62,7 +62,8 @@ class CostModel:
     Sizes in between interpolate linearly; beyond, extrapolate.  Per method stack (under
     its :func:`scale_key`), from the decode that calibrated it (see
     :meth:`specimg.engine.Engine.prepare`): ``step_scales``, what its real speculative
-    step takes against the sum of the timed parts, and ``acceptance``, the chances
+    step takes against the sum of the timed parts relative to what a real AR step takes
+    against its timed part (:func:`step_scale`), and ``acceptance``, the chances
     [depth][rank] its drafts were accepted with (the planner's prior for the stack)."""
 
     key: str
@@ -217,6 +218,7 @@ def cost_key(target: Target, drafter: Drafter, sampling: Sampling, batch: int = 
         "target": _describe(target), "drafter": _describe(drafter), "machine": machine,
         "cfg": sampling.cfg, "top_k": sampling.top_k > 0, "top_p": sampling.top_p < 1.0,
         "capacity": [getattr(target, "max_tree_nodes", None), getattr(drafter, "max_tree_nodes", None)],  # the verify sizes measured
+        "scales": "relative to AR",  # files whose step scales were not (step_scale) are measured again
     }
     mode = getattr(target, "step_mode", "eager")
     if mode != "eager":  # fixed-shape steps cost otherwise; eager keys stay as they were
@@ -255,6 +257,20 @@ def load_or_measure(target: Target, drafter: Drafter, sampling: Sampling, condit
         _save(path, model.to_json())
     _memory[key] = model
     return model
+
+
+def step_scale(wall_s: float, predicted_ms: float, ar_wall_s: float, ar_predicted_ms: float) -> float:
+    """A stack's step scale from its calibration: how much longer its real steps took than
+    the timed parts predict (``wall_s`` against ``predicted_ms``), relative to the same
+    ratio for AR steps decoded beside them.  Relative, because a shared machine runs
+    faster or slower from one minute to the next (timings of the same step a few minutes
+    apart differ by a third on a busy CPU): a ratio of two decodes made together does not
+    depend on when the parts were timed, and AR's real steps carry loop work its timed
+    part does not, as the stack's do.  The planner's predicted speedups are then real
+    speed against real AR speed."""
+    if predicted_ms <= 0 or ar_predicted_ms <= 0 or ar_wall_s <= 0:
+        return 1.0
+    return (1000 * wall_s / predicted_ms) / (1000 * ar_wall_s / ar_predicted_ms)
 
 
 def with_calibration(model: CostModel, name: str, scale: float, rates: np.ndarray) -> CostModel:

@@ -17,7 +17,7 @@ from specimg import accept as acceptance
 from specimg import costs, relax, stalls
 from specimg.config import Sampling, TreeConfig
 from specimg.errors import SpecimgError
-from specimg.graphs import CudaGraphs, step_mode
+from specimg.graphs import CudaGraphs, capture_seconds, step_mode
 from specimg.lane import Lane
 from specimg.lockstep import BatchDrafting, LaneDrafter, Lockstep
 from specimg.methods import AR, Stack
@@ -207,7 +207,10 @@ class Engine:
         method's relaxation and the loop's own Python (a fifth of a step or more on a small
         model).  So the first engine of a stack decodes one image (a batch of images, at a
         batch size above 1) on auto trees (drafting to the end: no AR fallback) and divides
-        its wall time by what the parts predict for the steps it took.  The same decode
+        its wall time by what the parts predict for the steps it took, and does the same
+        for AR images of the same condition decoded right after (:func:`specimg.costs.step_scale`):
+        the planner weighs real steps against real AR steps, measured in the same minute,
+        however much faster or slower the machine was when the parts were timed.  The same decode
         measures how often the stack's drafts are accepted, which every later image's
         planner starts from (where it predicts no tree pays, an image runs AR from its
         first step rather than drafting a dozen steps to find out).  Both are cached with
@@ -225,22 +228,42 @@ class Engine:
             planners.append(self.planner(parts, ar_fallback=False))
             return planners[-1]
 
-        if size == 1:
-            images = [self._image(condition, 0, None, planner())[1]]
-        else:
-            images = []
-            self._batch_speculative([condition] * size, range(size), None, lambda _, __, image: images.append(image), planner)
-        predicted = sum(image.predicted_ms for image in images)
-        scale = 1000 * sum(image.wall for image in images) / predicted if predicted else 1.0
+        images: list[ImageStats] = []
+
+        def drafted() -> float:
+            if size == 1:
+                images.append(self._image(condition, 0, None, planner())[1])
+            else:
+                self._batch_speculative([condition] * size, range(size), None, lambda _, __, image: images.append(image), planner)
+            return sum(image.wall for image in images)
+
+        wall = self._steady(drafted)
+        ar_wall = self._steady(self._ar_wall, condition)
+        scale = costs.step_scale(wall, sum(image.predicted_ms for image in images), ar_wall, size * self.target.num_tokens * model.ar_ms)
         return costs.with_calibration(model, name, scale, AcceptanceProfile.pooled([p.profile for p in planners]).rates())
 
-    def _image(self, condition: Condition, seed: int, progress: Callable[[int], None] | None, planner: TreePlanner | None) -> tuple[list[int], ImageStats]:
-        """One image's tokens and statistics, drawn with a generator seeded ``seed``."""
+    def _ar_wall(self, condition: Condition) -> float:
+        """Wall seconds of ``batch_size`` images of ``condition`` decoded with AR steps
+        (one at a time, or as one batch): the yardstick of :meth:`_calibrated`."""
+        if self.batch_size == 1:
+            return self._image(condition, 0, None, None, ar=True)[1].wall
+        return self.batch_size * self._batch([condition] * self.batch_size, range(self.batch_size), None)[1][0].wall
+
+    def _steady(self, decode: Callable[..., float], *args: Any) -> float:
+        """The wall seconds ``decode`` returns, less the CUDA graphs it captured: one-off
+        work that no later step pays."""
+        captured = capture_seconds(self.target, self.drafter)
+        return decode(*args) - (capture_seconds(self.target, self.drafter) - captured)
+
+    def _image(self, condition: Condition, seed: int, progress: Callable[[int], None] | None, planner: TreePlanner | None,
+               ar: bool = False) -> tuple[list[int], ImageStats]:
+        """One image's tokens and statistics, drawn with a generator seeded ``seed`` (with
+        AR steps whatever the method, with ``ar``)."""
         generator = torch.Generator(self.device).manual_seed(seed)
         stats = ImageStats()
         start = time.perf_counter()
         with torch.inference_mode():
-            tokens = self._decode(condition, generator, stats, progress, planner)
+            tokens = self._decode(condition, generator, stats, progress, planner, ar)
         stats.wall = time.perf_counter() - start
         return tokens, stats
 
@@ -542,7 +565,8 @@ class Engine:
         return int(self._sample(probs, generator))
 
     def _decode(
-        self, condition: Condition, generator: torch.Generator, stats: ImageStats, progress: Callable[[int], None] | None, planner: TreePlanner | None
+        self, condition: Condition, generator: torch.Generator, stats: ImageStats, progress: Callable[[int], None] | None, planner: TreePlanner | None,
+        ar: bool = False,
     ) -> list[int]:
         target, sampling = self.target, self.sampling
         prefill = target.prefill(condition, sampling.cfg)
@@ -551,7 +575,7 @@ class Engine:
         tokens = [self._draw(first[0], generator)]
         if progress:
             progress(1)
-        if self.stack is None:
+        if ar or self.stack is None:
             self._decode_ar(tokens, generator, stats, progress)
         else:
             drafter = None if self.drafter_free else self.drafter

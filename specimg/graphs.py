@@ -58,6 +58,11 @@ def step_mode(cuda_graphs: CudaGraphs, device: torch.device, supported: bool) ->
     return "eager"
 
 
+def capture_seconds(*models: object) -> float:
+    """Seconds the models' graph sets have spent capturing so far (0 for a model without)."""
+    return sum(getattr(getattr(model, "graphs", None), "capture_seconds", 0.0) for model in models)
+
+
 class FixedSteps:
     """For a torch module whose step forwards have a fixed-shape form: its step mode and its
     graphs (which a subclass must clear whenever a buffer they read is reallocated)."""

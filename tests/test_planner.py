@@ -186,6 +186,55 @@ def test_each_method_stack_gets_its_step_scale_and_acceptance_once(tmp_path, mon
     assert plan_naive.step_ms == pytest.approx(float(both.step(plan_naive.depth, plan_naive.topk, plan_naive.nodes, naive)))
 
 
+def test_a_step_scale_is_the_stacks_real_to_timed_ratio_over_ars():
+    # the stack's steps took twice what the parts say, AR's 1.25 times: 1.6
+    assert costs.step_scale(2.0, 1000.0, 1.25, 1000.0) == pytest.approx(1.6)
+    # parts timed on a machine 3 times slower scale both predictions alike: the same scale
+    assert costs.step_scale(2.0, 3000.0, 1.25, 3000.0) == pytest.approx(1.6)
+
+
+def test_a_calibration_does_not_carry_the_speed_of_the_minute_the_parts_were_timed(tmp_path, monkeypatch):
+    """Parts timed 20 times slower than the machine runs now (a busy minute, another load)
+    would give a scale of a twentieth if the stack's steps were divided by them alone; the
+    AR images decoded beside the stack's carry the same factor, so the scale stays put."""
+    monkeypatch.setenv("SPECIMG_CACHE_DIR", str(tmp_path))
+    target = build_target("GPT-B", seed=0, **TINY)
+    drafter = build_drafter(target, seed=1)
+    sampling = specimg.Sampling(cfg_scale=2.0)
+    parts = costs.measure(target, drafter, sampling, 0, *costs.cost_key(target, drafter, sampling))
+
+    def slower(model: CostModel, factor: float) -> CostModel:
+        def table(rows):
+            return tuple((n, ms * factor) for n, ms in rows)
+
+        return attrs.evolve(model, verify_ms=table(model.verify_ms), draft_base_ms=table(model.draft_base_ms), draft_level_ms=table(model.draft_level_ms),
+                            draft_start_ms=model.draft_start_ms * factor, overhead_ms=model.overhead_ms * factor, ar_ms=model.ar_ms * factor)
+
+    scales = {}
+    for factor in (1.0, 20.0):
+        monkeypatch.setattr(costs, "_memory", {})
+        monkeypatch.setattr(costs, "measure", lambda *args, factor=factor, **kwargs: slower(parts, factor))
+        costs.forget(target, drafter, sampling)
+        engine = specimg.Engine(target, drafter, "naive", sampling=sampling)
+        scales[factor] = engine.prepare(0).scale(costs.scale_key(engine.stack))
+    assert scales[20.0] > scales[1.0] / 4  # timing noise moves it, the parts' speed does not (else about 1/20)
+
+
+def test_a_calibration_leaves_out_the_cuda_graphs_its_decodes_capture():
+    """A capture is one-off work (seconds on a GPU, where it happens on a bucket's first
+    use), no step's cost: a decode's wall time is counted without it."""
+    target = build_target("GPT-B", seed=0, **TINY)
+    drafter = build_drafter(target, seed=1)
+    engine = specimg.Engine(target, drafter, "naive")
+
+    def decode() -> float:
+        target.graphs.capture_seconds += 2.0
+        drafter.graphs.capture_seconds += 0.5
+        return 3.0
+
+    assert engine._steady(decode) == pytest.approx(0.5)
+
+
 TYPICAL_RATES = np.array([[0.6 * 0.45**r for r in range(10)]] * 10)
 
 
