@@ -90,6 +90,8 @@ class Engine:
         self.device = costs.device_of(target)
         self._set_step_mode(cuda_graphs)
         self.check_relax = relax.checks_enabled()
+        self.calibration_seconds = 0.0
+        """What :meth:`prepare` spent measuring this machine's costs and calibrating the stack (0 when the cache had them)."""
         self.on_step: Callable[[DraftTree, Tensor, list[int]], None] | None = None
         """Called after each speculative step with its tree, q_R and accepted path (tools that learn from a run)."""
         self.plugins = plugins or get_plugin_manager()
@@ -216,7 +218,7 @@ class Engine:
         first step rather than drafting a dozen steps to find out).  Both are cached with
         the model, so runs stay reproducible.  At a batch size above 1 the model is the
         one measured at that size (:func:`specimg.costs.measure`)."""
-        size = self.batch_size
+        size, start = self.batch_size, time.perf_counter()
         model = costs.load_or_measure(self.target, self.drafter, self.sampling, condition, batch=size)
         name = costs.scale_key(self.stack)
         if model.calibrated(name):
@@ -240,6 +242,7 @@ class Engine:
         wall = self._steady(drafted)
         ar_wall = self._steady(self._ar_wall, condition)
         scale = costs.step_scale(wall, sum(image.predicted_ms for image in images), ar_wall, size * self.target.num_tokens * model.ar_ms)
+        self.calibration_seconds = time.perf_counter() - start
         return costs.with_calibration(model, name, scale, AcceptanceProfile.pooled([p.profile for p in planners]).rates())
 
     def _ar_wall(self, condition: Condition) -> float:

@@ -36,6 +36,17 @@ def test_same_seed_same_images_and_resume_skips_finished_ones(tmp_path, capsys):
     assert "1 images" in summary[-1]
 
 
+def test_the_first_auto_tree_run_reports_measuring_the_machine_apart_from_the_images(tmp_path, capsys, monkeypatch):
+    from specimg import costs
+
+    monkeypatch.setenv("SPECIMG_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(costs, "_memory", {})
+    for out in ("first", "second"):
+        assert run("generate", "--model", "tiny-random", "-n", "1", "--out", str(tmp_path / out)) == 0
+    first, second = [line for line in capsys.readouterr().out.splitlines() if line.startswith("naive:")]
+    assert "s measuring what trees cost on this machine; cached)" in first and "measuring" not in second
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

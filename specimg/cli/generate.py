@@ -77,8 +77,8 @@ def write_run(engine: Engine, models: Any, conditions: Conditions, seed: int, ou
             if state.is_main_process:
                 click.echo(f"{engine.method}: {out} already holds these {len(conditions.keys)} images; nothing to do (more images: raise -n)")
             return
-        start = time.perf_counter()
         engine.prepare(conditions.values[0], state)
+        start = time.perf_counter()
         images = _write_images(engine, models, conditions, seed, log, todo[state.process_index :: state.num_processes], state.is_main_process)
         if state.num_processes > 1:
             from accelerate.utils import gather_object
@@ -138,7 +138,8 @@ def _write_images(engine: Engine, models: Any, conditions: Conditions, seed: int
 
 
 def _report(engine: Engine, models: Any, log: RunLog, run: RunStats, images: int, wall: float) -> None:
-    """The grid of every image in the folder, and the run's summary lines."""
+    """The grid of every image in the folder, and the run's summary lines (the images'
+    time apart from the first run's measuring of what trees cost, which it would inflate)."""
     from specimg.runs.images import make_grid, save_png_atomic
 
     if models.tokenizer is not None:
@@ -150,7 +151,8 @@ def _report(engine: Engine, models: Any, log: RunLog, run: RunStats, images: int
     s = engine.sampling
     click.echo(
         f"{engine.method}: tau {run.tau:.2f} | {run.target_forwards} target forwards for {run.tokens} tokens | {images} images in {wall:.2f}s"
-        f"{f' (batches of {engine.batch_size})' if engine.batch_size > 1 else ''} "
+        f"{f' (batches of {engine.batch_size})' if engine.batch_size > 1 else ''}"
+        f"{f' (after {engine.calibration_seconds:.1f}s measuring what trees cost on this machine; cached)' if engine.calibration_seconds else ''} "
         f"| cfg {s.cfg_scale:g}, temperature {s.temperature:g}, top-k {s.top_k}, top-p {s.top_p:g} -> {log.out}"
     )
     if engine.stack is not None:
