@@ -365,6 +365,15 @@ def test_cli_makes_data_and_trains(tmp_path) -> None:
     result = runner.invoke(cli, args + ["--method", "naive"])
     assert result.exit_code == 0, result.output
     assert os.path.exists(os.path.join(run, "drafter.safetensors")) and len(read_log(run)) == 2  # steps 0 and 2 (the last)
+    trained, again = os.path.join(run, "drafter.safetensors"), str(tmp_path / "again")
+    result = runner.invoke(cli, [*args[:6], again, *args[7:], "--init", trained, "--lr", "1e-12", "--steps", "1", "--seed", "7"])
+    assert result.exit_code == 0, result.output
+    with open(os.path.join(again, "run.json")) as file:
+        assert json.load(file)["init"] == os.path.abspath(trained)
+    before, after = load_file(trained), load_file(os.path.join(again, "drafter.safetensors"))
+    assert before.keys() == after.keys() and all(torch.allclose(before[k], after[k], atol=1e-6) for k in before)  # not seed 7's fresh weights
+    result = runner.invoke(cli, [*args[:6], str(tmp_path / "none"), *args[7:], "--init", str(tmp_path / "missing.safetensors")])
+    assert isinstance(result.exception, SpecimgError) and "missing.safetensors" in str(result.exception)
     result = runner.invoke(cli, args + ["--drafter-type", "eagle3"])
     assert isinstance(result.exception, SpecimgError) and "make-drafter-data --drafter-type eagle3" in str(result.exception)
 

@@ -156,7 +156,7 @@ def train_drafter_command(**kw: Any) -> None:
     accelerator = Accelerator(mixed_precision=config.mixed_precision, cpu=device_from(kw)[0].type == "cpu")
     start = time.perf_counter()
     result = train_drafter(
-        target, kw["data"], kw["out"], config, method=kw["method"], options=parse_options(kw["options"]), accelerator=accelerator,
+        target, kw["data"], kw["out"], config, method=kw["method"], options=parse_options(kw["options"]), init=kw["init"], accelerator=accelerator,
     )
     if accelerator.is_main_process:
         click.echo(f"{result.steps} steps in {time.perf_counter() - start:.1f}s -> {result.path}")
