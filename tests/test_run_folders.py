@@ -141,3 +141,34 @@ def test_a_full_disk_is_one_line_and_the_rerun_resumes(tmp_path, capsys, monkeyp
     assert run(*GENERATE[:-1], "4", "--out", str(out)) == 0
     assert len(manifest_lines(out)) == 4 and len(os.listdir(out / "images")) == 4
 
+
+
+def test_a_path_in_the_way_is_one_line_and_the_rerun_resumes(tmp_path, capsys):
+    """A folder where the grid goes, a file where the images go: one line naming the path
+    (not a temporary file's), and every image already written is kept."""
+    out = tmp_path / "out"
+    (out / "grid.png").mkdir(parents=True)
+    assert run(*GENERATE, "--out", str(out)) == 2
+    progress, error = capsys.readouterr().err.splitlines()  # the images' bar, then the one error
+    assert error == f"specimg: error: {out / 'grid.png'}: Is a directory; clear the way and run the same command again: it resumes"
+    assert len(manifest_lines(out)) == 2
+    (out / "grid.png").rmdir()
+    assert run(*GENERATE[:-1], "3", "--out", str(out)) == 0 and (out / "grid.png").is_file() and len(manifest_lines(out)) == 3
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    (blocked / "images").write_text("")
+    assert run(*GENERATE, "--out", str(blocked)) == 2
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert error == f"specimg: error: {blocked / 'images'}: File exists; clear the way and run the same command again: it resumes"
+
+
+@pytest.mark.parametrize("error", [RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory"), MemoryError()])
+def test_running_out_of_memory_is_one_line(tmp_path, capsys, monkeypatch, error):
+    from specimg.engine import Engine
+
+    def exhausted(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(Engine, "generate", exhausted)
+    assert run(*GENERATE, "--out", str(tmp_path / "out")) == 2
+    assert one_line(capsys).startswith("specimg: error: out of memory; lower --batch-size")

@@ -6,7 +6,7 @@ import errno
 import os
 import sys
 import warnings
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -40,6 +40,11 @@ def _quiet_stdout() -> None:
         pass
 
 
+def _out_of_memory() -> NoReturn:
+    click.echo("specimg: error: out of memory; lower --batch-size (or -n, --num-samples) and run the same command again: it resumes", err=True)
+    sys.exit(2)
+
+
 def _one_line_warning(message: Warning | str, *args: Any, **kwargs: Any) -> None:
     click.echo(f"specimg: warning: {message}", err=True)
 
@@ -63,12 +68,24 @@ def _run(argv: list[str] | None) -> None:
         click.echo(f"specimg: error: {err.format_message()}{hint}", err=True)
         sys.exit(2)
     except OSError as err:
-        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            _quiet_stdout()
+            where = f"{err.filename}: " if err.filename else "writing the output: "
+            click.echo(f"specimg: error: {where}{err.strerror}; free space and run the same command again: it resumes", err=True)
+            sys.exit(2)
+        if not err.filename:
             raise
-        _quiet_stdout()
-        where = f"{err.filename}: " if err.filename else "writing the output: "
-        click.echo(f"specimg: error: {where}{err.strerror}; free space and run the same command again: it resumes", err=True)
+        # a path in the way (a file where a folder goes, a folder where a file goes, no permission):
+        # every output is written whole or not at all, so the run resumes once the path is cleared
+        path = err.filename2 or err.filename  # a rename's destination, not its temporary source
+        click.echo(f"specimg: error: {path}: {err.strerror}; clear the way and run the same command again: it resumes", err=True)
         sys.exit(2)
+    except MemoryError:
+        _out_of_memory()
+    except RuntimeError as err:  # torch's: an OutOfMemoryError on a GPU, a plain RuntimeError from the CPU allocator
+        if type(err).__name__ != "OutOfMemoryError" and "can't allocate memory" not in str(err):
+            raise
+        _out_of_memory()
     except (click.Abort, KeyboardInterrupt):
         click.echo("specimg: interrupted; the same command resumes where it stopped", err=True)
         sys.exit(130)
