@@ -80,15 +80,15 @@ def _run(argv: list[str] | None) -> None:
         path = err.filename2 or err.filename  # a rename's destination, not its temporary source
         click.echo(f"specimg: error: {path}: {err.strerror}; clear the way and run the same command again: it resumes", err=True)
         sys.exit(2)
+    except (click.Abort, KeyboardInterrupt):
+        click.echo("specimg: interrupted; the same command resumes where it stopped", err=True)
+        sys.exit(130)
     except MemoryError:
         _out_of_memory()
     except RuntimeError as err:  # torch's: an OutOfMemoryError on a GPU, a plain RuntimeError from the CPU allocator
         if type(err).__name__ != "OutOfMemoryError" and "can't allocate memory" not in str(err):
             raise
         _out_of_memory()
-    except (click.Abort, KeyboardInterrupt):
-        click.echo("specimg: interrupted; the same command resumes where it stopped", err=True)
-        sys.exit(130)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
