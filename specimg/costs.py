@@ -111,7 +111,7 @@ class CostModel:
         if not isinstance(data["key"], str) or not isinstance(data["machine"], str) or not isinstance(scales, dict) or not isinstance(acceptance, dict):
             raise ValueError("cost model fields of the wrong type")
         return cls(
-            data["key"], data["machine"], *(_table(data[name]) for name in ("verify_ms", "draft_base_ms", "draft_level_ms")),
+            data["key"], data["machine"], _table(data["verify_ms"], VERIFY_SIZES), *(_table(data[name], LEVEL_WIDTHS) for name in ("draft_base_ms", "draft_level_ms")),
             *(_positive(data[name]) for name in ("draft_start_ms", "overhead_ms", "ar_ms")),
             step_scales={method: _positive(scale) for method, scale in scales.items()},
             acceptance={method: _chances(rates) for method, rates in acceptance.items()},
@@ -144,13 +144,14 @@ def _chances(rows: Any) -> tuple[tuple[float, ...], ...]:
     return tuple(tuple(float(p) for p in row) for row in rows)
 
 
-def _table(rows: Any) -> tuple[tuple[int, float], ...]:
-    """A table read back: [size, ms] rows, sizes strictly increasing and times not
-    decreasing (as :func:`_monotone` leaves them), or ValueError."""
-    if not isinstance(rows, list) or not rows or not all(isinstance(row, list) and len(row) == 2 for row in rows):
-        raise ValueError("a cost table is not a non-empty list of [size, ms]")
-    if not all(type(n) is int and n > 0 for n, _ in rows):
-        raise ValueError("a cost table's sizes are not positive integers")
+def _table(rows: Any, sizes: tuple[int, ...]) -> tuple[tuple[int, float], ...]:
+    """A table read back: [size, ms] rows for the first two or more of ``sizes`` (as
+    :func:`measure` times them), times not decreasing (as :func:`_monotone` leaves them),
+    or ValueError."""
+    if not isinstance(rows, list) or not all(isinstance(row, list) and len(row) == 2 for row in rows):
+        raise ValueError("a cost table is not a list of [size, ms]")
+    if len(rows) < 2 or not all(type(n) is int for n, _ in rows) or [n for n, _ in rows] != list(sizes[: len(rows)]):
+        raise ValueError(f"a cost table's sizes are not the first two or more of {sizes}")
     table = tuple((n, _positive(ms)) for n, ms in rows)
     if any(a[0] >= b[0] or a[1] > b[1] for a, b in zip(table, table[1:])):
         raise ValueError("a cost table's sizes do not increase or its times decrease")

@@ -80,7 +80,8 @@ def _load_or_build(codebook: Tensor, key: str, k: int) -> Tensor:
     if path.exists():
         try:
             table = torch.load(path, weights_only=True)
-            if isinstance(table, Tensor) and table.dtype == torch.int32 and table.shape == (codebook.shape[0], k):
+            size = codebook.shape[0]
+            if isinstance(table, Tensor) and table.dtype == torch.int32 and table.shape == (size, k) and bool(((table >= 0) & (table < size)).all()):
                 return table
         except Exception:  # an unreadable cache entry is rebuilt, never fatal
             pass

@@ -32,7 +32,9 @@ def measured(tmp_path, monkeypatch, models):
     monkeypatch.setenv("SPECIMG_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(costs, "_memory", {})
     key, machine = costs.cost_key(*models, SAMPLING)
-    fresh = CostModel(key, machine, ((1, 1.0), (8, 1.0), (9, 50.0), (128, 100.0)), ((1, 0.01), (10, 0.02)), ((1, 0.01), (10, 0.01)), 0.01, 0.01, 1.0)
+    verify = tuple((n, 1.0 if n <= 8 else 50.0 + n / 128 * 50.0) for n in costs.VERIFY_SIZES)  # flat to 8 nodes, then dear
+    draft = tuple((k, 0.01 + k / 1000) for k in costs.LEVEL_WIDTHS)
+    fresh = CostModel(key, machine, verify, draft, draft, 0.01, 0.01, 1.0)
     calls = []
 
     def measure(*args, **kwargs):
@@ -55,9 +57,9 @@ CORRUPT = {
     "nested objects": lambda m: '{"a":' * 100_000 + "1" + "}" * 100_000,
     "a list": lambda m: "[1, 2]",
     "null": lambda m: "null",
-    "NaN verify time": lambda m: fields(m, verify_ms=[[1, math.nan], [8, 1.0]]),
+    "NaN verify time": lambda m: fields(m, verify_ms=[[1, math.nan], [2, 1.0]]),
     "infinite AR time": lambda m: fields(m, ar_ms=math.inf),
-    "negative draft time": lambda m: fields(m, draft_base_ms=[[1, -0.5], [10, 0.02]]),
+    "negative draft time": lambda m: fields(m, draft_base_ms=[[1, -0.5], [2, 0.02]]),
     "zero overhead": lambda m: fields(m, overhead_ms=0),
     "huge integer": lambda m: fields(m, ar_ms=10**400),
     "time as a string": lambda m: fields(m, draft_start_ms="0.01"),
@@ -70,8 +72,13 @@ CORRUPT = {
     "size as a string": lambda m: fields(m, verify_ms=[["1", 1.0]]),
     "zero size": lambda m: fields(m, verify_ms=[[0, 1.0]]),
     "sizes repeated": lambda m: fields(m, verify_ms=[[1, 1.0], [1, 1.0]]),
-    "sizes decreasing": lambda m: fields(m, verify_ms=[[8, 1.0], [1, 1.0]]),
-    "times decreasing": lambda m: fields(m, verify_ms=[[1, 2.0], [8, 1.0]]),
+    "sizes decreasing": lambda m: fields(m, verify_ms=[[2, 1.0], [1, 1.0]]),
+    "times decreasing": lambda m: fields(m, verify_ms=[[1, 2.0], [2, 1.0]]),
+    "one row": lambda m: fields(m, verify_ms=[[1, 0.5]]),
+    "a size not measured": lambda m: fields(m, verify_ms=[[1, 1.0], [3, 1.0]]),
+    "a huge size": lambda m: fields(m, verify_ms=[[1, 1.0], [10**30, 1.0]]),
+    "a row beyond the sizes": lambda m: fields(m, verify_ms=[*json.loads(m.to_json())["verify_ms"], [10**12, 1e6]]),
+    "a width not measured": lambda m: fields(m, draft_level_ms=[[1, 0.01], [3, 0.02]]),
     "NaN step scale": lambda m: fields(m, step_scales={"naive": math.nan}),
     "negative step scale": lambda m: fields(m, step_scales={"naive": -1.0}),
     "step scales as a list": lambda m: fields(m, step_scales=[1.0]),

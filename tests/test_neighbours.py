@@ -55,6 +55,9 @@ def test_unreadable_cache_entry_is_rebuilt(fresh_cache):
     path.write_bytes(b"not a tensor")
     neighbours._memory.clear()
     assert torch.equal(neighbour_table(book, 4), first)
+    torch.save(torch.full_like(first, 99999), path)  # the right shape and type, codes outside the codebook
+    neighbours._memory.clear()
+    assert torch.equal(neighbour_table(book, 4), first)
 
 
 class Tokenizer:

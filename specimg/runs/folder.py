@@ -104,7 +104,7 @@ def file_digest(path: str) -> str:
     key = os.path.abspath(path)
     known = _digests()
     entry = known.get(key)
-    if isinstance(entry, list) and entry[:2] == [stat.st_size, stat.st_mtime_ns] and isinstance(entry[2], str):
+    if isinstance(entry, list) and len(entry) == 3 and entry[:2] == [stat.st_size, stat.st_mtime_ns] and isinstance(entry[2], str):
         return entry[2]
     digest = hashlib.sha256()
     with open(path, "rb") as fh:

@@ -74,9 +74,25 @@ def read_entries(path: str) -> Iterator[dict[str, Any]]:
             if not line.strip():
                 continue
             try:
-                yield json.loads(line)
+                entry = json.loads(line)
             except json.JSONDecodeError:
                 raise SpecimgError(f"{path}: line {number} is not JSON; not a specimg manifest?") from None
+            why = _malformed(entry)
+            if why:
+                raise SpecimgError(f"{path}: line {number} {why}; not a specimg manifest?")
+            yield entry
+
+
+def _malformed(entry: Any) -> str | None:
+    """What keeps ``entry`` from being an image's record (its index and tokens), or None."""
+    if not isinstance(entry, dict):
+        return "is not an object"
+    index, tokens = entry.get("index"), entry.get("tokens")
+    if type(index) is not int or index < 0:
+        return "has no image index (a whole number from 0)"
+    if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+        return "has no token list"
+    return None
 
 
 def _difference(old: Any, new: dict[str, Any], prefix: str = "") -> str:
