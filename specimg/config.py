@@ -17,6 +17,22 @@ def _finite(instance: Any, attribute: attrs.Attribute, value: float) -> None:
         raise SpecimgError(f"{type(instance).__name__}.{attribute.name} must be a finite number, got {value!r}")
 
 
+MIN_TEMPERATURE = 1e-6
+"""The least temperature above 0 (greedy): logits divided by less could overflow float32."""
+MAX_CFG_SCALE = 1e6
+"""The largest guidance scale: guided logits scaled by more could overflow float32."""
+
+
+def _temperature(instance: Any, attribute: attrs.Attribute, value: float) -> None:
+    if 0.0 < value < MIN_TEMPERATURE:
+        raise SpecimgError(f"temperature {value!r}: give 0 (greedy) or at least {MIN_TEMPERATURE:g}, below which the logits overflow")
+
+
+def _cfg_scale(instance: Any, attribute: attrs.Attribute, value: float) -> None:
+    if value > MAX_CFG_SCALE:
+        raise SpecimgError(f"cfg scale {value!r}: give at most {MAX_CFG_SCALE:g}, beyond which the guided logits overflow")
+
+
 @attrs.frozen
 class Sampling:
     """LlamaGen's sampling, applied in its order: CFG, temperature, top-k, top-p.
@@ -25,10 +41,10 @@ class Sampling:
     cfg_interval >= 0 stops guidance after that many image tokens, as LlamaGen does.
     """
 
-    temperature: float = attrs.field(default=1.0, validator=[_finite, v.ge(0.0)])
+    temperature: float = attrs.field(default=1.0, validator=[_finite, v.ge(0.0), _temperature])
     top_k: int = attrs.field(default=0, validator=v.ge(0))
     top_p: float = attrs.field(default=1.0, validator=[_finite, v.gt(0.0), v.le(1.0)])
-    cfg_scale: float = attrs.field(default=1.0, validator=[_finite, v.ge(1.0)])
+    cfg_scale: float = attrs.field(default=1.0, validator=[_finite, v.ge(1.0), _cfg_scale])
     cfg_interval: int = attrs.field(default=-1, validator=v.ge(-1))
 
     @property

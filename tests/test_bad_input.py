@@ -49,12 +49,14 @@ def one_line_error(capsys, args: list[str]) -> str:
         (["--temperature", "nan"], "Invalid value for '--temperature': 'nan' is not a finite number"),
         (["--temperature", "inf"], "Invalid value for '--temperature': 'inf' is not a finite number"),
         (["--top-p", "nan"], "Invalid value for '--top-p': 'nan' is not a finite number"),
+        (["--temperature", "1e-45"], "temperature 1e-45: give 0 (greedy) or at least 1e-06, below which the logits overflow"),
+        (["--cfg-scale", "1e308"], "cfg scale 1e+308: give at most 1e+06, beyond which the guided logits overflow"),
         (["--delta", "nan"], "Invalid value for '--delta': 'nan' is not a finite number"),
         (["-m", "lantern++", "-o", "lantern++.lam=inf"], "option lantern++.lam='inf' is not a valid finite float"),
         (["-m", "cascade", "-o", "cascade.delta=nan"], "option cascade.delta='nan' is not a valid finite float"),
     ],
 )
-def test_non_finite_numbers(tmp_path, capsys, args, message):
+def test_non_finite_numbers_and_ones_that_overflow_the_logits(tmp_path, capsys, args, message):
     line = one_line_error(capsys, ["generate", *TINY, "--out", str(tmp_path / "o"), *args])
     assert message in line
     assert not (tmp_path / "o").exists()
