@@ -197,6 +197,8 @@ def resolve_stack(
     The stack's budget is ``delta`` if given, else the largest member delta.
     """
     names = split_stack(method)
+    if not all(names):
+        raise SpecimgError(f"method {method!r} has an empty member: join method names with '+', as in cascade+lantern")
     options = dict(options or {})
     for name in names:
         if name not in registry:

@@ -51,6 +51,8 @@ def test_the_first_auto_tree_run_reports_measuring_the_machine_apart_from_the_im
     "args, message",
     [
         (["generate", "--method", "nope"], "unknown method 'nope'"),
+        (["generate", "--method", "+lantern"], "method '+lantern' has an empty member: join method names with '+'"),
+        (["generate", "--method", " "], "method ' ' has an empty member"),
         (["generate", "-o", "naive.k=1"], "has no option 'k'"),
         (["generate", "--class-labels", "1,x"], "comma-separated integers"),
         (["generate", "--class-labels", "99"], "outside [0, 10)"),
