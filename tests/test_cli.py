@@ -52,6 +52,8 @@ def test_the_first_auto_tree_run_reports_measuring_the_machine_apart_from_the_im
     [
         (["generate", "--method", "nope"], "unknown method 'nope'"),
         (["generate", "--method", "+lantern"], "method '+lantern' has an empty member: join method names with '+'"),
+        (["generate", "--tree", "chain", "--topk", "3"], "--tree chain takes no --topk: drop it, or give --tree dynamic"),
+        (["generate", "--tree", "auto", "--depth", "3", "--total-tokens", "9"], "--tree auto takes no --depth or --total-tokens"),
         (["generate", "--method", " "], "method ' ' has an empty member"),
         (["generate", "-o", "naive.k=1"], "has no option 'k'"),
         (["generate", "--class-labels", "1,x"], "comma-separated integers"),

@@ -195,9 +195,16 @@ def sampling_from(kw: dict[str, Any], base: Sampling) -> Sampling:
     return attrs.evolve(base, **given)
 
 
+_UNUSED_SIZES = {"auto": ("depth", "topk", "total_tokens"), "static": ("depth", "topk", "total_tokens"), "chain": ("topk", "total_tokens")}
+"""The size options a tree kind has no use for: given, they would be dropped without a word."""
+
+
 def tree_from(kw: dict[str, Any]) -> TreeConfig:
     if (kw["tree_kind"] == "static") != bool(kw["rank_paths"]):
         raise SpecimgError("--tree static needs --rank-paths, and --rank-paths needs --tree static")
+    unused = [f"--{name.replace('_', '-')}" for name in _UNUSED_SIZES.get(kw["tree_kind"], ()) if kw[name] is not None]
+    if unused:
+        raise SpecimgError(f"--tree {kw['tree_kind']} takes no {' or '.join(unused)}: drop it, or give --tree dynamic")
     return TreeConfig(kw["tree_kind"], kw["depth"], kw["topk"], kw["total_tokens"], kw["rank_paths"] or (), sample=kw["sample_drafts"],
                       ar_fallback=kw["ar_fallback"])
 
