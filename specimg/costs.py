@@ -121,16 +121,21 @@ class CostModel:
 _FIELDS = frozenset(field.name for field in attrs.fields(CostModel))
 
 
+_PLAUSIBLE = (1e-9, 1e9)
+"""Milliseconds and scales a measurement can give: outside, a read-back number would only
+overflow or vanish in the planner's arithmetic."""
+
+
 def _positive(value: Any) -> float:
-    """A timing or scale read back: a finite number above zero, or ValueError."""
+    """A timing or scale read back: a number in ``_PLAUSIBLE``, or ValueError."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"{value!r} is not a number")
     try:
-        if math.isfinite(value) and value > 0:
+        if math.isfinite(value) and _PLAUSIBLE[0] <= value <= _PLAUSIBLE[1]:
             return float(value)
     except OverflowError:  # an integer beyond any float
         pass
-    raise ValueError(f"{value!r} is not a finite positive number")
+    raise ValueError(f"{value!r} is not a number in [{_PLAUSIBLE[0]:g}, {_PLAUSIBLE[1]:g}]")
 
 
 def _chances(rows: Any) -> tuple[tuple[float, ...], ...]:

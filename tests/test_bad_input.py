@@ -142,6 +142,7 @@ def test_out_of_range_seed_of_the_training_commands(tmp_path, capsys):
         (["--rank-paths", "0 1"], "--tree static needs --rank-paths, and --rank-paths needs --tree static"),
         (["--tree", "static", "--rank-paths", "0 x"], "'0 x' is not a list of rank paths such as '0 1 0.0 0.1'"),
         (["--tree", "static", "--rank-paths", "0 -1"], "names no node, or a negative rank"),
+        (["--tree", "static", "--rank-paths", "0 1 0.1 1"], "'0 1 0.1 1' names node 1 twice"),
         (["--tree", "static", "--rank-paths", "0 0.1"], "static tree path (0, 1) lacks its parent or its previous sibling"),
         (["-m", "lantern++", "-o", "lantern++.tree=nosuch"], "bad option for method 'lantern++': 'tree' must be in ('auto', 'default', 'small', 'chain') (got 'nosuch')"),
         (["-m", "lantern", "-o", "lantern.budget=path"], "bad option for method 'lantern': 'budget' must be in ('node', 'candidate') (got 'path')"),

@@ -52,6 +52,9 @@ class RankPaths(click.ParamType):
             self.fail(f"{value!r} is not a list of rank paths such as '0 1 0.0 0.1'.", param, ctx)
         if not paths or any(rank < 0 for path in paths for rank in path):
             self.fail(f"{value!r} names no node, or a negative rank.", param, ctx)
+        if len(set(paths)) != len(paths):
+            twice = next(path for path in paths if paths.count(path) > 1)
+            self.fail(f"{value!r} names node {'.'.join(map(str, twice))} twice.", param, ctx)
         return paths
 
 
