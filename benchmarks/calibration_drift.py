@@ -24,7 +24,6 @@ import statistics
 import tempfile
 import time
 
-import attrs
 import numpy as np
 import torch
 
@@ -32,16 +31,6 @@ from specimg import costs
 from specimg.engine import Engine
 from specimg.models.demo import demo_sampling, load_demo
 from specimg.planner import choose
-
-
-def drifted(model: costs.CostModel, factor: float) -> costs.CostModel:
-    """``model``'s parts as if timed on a machine ``factor`` times slower, uncalibrated."""
-    def table(rows: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
-        return tuple((n, ms * factor) for n, ms in rows)
-
-    return attrs.evolve(model, verify_ms=table(model.verify_ms), draft_base_ms=table(model.draft_base_ms), draft_level_ms=table(model.draft_level_ms),
-                        draft_start_ms=model.draft_start_ms * factor, overhead_ms=model.overhead_ms * factor, ar_ms=model.ar_ms * factor,
-                        step_scales={}, acceptance={})
 
 
 def main() -> None:
@@ -66,7 +55,7 @@ def main() -> None:
     for factor in (float(f) for f in args.drift.split(",")):
         for method in args.methods.split(","):
             costs._memory.clear()
-            path.write_text(drifted(parts, factor).to_json())
+            path.write_text(parts.slower(factor).to_json())
             engine = Engine(target, drafter, method, sampling=sampling, tokenizer=models.tokenizer)
             model = engine.prepare(condition)
             assert model is not None and engine.stack is not None

@@ -203,17 +203,10 @@ def test_a_calibration_does_not_carry_the_speed_of_the_minute_the_parts_were_tim
     sampling = specimg.Sampling(cfg_scale=2.0)
     parts = costs.measure(target, drafter, sampling, 0, *costs.cost_key(target, drafter, sampling))
 
-    def slower(model: CostModel, factor: float) -> CostModel:
-        def table(rows):
-            return tuple((n, ms * factor) for n, ms in rows)
-
-        return attrs.evolve(model, verify_ms=table(model.verify_ms), draft_base_ms=table(model.draft_base_ms), draft_level_ms=table(model.draft_level_ms),
-                            draft_start_ms=model.draft_start_ms * factor, overhead_ms=model.overhead_ms * factor, ar_ms=model.ar_ms * factor)
-
     scales = {}
     for factor in (1.0, 20.0):
         monkeypatch.setattr(costs, "_memory", {})
-        monkeypatch.setattr(costs, "measure", lambda *args, factor=factor, **kwargs: slower(parts, factor))
+        monkeypatch.setattr(costs, "measure", lambda *args, factor=factor, **kwargs: parts.slower(factor))
         costs.forget(target, drafter, sampling)
         engine = specimg.Engine(target, drafter, "naive", sampling=sampling)
         scales[factor] = engine.prepare(0).scale(costs.scale_key(engine.stack))
