@@ -107,6 +107,8 @@ class Engine:
         if method.strip() == AR:
             if options:
                 raise SpecimgError("method 'ar' takes no options")
+            if delta is not None:
+                raise SpecimgError("method 'ar' has no total-variation budget to set (delta)")
             return
         self.stack = self.plugins.stack(method, options, delta)
         if drafter is None and not self.drafter_free:
@@ -452,8 +454,7 @@ class Engine:
         dists = [mine.probs for mine in own] if dist is scores.probs else list(dist.split(sizes))
         assert self.hooks is not None
         if self.hooks.accept.owner is None:  # the core's own rule: every lane at once
-            exact = self.stack.delta == 0.0
-            results = acceptance.accept_forest(forest, starts, dist, scores.probs, self.sampling, exact, [lane.generator for lane in lanes])
+            results = acceptance.accept_forest(forest, starts, dist, scores.probs, self.sampling, self.exact, [lane.generator for lane in lanes])
             walks = [result.walked for result in results]
             if dist is not scores.probs:
                 paths = [[first + node for node in result.path] for first, result in zip(starts, results)]
@@ -605,6 +606,14 @@ class Engine:
         if drawn:
             tokens.extend(torch.cat(drawn).tolist())
 
+    @property
+    def exact(self) -> bool:
+        """Whether q_R is p at every step: a zero budget, or a stack that relaxes nothing
+        (naive, sjd) whatever budget it was given.  Exact acceptance then rejects
+        recursively, which accepts more than matching a sample of q_R."""
+        assert self.stack is not None and self.hooks is not None
+        return self.stack.delta == 0.0 or not self.hooks.relaxers
+
     def relaxers(self, tree: DraftTree, scores: Scores) -> list[tuple[str, float, Callable[..., Tensor | None]]]:
         """The stack's build_relaxed_dist hooks bound to one step: (method, delta, relax).
         For a batch, ``tree`` is a forest: a member that takes a batch relaxes it in one
@@ -630,7 +639,7 @@ class Engine:
     def accept(self, tree: DraftTree, dist: Tensor, scores: Scores, generator: torch.Generator) -> Acceptance:
         """One step's acceptance by the stack's accept hook or the core's default."""
         assert self.stack is not None and self.hooks is not None
-        return self.hooks.accept(tree=tree, dist=dist, scores=scores, sampling=self.sampling, generator=generator, exact=self.stack.delta == 0.0,
+        return self.hooks.accept(tree=tree, dist=dist, scores=scores, sampling=self.sampling, generator=generator, exact=self.exact,
                                  target=self.target)
 
     def _decode_speculative(self, lane: Lane) -> None:

@@ -110,7 +110,7 @@ def accept(
     accepted path and the next token.
 
     First result wins; at most one method of a stack may implement it.  ``exact`` is true
-    when the stack's budget is 0, so no relaxation can change p on any draft (a rule
+    when the stack's budget is 0 or no member relaxes, so no relaxation can change p on any draft (a rule
     chosen per draft, e.g. recursive rejection only where a relaxation happened to pass,
     would be exact only on average over drafts).  The core's default: greedy argmax at temperature 0;
     recursive rejection with the draft probabilities for sampled trees when exact;

@@ -149,6 +149,8 @@ def test_out_of_range_seed_of_the_training_commands(tmp_path, capsys):
         (["-m", "lantern", "-o", "lantern.codebook=rawest"], "bad option for method 'lantern': 'codebook' must be in ('normalised', 'raw') (got 'rawest')"),
         (["--method", "naive+"], "unknown method"),
         (["--top"], "'--top-k', '--top-p', '--topk'?) (see 'specimg generate --help')"),
+        (["--class-labels", "3,,4"], "--class-labels '3,,4' has an empty item"),
+        (["-m", "ar", "--delta", "0.5"], "method 'ar' has no total-variation budget to set"),
     ],
 )
 def test_bad_choices_and_shapes(tmp_path, capsys, args, message):

@@ -494,6 +494,11 @@ def test_cli_bench_writes_table_json_csv_and_plot(tmp_path, capsys):
         (["--methods", "cascade", "--sweep", "cascade.delta=x"], "not a valid finite float"),
         (["--methods", "naive", "--prompts", "p.txt"], "needs a t2i target"),
         (["--methods", "naive", "--fid-features", "missing.pt"], "no feature extractor file"),
+        (["--methods", "naive,"], "--methods 'naive,' has an empty item"),
+        (["--methods", "naive", "--batch-size", "1,,2"], "--batch-size '1,,2' has an empty item"),
+        (["--methods", "naive", "--sweep", "delta=0.1,,0.2"], "--sweep takes"),
+        (["--methods", "naive", "--real-images", "."], "give --fid-features too"),
+        (["--methods", "naive", "--real-images", "missing"], "does not exist"),
     ],
 )
 def test_cli_bench_user_errors_are_one_line(tmp_path, capsys, extra, message):

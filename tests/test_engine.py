@@ -124,6 +124,19 @@ def test_t2i_target_runs_through_the_engine():
     assert torch.equal(ar.tokens, spec.tokens)
 
 
+def test_a_budget_nothing_spends_leaves_acceptance_exact(models):
+    """naive relaxes nothing, so a budget given to it changes no acceptance: the same
+    recursive rejection, the same tokens, seed for seed (sampled, dynamic trees)."""
+    target, drafter = models
+    sampling = specimg.Sampling(temperature=1.0, cfg_scale=3.0)
+    tree = specimg.TreeConfig(depth=3, topk=3, total_tokens=10)
+    exact = specimg.Engine(target, drafter, method="naive", sampling=sampling, tree=tree)
+    budgeted = specimg.Engine(target, drafter, method="naive", sampling=sampling, tree=tree, delta=0.5)
+    assert exact.exact and budgeted.exact
+    assert torch.equal(budgeted.generate([0, 1, 2], seed=5).tokens, exact.generate([0, 1, 2], seed=5).tokens)
+    assert not specimg.Engine(target, drafter, method="lantern", sampling=sampling, tree=tree).exact
+
+
 def test_user_errors_are_specimg_errors(models):
     target, drafter = models
     with pytest.raises(SpecimgError, match="needs a drafter"):
@@ -132,6 +145,8 @@ def test_user_errors_are_specimg_errors(models):
         specimg.Engine(target, drafter, method="naive+nothing")
     with pytest.raises(SpecimgError, match="takes no options"):
         specimg.Engine(target, method="ar", options={"naive": {}})
+    with pytest.raises(SpecimgError, match="no total-variation budget"):
+        specimg.Engine(target, method="ar", delta=0.5)
 
     class WrongVocab:
         vocab_size = 7

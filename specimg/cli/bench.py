@@ -14,6 +14,7 @@ from torch import Tensor
 
 from specimg import costs
 from specimg.cli.conditions import conditions_for
+from specimg.cli.lists import comma_items
 from specimg.cli.loading import base_sampling, default_model, models_from, run_inputs
 from specimg.cli.options import (
     THREADS, check_tree_fits, condition_options, cuda_graphs_option, device_from, device_options, method_options, model_options,
@@ -42,7 +43,7 @@ from specimg.relax import checks_enabled
 @prompt_options
 @click.option("--classifier", type=click.Path(dir_okay=False), help="demo-format classifier for accuracy and Frechet distances [default: the demo bundle's]")
 @click.option("--num-real", type=click.IntRange(2, 10**6), default=1000, show_default=True, help="reference images for Frechet distance / FID")
-@click.option("--real-images", type=click.Path(file_okay=False), help="folder of reference images for FID")
+@click.option("--real-images", type=click.Path(exists=True, file_okay=False), help="folder of reference images for FID")
 @click.option("--fid-features", help="FID feature extractor: a TorchScript file, or inception:PATH (torch-fidelity weights)")
 @click.option("--fid-size", type=click.IntRange(8, 4096), default=299, show_default=True, help="image side the FID extractor sees")
 @click.option("--clip-model", type=click.Path(file_okay=False), help="local Hugging Face CLIP folder, for CLIP score with --prompts")
@@ -78,7 +79,7 @@ def bench(**kw: Any) -> None:
 def batch_sizes(text: str) -> list[int]:
     """``"1,4,16"`` -> [1, 4, 16], checked."""
     try:
-        sizes = [int(t) for t in text.split(",") if t.strip()]
+        sizes = [int(t) for t in comma_items(text, "--batch-size")]
     except ValueError:
         raise SpecimgError(f"--batch-size takes sizes such as 1,4,16, not {text!r}") from None
     return list(check_batch_sizes(sizes))
@@ -105,6 +106,8 @@ def build_quality(
         if os.path.isfile(path):
             classifier = load_classifier(path)
     fid = None
+    if kw.get("real_images") and not kw.get("fid_features"):
+        raise SpecimgError("--real-images is the reference of FID: give --fid-features too")
     if kw.get("fid_features"):
         from specimg.eval.fid import FID, load_feature_extractor, read_image_folder, to_uint8
 
@@ -145,9 +148,7 @@ def bench_command(
     # accelerate sets (host physical cores / processes) threads on multi-CPU runs, far too
     # many in a container: keep --threads (default 1), else what this process had
     torch.set_num_threads(kw.get("threads") or threads)
-    methods = [m for m in kw["methods"].split(",") if m.strip()] if kw.get("methods") else None
-    if methods is not None and not methods:
-        raise SpecimgError("--methods names no method")
+    methods = comma_items(kw["methods"], "--methods") if kw.get("methods") else None
     variants, notes = plan_variants(methods, get_plugin_manager().methods(), parse_options(kw.get("options", ())), kw.get("sweep", ()), kw.get("delta"),
                                     batch_sizes(kw.get("batch_sizes", "1")))
     conditions, keys, captions = conditions_for(models.target, kw)

@@ -27,6 +27,7 @@ from typing import Any
 
 import attrs
 
+from specimg.cli.lists import comma_items
 from specimg.errors import SpecimgError
 from specimg.models.base import PromptIds
 
@@ -67,11 +68,9 @@ def class_labels(text: str | None, num_images: int, num_classes: int) -> list[in
     if not text:
         return [i % num_classes for i in range(num_images)]
     try:
-        labels = [int(x) for x in text.split(",") if x.strip()]
+        labels = [int(x) for x in comma_items(text, "--class-labels")]
     except ValueError:
         raise SpecimgError(f"--class-labels takes comma-separated integers, not {text!r}") from None
-    if not labels:
-        raise SpecimgError("--class-labels names no class")
     bad = [x for x in labels if not 0 <= x < num_classes]
     if bad:
         raise SpecimgError(f"class label {bad[0]} is outside [0, {num_classes})")

@@ -10,6 +10,7 @@ import click
 import torch
 
 from specimg.cli.conditions import sample_captions
+from specimg.cli.lists import comma_items
 from specimg.cli.loading import base_sampling, process_device, train_target
 from specimg.cli.options import DTYPES, IMAGES, SEED, THREADS, FiniteFloat, device_from, device_options, prompt_options, sampling_from, sampling_options
 from specimg.cli.prompts import class_labels
@@ -54,7 +55,7 @@ def train_demo(out: str, scale: str, threads: int | None, keep_work: bool) -> No
 def _label_list(text: str | None, target: Any) -> tuple[int, ...]:
     if not text:
         return ()
-    return tuple(class_labels(text, len([x for x in text.split(",") if x.strip()]), target.config.num_classes))
+    return tuple(class_labels(text, len(comma_items(text, "--class-labels")), target.config.num_classes))
 
 
 @click.command("make-drafter-data")

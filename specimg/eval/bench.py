@@ -96,8 +96,8 @@ def parse_sweep(text: str) -> tuple[str, list[str]]:
     sweeps the stack budget."""
     key, sep, values = text.partition("=")
     key = key.strip()
-    items = [v.strip() for v in values.split(",") if v.strip()]
-    if not sep or not key or not items or (key != "delta" and "." not in key.strip(".")):
+    items = [v.strip() for v in values.split(",")]
+    if not sep or not key or not all(items) or (key != "delta" and "." not in key.strip(".")):
         raise SpecimgError(f"--sweep takes METHOD.KEY=V1,V2,... or delta=V1,V2,..., not {text!r}")
     if len(set(items)) != len(items):
         raise SpecimgError(f"--sweep {key} names a value twice")
