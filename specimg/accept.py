@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
+from torch.nn import functional as F
 
 from specimg import stalls
 from specimg.config import Sampling
@@ -25,9 +26,9 @@ from specimg.step import Acceptance, Walked
 from specimg.tree import DraftTree
 
 
-Level = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
-"""One level of a device walk: (each walker's node, whether it still walks) -> (its emitted
-token, the child it descends to or -1)."""
+Level = Callable[[Tensor], tuple[Tensor, Tensor]]
+"""One level of a device walk: each walker's node (-1 once it stopped) -> its emitted token
+and the child it descends to (-1: it stops; always -1 from node -1)."""
 
 
 def rejects_recursively(sampling: Sampling, exact: bool, tree: DraftTree) -> bool:
@@ -81,24 +82,22 @@ def _copied(forest: DraftTree, walks: Sequence[tuple[list[int], int]]) -> list[A
 
 def _walk_on_device(forest: DraftTree, roots: Sequence[int], generators: Sequence[torch.Generator] | None, level: Level) -> list[Acceptance]:
     """Every tree's walk as one device program of ``forest.height + 1`` levels, whatever
-    the outcome: ``level(node, walking)`` gives each walker's emitted token at its node and
-    the child it descends to (-1: it stops there), drawing from each walker's generator.
+    the outcome: ``level(node)`` gives each walker's emitted token at its node and the
+    child it descends to (-1: it stops there), drawing from each walker's generator.
     The host reads the outcome once for every tree (the generators' states are host-side
     copies on CUDA: no wait), the levels after a walk stopped are ignored, and every
     tree's generator is set back to its state after the draws that counted."""
     device, walkers = forest.tokens.device, len(roots)
     start = stalls.on_device(list(roots), device)
-    node, walking = start, torch.ones(walkers, dtype=torch.bool, device=device)
+    node = start
     states: list[list[Tensor]] = [[g.get_state()] for g in generators] if generators is not None else []
     reached, chosen = [], []
     for _ in range(forest.height + 1):
-        choice, child = level(node, walking)
+        choice, node = level(node)  # a stopped walker's node is -1 from then on
         for generator, saved in zip(generators or (), states):
             saved.append(generator.get_state())
         chosen.append(choice)
-        walking = walking & (child >= 0)
-        node = torch.where(walking, child, node)
-        reached.append(torch.where(walking, node, -1))
+        reached.append(node)
     levels, choices = torch.stack(reached), torch.stack(chosen)  # [levels, walkers]
     accepted = (levels >= 0).sum(dim=0)
     outcome = torch.cat([accepted, levels.T.flatten(), choices.T.flatten()]).tolist()  # the one host read
@@ -119,19 +118,23 @@ def _matching(forest: DraftTree, dist: Tensor, generators: Sequence[torch.Genera
     """Sample-and-match's level (greedy without ``generators``): each walker draws once
     from its node's distribution, as ``torch.multinomial(row, 1)`` draws one token (an
     Exp(1) variate per entry from the generator, the argmax of row / variate: the same
-    draws and the same generator state), and descends to the child with that token."""
+    draws and the same generator state), and descends to the child with that token.
+
+    The children's tokens and ids + 1 (0 for no child) sit in one table with a last row
+    of none, which node -1 reads: a stopped walker finds no child, with no test for it."""
     tokens, ids = forest.candidates()
+    table = F.pad(torch.stack([tokens, ids + 1], dim=1), (0, 0, 0, 0, 0, 1), value=0)  # [n + 1, 2, C]
     variates = torch.empty(len(generators or ()), dist.shape[-1], dtype=dist.dtype, device=dist.device)
 
-    def level(node: Tensor, walking: Tensor) -> tuple[Tensor, Tensor]:
+    def level(node: Tensor) -> tuple[Tensor, Tensor]:
         if generators is None:
             choice = dist[node].argmax(dim=-1)
         else:
             for row, generator in zip(variates, generators):
                 row.exponential_(generator=generator)
             choice = (dist[node] / variates).argmax(dim=-1)
-        hit = (tokens[node] == choice[:, None]) & (ids[node] >= 0)  # [walkers, C]; a node's children have distinct tokens
-        return choice, torch.where(hit.any(dim=1), (ids[node] * hit).sum(dim=1), -1)
+        children = table[node]  # [walkers, 2, C]; a node's children have distinct tokens, a missing one token -1
+        return choice, (children[:, 1] * (children[:, 0] == choice[:, None])).sum(dim=1) - 1
 
     return level
 
@@ -148,12 +151,12 @@ def _rejecting(forest: DraftTree, target_dist: Tensor, generators: Sequence[torc
     uniforms = torch.empty(walkers, ids.shape[1], dtype=torch.float64, device=target_dist.device)
     variates = torch.empty(walkers, vocab, dtype=torch.float32, device=target_dist.device)
 
-    def level(node: Tensor, walking: Tensor) -> tuple[Tensor, Tensor]:
+    def level(node: Tensor) -> tuple[Tensor, Tensor]:
         for u, e, generator in zip(uniforms, variates, generators):
             u.uniform_(generator=generator)
             e.exponential_(generator=generator)
-        residual, draft = target_dist[node].double(), forest.draft_probs[node].double()
-        child, trying = torch.full_like(node, -1), walking.clone()
+        residual, draft = target_dist[node].double(), forest.draft_probs[node].double()  # node -1: rows never taken
+        child, trying = torch.full_like(node, -1), node >= 0
         for column in range(ids.shape[1]):
             candidate, x = ids[node, column], tokens[node, column].clamp(min=0)[:, None]
             trying = trying & (candidate >= 0)
@@ -182,11 +185,11 @@ def _thresholding(chain: DraftTree, accept_prob: Tensor, residual: Tensor, gener
     uniforms = torch.empty(len(generators), 1, dtype=torch.float64, device=residual.device)
     variates = torch.empty(len(generators), residual.shape[-1], dtype=torch.float32, device=residual.device)
 
-    def level(node: Tensor, walking: Tensor) -> tuple[Tensor, Tensor]:
+    def level(node: Tensor) -> tuple[Tensor, Tensor]:
         for u, e, generator in zip(uniforms, variates, generators):
             u.uniform_(generator=generator)
             e.exponential_(generator=generator)
-        child = ids[node, 0]
+        child = torch.where(node >= 0, ids[node, 0], -1)
         take = (uniforms[:, 0] < accept_prob[node].double()) & (child >= 0)
         drawn = (residual[node].float() / variates).argmax(dim=-1)
         return torch.where(take, tokens[node, 0], drawn), torch.where(take, child, -1)

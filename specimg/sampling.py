@@ -48,17 +48,19 @@ def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
 def probabilities(logits: Tensor, sampling: Sampling, cfg_active: Tensor | bool = True) -> Tensor:
     """Processed next-token distributions [*n, V] from raw row logits [rows, *n, V]."""
     guided = guided_logits(logits, sampling, cfg_active)
-    temperature = sampling.temperature if sampling.temperature > 0 else 1.0
-    return filter_logits(guided / temperature, sampling.top_k, sampling.top_p).softmax(dim=-1)
+    if sampling.temperature not in (0.0, 1.0):  # x / 1 is x: no kernel for it
+        guided = guided / sampling.temperature
+    return filter_logits(guided, sampling.top_k, sampling.top_p).softmax(dim=-1)
 
 
 def cfg_active_at(token_index: Tensor | int, sampling: Sampling) -> Tensor | bool:
     """Where guidance applies to nodes predicting image tokens ``token_index`` ([n], or
-    one index: the AR loops' per-step flag, without a tensor per step).
+    one index: the AR loops' per-step flag, without a tensor per step); True alone where
+    guidance never stops (no mask to build and apply).
 
     LlamaGen's decode loop turns guidance off once its step counter (token index - 1)
     passes cfg_interval; the first token, from the prefill, is always guided.
     """
     if sampling.cfg_interval < 0:
-        return torch.ones_like(token_index, dtype=torch.bool) if isinstance(token_index, Tensor) else True
+        return True
     return token_index - 1 <= sampling.cfg_interval

@@ -98,9 +98,11 @@ class DraftTree:
         n, device = tokens.shape[0], tokens.device
         if height is None:
             height = int(depths.max())
-        mask = torch.eye(n, dtype=torch.bool, device=device)
-        for level in range(1, height + 1):  # ancestors-or-self: the parent's final row plus oneself
-            mask = mask | (mask[parents.clamp(min=0)] & (depths == level)[:, None])
+        eye = torch.eye(n, dtype=torch.bool, device=device)
+        up = torch.where(parents >= 0, parents, torch.arange(n, device=device))  # a root is its own parent here
+        mask = eye
+        for _ in range(height):  # after k rounds a row holds oneself and the ancestors up to k levels above
+            mask = eye | mask[up]
         slot = torch.where(parents >= 0, parents, n)  # roots count as the children of a spare slot n
         counts = torch.bincount(slot, minlength=n + 1)
         if width is None:

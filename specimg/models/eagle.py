@@ -193,13 +193,10 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
             raise ValueError(f"{c + f} draft nodes exceed max_tree_nodes={self.max_tree_nodes}")
         device = self.fc.weight.device
         parents = parents.to(device)
-        new = torch.arange(c + 1, c + f + 1, device=device)
-        depth = self._depth[parents] + 1
-        self._depth[new] = depth
-        self._anc[new] = self._anc[parents]
-        self._anc[new, new] = True
         if self.step_mode != "eager":
-            return self._expand_fixed(parents, tokens, depth, new)
+            return self._expand_fixed(parents, tokens)
+        new = torch.arange(c + 1, c + f + 1, device=device)
+        depth = self._book(parents, new)
         rope = self.draft_rope()
         positions = (depth + self._root_pos).clamp_(max=rope.shape[0] - 1)  # past the image end: never accepted
         mask = torch.cat([torch.ones(f, s0, dtype=torch.bool, device=device), self._anc[new, 1 : c + f + 1]], dim=1)
@@ -207,6 +204,15 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
         self._feat[: self._rows, new] = h
         self._count = c + f
         return self._logits(h).float()
+
+    def _book(self, parents: Tensor, new: Tensor) -> Tensor:
+        """Book nodes ``new`` as the children of fed nodes ``parents``: their depths, which it
+        returns, and their ancestors-or-self."""
+        depth = self._depth[parents] + 1
+        self._depth[new] = depth
+        self._anc[new] = self._anc[parents]
+        self._anc[new, new] = True
+        return depth
 
     # -- fixed shapes
 
@@ -226,17 +232,19 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
     def _start_fixed(self, hidden: Tensor, tokens: Tensor) -> Tensor:
         m = tokens.shape[0]
         size = bucket(m, self.capacity - self._len)
-        inputs = (F.pad(hidden, (0, 0, 0, size - m)), F.pad(tokens.to(hidden.device), (0, size - m)), self._start)
+        tokens = tokens.to(hidden.device)
+        inputs = (F.pad(hidden, (0, 0, 0, size - m)), F.pad(tokens, (0, size - m))) if size > m else (hidden, tokens)
         h, logits = self._run_fixed(("start", size), self._start_step, inputs, m)
         self._len, self._count, self._root_pos = self._len + m, 0, self._len + m - 1
         self._start.add_(m)
         self._feat[: self._rows, 0] = h[:, -1]
         return logits[:, -1]
 
-    def _start_step(self, hidden: Tensor, tokens: Tensor, start: Tensor) -> tuple[Tensor, Tensor]:
+    def _start_step(self, hidden: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """``start`` on device tensors: b new pairs (padded ones last, so nobody real sees
-        them) at slots start + i, each seeing the committed prefix and the new pairs before it."""
-        b = tokens.shape[0]
+        them) at slots start + i (``_start``, read where it lives), each seeing the
+        committed prefix and the new pairs before it."""
+        b, start = tokens.shape[0], self._start
         slots = start + self._slots[:b]
         attn = (self._slots < start).expand(b, -1).clone()
         attn[:, slots] = torch.ones(b, b, dtype=torch.bool, device=attn.device).tril()
@@ -244,29 +252,30 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
         h = self._forward(self._lift(hidden), tokens, rope[slots.clamp(max=rope.shape[0] - 1)], attn, slots)
         return h, self._logits(h).float()
 
-    def _expand_fixed(self, parents: Tensor, tokens: Tensor, depth: Tensor, new: Tensor) -> Tensor:
+    def _expand_fixed(self, parents: Tensor, tokens: Tensor) -> Tensor:
         f, c = tokens.shape[0], self._count
         size = bucket(f, self.max_tree_nodes - c)
-        inputs = (F.pad(parents, (0, size - f)), F.pad(tokens.to(parents.device), (0, size - f)), F.pad(depth, (0, size - f)),
-                  F.pad(self._anc[new], (0, 0, 0, size - f)), self._start + c)
-        h, logits = self._run_fixed(("expand", size), self._expand_step, inputs, f)
-        self._feat[: self._rows, new] = h
+        new = self._slots[c + 1 : c + 1 + size]  # ids c + 1, ... (a view: capacity > max_tree_nodes); padded nodes' ids are the next fed ones
+        inputs = (F.pad(parents, (0, size - f)), F.pad(tokens.to(parents.device), (0, size - f)), new)
+        _, logits = self._run_fixed(("expand", size), self._expand_step, inputs, f)
         self._count = c + f
         return logits
 
-    def _expand_step(self, parents: Tensor, tokens: Tensor, depth: Tensor, ancestors: Tensor, start: Tensor) -> tuple[Tensor, Tensor]:
-        """``expand`` on device tensors: b nodes (padded ones last) at slots start + i, where
-        ``start`` counts the committed pairs and the nodes fed before; node i sees the
-        committed prefix and its speculative ancestors-or-self (``ancestors`` [b, 1 + n] by
-        node id, id j at slot prefix + j - 1).  A padded node sees the prefix alone."""
-        b, n = tokens.shape[0], self.max_tree_nodes
+    def _expand_step(self, parents: Tensor, tokens: Tensor, new: Tensor) -> tuple[Tensor, Tensor]:
+        """``expand`` on device tensors, its bookkeeping included: b nodes (padded ones last,
+        children of the root) with ids ``new``, id j at slot prefix + j - 1; node i sees the
+        committed prefix and its speculative ancestors-or-self.  A padded node books and
+        writes what the real node of its id, fed later, overwrites before anyone reads it."""
+        n = self.max_tree_nodes
         prefix = self._start
-        slots = start + self._slots[:b]
-        attn = (self._slots < prefix).expand(b, -1).clone()
-        attn[:, prefix + self._slots[:n]] = ancestors[:, 1:]
+        depth = self._book(parents, new)
+        slots = prefix - 1 + new
+        attn = (self._slots < prefix).expand(new.shape[0], -1).clone()
+        attn[:, prefix + self._slots[:n]] = self._anc[new, 1:]
         rope = self.draft_rope()
         positions = (depth + prefix - 1).clamp(max=rope.shape[0] - 1)  # the root sits at prefix - 1
         h = self._forward(self._feat[: self._rows, parents], tokens, rope[positions], attn, slots)
+        self._feat[: self._rows, new] = h
         return h, self._logits(h).float()
 
     def embed(self, tokens: Tensor) -> Tensor:

@@ -508,20 +508,24 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         directly or replayed as the bucket's CUDA graph."""
         n, device = tokens.shape[0], self._valid.device
         size = bucket(n, self.max_tree_nodes)
-        tree = torch.eye(size, dtype=torch.bool, device=device)
-        tree[:n, :n] = mask
-        inputs = (F.pad(tokens.to(device), (0, size - n)), F.pad(depths.to(device), (0, size - n)), tree, self._start)
+        tokens, depths, mask = tokens.to(device), depths.to(device), mask.to(device)
+        if size > n:  # else (AR's one node, a full bucket) the inputs as they are: no kernel to pad them
+            tree = torch.eye(size, dtype=torch.bool, device=device)
+            tree[:n, :n] = mask
+            tokens, depths, mask = F.pad(tokens, (0, size - n)), F.pad(depths, (0, size - n)), tree
+        inputs = (tokens, depths, mask)
         if self.step_mode == "graphs":
             outputs = [out[:, :n].clone() for out in self.graphs.run((self._rows, size, self.exposed), self._fixed_step, inputs)]
         else:
             outputs = [out[:, :n] for out in self._fixed_step(*inputs)]
         return TargetOutput(*outputs)
 
-    def _fixed_step(self, tokens: Tensor, depths: Tensor, tree: Tensor, start: Tensor) -> tuple[Tensor, ...]:
+    def _fixed_step(self, tokens: Tensor, depths: Tensor, tree: Tensor) -> tuple[Tensor, ...]:
         """The step forward on device tensors only (what a CUDA graph captures): tokens and
-        depths [b], the tree's mask [b, b], the committed length ``start`` (0-dim).  Node i
-        writes cache slot start + i and sees the valid prefix and its tree ancestors."""
-        b = tokens.shape[0]
+        depths [b], the tree's mask [b, b]; the committed length is read where it lives
+        (``_start``, 0-dim).  Node i writes cache slot start + i and sees the valid prefix
+        and its tree ancestors."""
+        b, start = tokens.shape[0], self._start
         slots = start + self._slots[:b]
         positions = (depths + start).clamp_(max=self.rope.shape[0] - 1)  # past the image end: never accepted
         attn = (self._valid[0] & (self._slots < start)).expand(b, -1).clone()

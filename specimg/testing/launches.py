@@ -1,0 +1,112 @@
+"""Counting the kernel launches of a decoding step, on the CPU, as a GPU would issue them.
+
+On a GPU a step is bound by launches: each device operation issued from Python costs some
+10-20 us whatever its size, while a CUDA graph replays a whole forward as one.  Here the
+models step at fixed shapes with their graph replays emulated (each one launch, plus the
+copies of its inputs into the graph's buffers), host reads take their device forms, and
+every ATen call that would run a kernel is counted under the engine's phase of the moment
+(draft, verify, relax, accept, commit; "other" outside them, e.g. AR's steps)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+from unittest import mock
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from specimg import graphs, lane, stalls
+
+PHASES = ("draft", "verify", "relax", "accept", "commit", "other")
+
+NO_KERNEL = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::detach", "aten::detach_", "aten::lift_fresh",
+             "aten::_local_scalar_dense"}
+"""Calls that launch no kernel: allocations, detaching, and the host read itself (a
+synchronisation, counted where synchronisations are)."""
+
+
+def launches_kernel(func: Any, args: Any, kwargs: Any, out: Any) -> bool:
+    """Whether an ATen call runs a kernel: it writes into a tensor, or it returns a tensor
+    that shares no storage with its inputs (a view, a reshape of a contiguous tensor or a
+    ``.to`` to the tensor's own dtype returns its input's storage and launches nothing)."""
+    if func._schema.name in NO_KERNEL:
+        return False
+    if any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments):
+        return True
+    storages = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+    outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    return not outputs or any(t.untyped_storage().data_ptr() not in storages for t in outputs)
+
+
+class LaunchCounter(TorchDispatchMode):
+    """Kernel launches by phase while active (``with counter:``); inside an emulated graph
+    replay nothing is counted but the replay itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+        self.phase = "other"
+        self.replaying = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self.replaying and launches_kernel(func, args, kwargs, out):
+            self.counts[self.phase] += 1
+        return out
+
+
+def _emulated_replays(counter: LaunchCounter) -> Callable[..., Any]:
+    """GraphSet.run at a replay's cost: the inputs copied into the graph's buffers (counted
+    as they run), then the captured function as one launch."""
+    buffers: dict[Any, list[torch.Tensor]] = {}
+
+    def run(self: graphs.GraphSet, key: Any, fn: Callable[..., Any], inputs: Any) -> Any:
+        if (id(self), key) not in buffers:
+            buffers[id(self), key] = [x.clone() for x in inputs]
+        static = buffers[id(self), key]
+        for buffer, value in zip(static, inputs):
+            buffer.copy_(value)
+        counter.counts[counter.phase] += 1
+        counter.replaying = True
+        try:
+            return fn(*static)
+        finally:
+            counter.replaying = False
+
+    return run
+
+
+@contextlib.contextmanager
+def graph_path(counter: LaunchCounter, *models: Any) -> Iterator[None]:
+    """``models`` (a LlamaGen target, an EAGLE drafter) stepping as on a GPU, at fixed
+    shapes with their replays emulated; host reads in their device forms; the engine's
+    phases booked to ``counter``.  Build engines with ``cuda_graphs="off"`` inside: it
+    would set the models eager, so this sets them back on entry and on every
+    :func:`graphed` call."""
+    original_timed = lane.Lane.timed
+
+    @contextlib.contextmanager
+    def timed(self: lane.Lane, phase: str) -> Iterator[None]:
+        outer, counter.phase = counter.phase, phase
+        try:
+            with original_timed(self, phase):
+                yield
+        finally:
+            counter.phase = outer
+
+    with mock.patch.object(graphs.GraphSet, "run", _emulated_replays(counter)), mock.patch.object(lane.Lane, "timed", timed), \
+            mock.patch.object(stalls, "host_reads_stall", lambda device: True):
+        graphed(*models)
+        yield
+
+
+def graphed(*models: Any) -> None:
+    """Set ``models`` to the graph step mode, which ``set_step_mode`` refuses off CUDA."""
+    for model in models:
+        model.set_step_mode("static")
+        model.step_mode = "graphs"
