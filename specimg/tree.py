@@ -246,18 +246,23 @@ class BatchSession:
         self._expand = expand
         self.sampling = sampling if filtered else attrs.evolve(sampling, top_k=0, top_p=1.0)
         self.device = root_logits.device
-        self._first = root_index[:, None] + 1  # the image token each image's first drafts predict
-        self._depths = torch.zeros(root_index.shape[0], 1, dtype=torch.long, device=self.device)
+        self._depths: Tensor | None = None  # each fed node's depth, where guidance stops at some token (else unused)
+        if sampling.cfg_interval >= 0:
+            self._first = root_index[:, None] + 1  # the image token each image's first drafts predict
+            self._depths = torch.zeros(root_index.shape[0], 1, dtype=torch.long, device=self.device)
         self.root_probs = self._process(root_logits[:, :, None, :], self._depths)[:, 0]
 
-    def _process(self, logits: Tensor, depths: Tensor) -> Tensor:
-        return probabilities(logits, self.sampling, cfg_active_at(depths + self._first, self.sampling))
+    def _process(self, logits: Tensor, depths: Tensor | None) -> Tensor:
+        active = True if depths is None else cfg_active_at(depths + self._first, self.sampling)
+        return probabilities(logits, self.sampling, active)
 
     def feed(self, parents: Tensor, tokens: Tensor) -> Tensor:
         """Feed nodes [G, f] (children of fed session nodes ``parents``) and return their
         draft distributions [G, f, V]; they get the next session ids in order."""
-        depths = self._depths.gather(1, parents) + 1
-        self._depths = torch.cat([self._depths, depths], dim=1)
+        depths = None
+        if self._depths is not None:
+            depths = self._depths.gather(1, parents) + 1
+            self._depths = torch.cat([self._depths, depths], dim=1)
         return self._process(self._expand(parents, tokens).to(self.device), depths)
 
 
