@@ -69,7 +69,6 @@ def transfer(
     rows = candidate_rows(candidates)
     part, p, left = dist[rows], target_dist[rows], budget[rows].to(dist.dtype)
     cands, donors = candidates[rows], donors[rows]
-    at = torch.arange(rows.shape[0], device=dist.device)
     valid = cands >= 0
     # which tokens are candidates of each node: a scatter, with no candidate sent to an extra column
     slots = torch.zeros(rows.shape[0], vocab + 1, dtype=torch.int32, device=dist.device)
@@ -79,12 +78,13 @@ def transfer(
     donor_ok = (donors >= 0) & ~is_candidate.gather(1, safe_donors.flatten(1)).view_as(donors)
     if not distinct:
         donor_ok &= first_occurrence(donors)
+    safe_cands = cands.clamp(min=0)
+    receives = valid & (p.gather(1, safe_cands) > 0)  # what the loop reads of p, for every slot at once
     for j in range(cands.shape[1]):
-        cand = cands[:, j].clamp(min=0)
-        receives = valid[:, j] & (p[at, cand] > 0)
-        limit = torch.where(receives, left, torch.zeros_like(left))
+        cand = safe_cands[:, j : j + 1]
+        limit = left * receives[:, j]
         if cap is not None:
-            limit = torch.minimum(limit, (cap[rows, j] - part[at, cand]).clamp(min=0))
+            limit = torch.minimum(limit, (cap[rows, j] - part.gather(1, cand)[:, 0]).clamp(min=0))
         avail = part.gather(1, safe_donors[:, j]) * donor_ok[:, j]
         before = avail.cumsum(dim=1) - avail
         if whole:
@@ -93,7 +93,7 @@ def transfer(
             take = torch.minimum(avail, (limit[:, None] - before).clamp(min=0))
         part.scatter_add_(1, safe_donors[:, j], -take)
         given = take.sum(dim=1)
-        part[at, cand] += given
+        part.scatter_add_(1, cand, given[:, None])
         left -= given
     out, moved = dist.clone(), torch.zeros_like(budget, dtype=dist.dtype)
     out[rows] = part.clamp_(min=0)
