@@ -46,9 +46,10 @@ def _graph_path_counts(method: str, tree: specimg.TreeConfig) -> tuple[dict[str,
 
 
 def test_an_ar_token_on_the_graph_path_is_its_replay_sampling_and_commit():
-    """The replay, the inputs' copies, sampling with CFG and top-k, the draw, the commit."""
+    """The replay and its one input's copy, the outputs' copies, sampling with CFG, the
+    draw and the commit's length: about 13 (25 before the root got a step of its own)."""
     counts, stats = _graph_path_counts("ar", specimg.TreeConfig())
-    assert stats.tokens == 16 and sum(counts.values()) <= 20, counts
+    assert stats.tokens == 16 and sum(counts.values()) <= 15, counts
 
 
 def test_the_acceptance_walk_issues_a_fixed_handful_of_launches_per_level():

@@ -496,9 +496,10 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         m, start = nodes.shape[0], self._len
         if m > self._pending:
             raise ValueError(f"cannot commit {m} nodes of a {self._pending}-node tree")
-        src = nodes.to(self._valid.device) + start
-        kv = self._cache[:, :, : self._rows]
-        kv[..., start : start + m, :] = kv[..., src, :]
+        if m > 1:  # the path's first node is the root, whose entries are in place (AR commits it alone)
+            src = nodes[1:].to(self._valid.device) + start
+            kv = self._cache[:, :, : self._rows]
+            kv[..., start + 1 : start + m, :] = kv[..., src, :]
         self._len, self._pending = start + m, 0
         self._start.add_(m)
 
@@ -508,17 +509,22 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         directly or replayed as the bucket's CUDA graph."""
         n, device = tokens.shape[0], self._valid.device
         size = bucket(n, self.max_tree_nodes)
-        tokens, depths, mask = tokens.to(device), depths.to(device), mask.to(device)
-        if size > n:  # else (AR's one node, a full bucket) the inputs as they are: no kernel to pad them
+        tokens = tokens.to(device)
+        if n == 1:  # the root alone (AR's step): depth 0, seeing itself, made inside the step rather than copied in
+            step, inputs = self._root_step, (tokens,)
+        else:
             tree = torch.eye(size, dtype=torch.bool, device=device)
             tree[:n, :n] = mask
-            tokens, depths, mask = F.pad(tokens, (0, size - n)), F.pad(depths, (0, size - n)), tree
-        inputs = (tokens, depths, mask)
+            step, inputs = self._fixed_step, (F.pad(tokens, (0, size - n)), F.pad(depths.to(device), (0, size - n)), tree)
         if self.step_mode == "graphs":
-            outputs = [out[:, :n].clone() for out in self.graphs.run((self._rows, size, self.exposed), self._fixed_step, inputs)]
+            outputs = [out[:, :n].clone() for out in self.graphs.run((self._rows, size, self.exposed), step, inputs)]
         else:
-            outputs = [out[:, :n] for out in self._fixed_step(*inputs)]
+            outputs = [out[:, :n] for out in step(*inputs)]
         return TargetOutput(*outputs)
+
+    def _root_step(self, tokens: Tensor) -> tuple[Tensor, ...]:
+        """:meth:`_fixed_step` of a one-node tree, the root [1]."""
+        return self._fixed_step(tokens, torch.zeros_like(tokens), torch.ones(1, 1, dtype=torch.bool, device=tokens.device))
 
     def _fixed_step(self, tokens: Tensor, depths: Tensor, tree: Tensor) -> tuple[Tensor, ...]:
         """The step forward on device tensors only (what a CUDA graph captures): tokens and
