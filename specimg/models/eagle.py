@@ -210,8 +210,7 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
         returns, and their ancestors-or-self."""
         depth = self._depth[parents] + 1
         self._depth[new] = depth
-        self._anc[new] = self._anc[parents]
-        self._anc[new, new] = True
+        self._anc[new] = self._anc[parents].scatter_(1, new[:, None], True)  # a scalar fill, not a host value copied in: graph-safe
         return depth
 
     # -- fixed shapes
