@@ -42,6 +42,7 @@ import torch
 
 import specimg
 from specimg import costs, planner
+from specimg.graphs import capture_seconds
 from specimg.models.base import cfg_rows
 from specimg.models.eagle import build_drafter
 from specimg.models.llamagen import build_target
@@ -115,7 +116,7 @@ def ar_speed(target: Any, sampling: specimg.Sampling, conditions: list[Any], dev
         _, warm = timed(device, lambda: engine.generate(conditions[:1], seed=99))
         result, wall = timed(device, lambda: engine.generate(conditions, seed=0))
         out[graphs] = {"ms_per_token": 1000 * wall / result.stats.tokens, "warmup_image_s": warm}
-    out["capture_s"] = getattr(getattr(target, "graphs", None), "capture_seconds", 0.0)
+    out["capture_s"] = capture_seconds(target)
     return out
 
 

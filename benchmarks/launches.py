@@ -17,7 +17,7 @@ import torch
 
 import specimg
 from specimg.models.demo import demo_sampling, load_demo
-from specimg.testing.launches import PHASES, LaunchCounter, graph_path, graphed
+from specimg.testing.launches import PHASES, LaunchCounter, graph_path
 
 
 def main() -> None:
@@ -39,8 +39,7 @@ def main() -> None:
     with graph_path(counter, models.target, models.drafter):
         for method in args.methods.split(","):
             drafter = None if method == "ar" else models.drafter
-            engine = specimg.Engine(models.target, drafter, method, sampling=demo_sampling(), tokenizer=models.tokenizer, tree=tree, cuda_graphs="off")
-            graphed(models.target, models.drafter)
+            engine = specimg.Engine(models.target, drafter, method, sampling=demo_sampling(), tokenizer=models.tokenizer, tree=tree)
             engine.generate([0], seed=99)  # warm: the emulated graphs' buffers made
             counter.counts.clear()
             with counter:

@@ -10,7 +10,7 @@ import specimg
 from specimg.models.eagle import build_drafter
 from specimg.models.llamagen import build_target
 from specimg.stats import RunStats
-from specimg.testing.launches import LaunchCounter, graph_path, graphed
+from specimg.testing.launches import LaunchCounter, graph_path
 
 TINY = dict(dim=64, n_layer=2, n_head=4, vocab_size=64, block_size=16, multiple_of=32, num_classes=10, initializer_range=0.1)
 
@@ -36,8 +36,7 @@ def _graph_path_counts(method: str, tree: specimg.TreeConfig) -> tuple[dict[str,
     drafter = build_drafter(target, seed=1)
     counter = LaunchCounter()
     with graph_path(counter, target, drafter):
-        engine = specimg.Engine(target, None if method == "ar" else drafter, method, sampling=specimg.Sampling(cfg_scale=3.0), tree=tree, cuda_graphs="off")
-        graphed(target, drafter)
+        engine = specimg.Engine(target, None if method == "ar" else drafter, method, sampling=specimg.Sampling(cfg_scale=3.0), tree=tree)
         engine.generate([0], seed=9)
         with counter:
             stats = engine.generate([1], seed=0).stats

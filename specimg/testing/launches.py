@@ -60,34 +60,40 @@ class LaunchCounter(TorchDispatchMode):
         return out
 
 
-def _emulated_replays(counter: LaunchCounter) -> Callable[..., Any]:
-    """GraphSet.run at a replay's cost: the inputs copied into the graph's buffers (counted
-    as they run), then the captured function as one launch."""
-    buffers: dict[Any, list[torch.Tensor]] = {}
+class _Replay:
+    """A captured graph as the counter sees it (what :class:`~specimg.graphs.GraphSet`
+    keeps in place of a ``torch.cuda.CUDAGraph``): a replay reruns the function on the
+    graph's own input buffers, uncounted but for the one launch, and leaves its results
+    in the graph's own outputs."""
 
-    def run(self: graphs.GraphSet, key: Any, fn: Callable[..., Any], inputs: Any) -> Any:
-        if (id(self), key) not in buffers:
-            buffers[id(self), key] = [x.clone() for x in inputs]
-        static = buffers[id(self), key]
-        for buffer, value in zip(static, inputs):
-            buffer.copy_(value)
-        counter.counts[counter.phase] += 1
-        counter.replaying = True
+    def __init__(self, counter: LaunchCounter, fn: Callable[..., Any], inputs: Any):
+        self.counter, self.fn = counter, fn
+        with self._replaying():
+            self.static = [x.clone() for x in inputs]
+            self.outputs = fn(*self.static)
+
+    @contextlib.contextmanager
+    def _replaying(self) -> Iterator[None]:
+        self.counter.counts[self.counter.phase] += 1
+        self.counter.replaying = True
         try:
-            return fn(*static)
+            yield
         finally:
-            counter.replaying = False
+            self.counter.replaying = False
 
-    return run
+    def replay(self) -> None:
+        with self._replaying():
+            for out, new in zip(self.outputs, self.fn(*self.static)):
+                out.copy_(new)
 
 
 @contextlib.contextmanager
 def graph_path(counter: LaunchCounter, *models: Any) -> Iterator[None]:
-    """``models`` (a LlamaGen target, an EAGLE drafter) stepping as on a GPU, at fixed
-    shapes with their replays emulated; host reads in their device forms; the engine's
-    phases booked to ``counter``.  Build engines with ``cuda_graphs="off"`` inside: it
-    would set the models eager, so this sets them back on entry and on every
-    :func:`graphed` call."""
+    """``models`` (a LlamaGen target, an EAGLE drafter) stepping as on a GPU: at fixed
+    shapes, through :class:`~specimg.graphs.GraphSet` with its captures emulated (its
+    replays' input copies counted as they run); host reads in their device forms; the
+    engine's phases booked to ``counter``.  Engines built inside with the default
+    ``cuda_graphs="auto"`` leave the models' step modes as this sets them."""
     original_timed = lane.Lane.timed
 
     @contextlib.contextmanager
@@ -99,14 +105,13 @@ def graph_path(counter: LaunchCounter, *models: Any) -> Iterator[None]:
         finally:
             counter.phase = outer
 
-    with mock.patch.object(graphs.GraphSet, "run", _emulated_replays(counter)), mock.patch.object(lane.Lane, "timed", timed), \
+    def capture(self: graphs.GraphSet, fn: Callable[..., Any], inputs: Any) -> tuple[_Replay, Any, Any]:
+        graph = _Replay(counter, fn, inputs)
+        return graph, graph.static, graph.outputs
+
+    with mock.patch.object(graphs.GraphSet, "_capture", capture), mock.patch.object(lane.Lane, "timed", timed), \
             mock.patch.object(stalls, "host_reads_stall", lambda device: True):
-        graphed(*models)
+        for model in models:
+            model.set_step_mode("static")
+            model.step_mode = "graphs"  # set_step_mode refuses graphs off CUDA
         yield
-
-
-def graphed(*models: Any) -> None:
-    """Set ``models`` to the graph step mode, which ``set_step_mode`` refuses off CUDA."""
-    for model in models:
-        model.set_step_mode("static")
-        model.step_mode = "graphs"
