@@ -9,7 +9,9 @@ the graph-captured forward the engine runs there).
 
     python benchmarks/relax_overhead.py [--device cpu] [--repeats 10] [--threads 1]
 
-The contract checks run as in the engine: on, unless SPECIMG_RELAX_CHECKS=0.
+The contract checks run as in the engine: on, unless SPECIMG_RELAX_CHECKS=0.  On a GPU each
+stack is timed twice: eagerly, and replayed from one CUDA graph as the engine's graph path
+runs it (every built-in relaxation is capturable).
 
 On the CPU it counts this process's CPU time with ``--threads`` torch threads (default
 one), which other work on a shared machine barely disturbs; on a GPU, wall time.
@@ -25,11 +27,15 @@ from collections.abc import Callable
 
 import torch
 
+from torch import Tensor
+
 from specimg import DraftTree, Sampling
+from specimg.graphs import GraphSet
 from specimg.plugins import PluginManager
-from specimg.relax import checks_enabled, fold
+from specimg.relax import checks_enabled, fold_on_device
 from specimg.sampling import probabilities
 from specimg.step import Scores
+from specimg.stepgraphs import replay_on_tree
 from specimg_plugins.lantern_pp import TREES
 
 VOCAB, HIDDEN, TOP_K, CODE_DIM = 16384, 768, 2000, 8
@@ -82,22 +88,36 @@ def timed(fn: Callable[[], object], repeats: int, device: str) -> float:
     return min(times)
 
 
-def relax_step(
-    pm: PluginManager, names: tuple[str, ...], tree: DraftTree, scores: Scores, target: object, tokenizer: object
-) -> Callable[[], object]:
-    """The engine's relax phase for a stack with default options (stack delta = the largest)."""
-    members = []
-    for name in names:
-        spec = pm.methods()[name]
-        caller = pm.caller("build_relaxed_dist", [spec.plugin], with_defaults=False)
+def stack_fold(pm: PluginManager, names: tuple[str, ...], target: object, tokenizer: object) -> Callable[[DraftTree, Scores], tuple[Tensor, ...]]:
+    """The engine's relax phase for a stack with default options (stack delta = the
+    largest) as a program of one step's tree and scores: q_R and the contract's verdicts."""
+    specs = [pm.methods()[name] for name in names]
+    callers = [pm.caller("build_relaxed_dist", [spec.plugin], with_defaults=False) for spec in specs]
+    stack_delta = max(float(spec.defaults.delta) for spec in specs)
 
-        def relax(dist, budget, caller=caller, options=spec.defaults):
-            results = caller(dist=dist, target_dist=scores.probs, budget=budget, tree=tree, scores=scores,
-                             target=target, tokenizer=tokenizer, options=options)
-            return next((r for r in results if r is not None), None)
+    def program(tree: DraftTree, scores: Scores) -> tuple[Tensor, ...]:
+        def member(caller: Callable[..., list[Tensor | None]], options: object) -> Callable[..., Tensor | None]:
+            def relax(dist: Tensor, budget: Tensor) -> Tensor | None:
+                results = caller(dist=dist, target_dist=scores.probs, budget=budget, tree=tree, scores=scores,
+                                 target=target, tokenizer=tokenizer, options=options)
+                return next((r for r in results if r is not None), None)
+            return relax
 
-        members.append((name, float(spec.defaults.delta), relax))
-    return lambda: fold(scores.probs, members, max(delta for _, delta, _ in members), check=checks_enabled())
+        members = [(spec.name, float(spec.defaults.delta), member(caller, spec.defaults)) for spec, caller in zip(specs, callers)]
+        dist, breaches = fold_on_device(scores.probs, members, stack_delta, check=checks_enabled())
+        return (dist,) if breaches is None else (dist, breaches)
+
+    return program
+
+
+def relax_step(program: Callable[[DraftTree, Scores], tuple[Tensor, ...]], tree: DraftTree, scores: Scores,
+               graphs: GraphSet | None = None) -> Callable[[], object]:
+    """One relax phase as the engine runs it: the fold, eagerly or replayed from ``graphs``
+    (one graph for the tree's shape), then the one read of its verdicts."""
+    def step() -> object:
+        dist, *breaches = program(tree, scores) if graphs is None else replay_on_tree(graphs, "relax", program, tree, scores)
+        return [bool(breaches[0].any())] if breaches else dist
+    return step
 
 
 def verify_ms(tree: DraftTree, repeats: int, device: str) -> float | None:
@@ -129,18 +149,24 @@ def main() -> None:
     pm = PluginManager()
 
     start = time.perf_counter()
-    relax_step(pm, ("lantern",), tree, scores, target, tokenizer)()
-    clock = "wall" if args.device.startswith("cuda") else f"CPU time, {args.threads} thread(s)"
+    gpu = args.device.startswith("cuda")
+    relax_step(stack_fold(pm, ("lantern",), target, tokenizer), tree, scores)()
+    clock = "wall" if gpu else f"CPU time, {args.threads} thread(s)"
     print(f"tree: {tree.size} nodes, {sum(map(bool, tree.children))} with children; V={VOCAB}, D={HIDDEN}, top-k {TOP_K}")
     print(f"device {args.device}, {clock}, best of {args.repeats}, contract checks {'on' if checks_enabled() else 'off'}")
     print(f"first lantern step (neighbour table build or cache read): {time.perf_counter() - start:.2f} s")
     reference = verify_ms(tree, max(3, args.repeats // 2), args.device)
     if reference is not None:
-        print(f"{'verify: GPT-B forward, 60 nodes, CFG':<40} {reference:9.2f} ms" + (" (CUDA graph)" if args.device.startswith("cuda") else ""))
+        print(f"{'verify: GPT-B forward, 60 nodes, CFG':<40} {reference:9.2f} ms" + (" (CUDA graph)" if gpu else ""))
     for names in STACKS:
-        ms = timed(relax_step(pm, names, tree, scores, target, tokenizer), args.repeats, args.device)
-        share = f"  ({100 * ms / reference:5.1f}% of verify)" if reference else ""
-        print(f"{'relax: ' + '+'.join(names):<40} {ms:9.2f} ms{share}")
+        program = stack_fold(pm, names, target, tokenizer)
+        runs = [("eager", relax_step(program, tree, scores))]
+        if gpu:  # the graph path: the fold replayed from one CUDA graph, as the engine runs it there
+            runs.append(("graph", relax_step(program, tree, scores, GraphSet())))
+        for how, step in runs:
+            ms = timed(step, args.repeats, args.device)
+            share = f"  ({100 * ms / reference:5.1f}% of verify)" if reference else ""
+            print(f"{'relax: ' + '+'.join(names) + ' (' + how + ')':<40} {ms:9.2f} ms{share}")
 
 
 if __name__ == "__main__":

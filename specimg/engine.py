@@ -17,7 +17,7 @@ from specimg import accept as acceptance
 from specimg import costs, relax, stalls
 from specimg.config import Sampling, TreeConfig
 from specimg.errors import SpecimgError
-from specimg.graphs import CudaGraphs, capture_seconds, step_mode
+from specimg.graphs import CudaGraphs, GraphSet, capture_seconds, step_mode
 from specimg.lane import Lane
 from specimg.lockstep import BatchDrafting, LaneDrafter, Lockstep
 from specimg.methods import AR, Stack
@@ -29,6 +29,7 @@ from specimg.sampling import cfg_active_at, probabilities
 from specimg.stackhooks import MemberHook, StackHooks
 from specimg.stats import ImageStats, RunStats
 from specimg.step import Acceptance, Scores, Walked, scores_of
+from specimg.stepgraphs import replay_on_tree
 from specimg.tree import BatchSession, DraftTree, build_dynamic_batch, dynamic_shape, stack_trees
 
 OnImage = Callable[[int, Tensor, ImageStats], None]
@@ -89,6 +90,8 @@ class Engine:
         self.tokenizer, self.cost_model = tokenizer, cost_model
         self.device = costs.device_of(target)
         self._set_step_mode(cuda_graphs)
+        self.graphs = GraphSet()
+        """The step's own graphs, on the graph path: the stack's relaxation per tree shape."""
         self.check_relax = relax.checks_enabled()
         self.calibration_seconds = 0.0
         """What :meth:`prepare` spent measuring this machine's costs and calibrating the stack (0 when the cache had them)."""
@@ -257,8 +260,8 @@ class Engine:
     def _steady(self, decode: Callable[..., float], *args: Any) -> float:
         """The wall seconds ``decode`` returns, less the CUDA graphs it captured: one-off
         work that no later step pays."""
-        captured = capture_seconds(self.target, self.drafter)
-        return decode(*args) - (capture_seconds(self.target, self.drafter) - captured)
+        captured = capture_seconds(self.target, self.drafter, self)
+        return decode(*args) - (capture_seconds(self.target, self.drafter, self) - captured)
 
     def _image(self, condition: Condition, seed: int, progress: Callable[[int], None] | None, planner: TreePlanner | None,
                ar: bool = False) -> tuple[list[int], ImageStats]:
@@ -632,9 +635,29 @@ class Engine:
 
     def relax(self, tree: DraftTree, scores: Scores) -> Tensor:
         """q_R [n, V] for one step: the stack's relaxations folded under its one budget (of
-        one tree, or of a batch's forest: :meth:`relaxers`)."""
-        assert self.stack is not None
-        return relax.fold(scores.probs, self.relaxers(tree, scores), self.stack.delta, check=self.check_relax)
+        one tree, or of a batch's forest: :meth:`relaxers`).  On the graph path, where every
+        member is capturable, the fold is replayed as a CUDA graph per tree (or forest)
+        shape; the contract's verdicts are read after it, as after an eager fold."""
+        assert self.stack is not None and self.hooks is not None
+        if not self._relax_replays():
+            return relax.fold(scores.probs, self.relaxers(tree, scores), self.stack.delta, check=self.check_relax)
+        stack_delta = self.stack.delta
+
+        def fold(tree: DraftTree, scores: Scores) -> tuple[Tensor, ...]:
+            dist, breaches = relax.fold_on_device(scores.probs, self.relaxers(tree, scores), stack_delta, check=self.check_relax)
+            return (dist,) if breaches is None else (dist, breaches)
+
+        dist, *breaches = replay_on_tree(self.graphs, "relax", fold, tree, scores)
+        if breaches:
+            relax.raise_breach([member.method for member in self.hooks.relaxers], breaches[0], stack_delta)
+        return dist.clone()  # the graph's output: its next replay overwrites it
+
+    def _relax_replays(self) -> bool:
+        """Whether this step's relaxation replays as a graph: the target steps on the graph
+        path, the stack has a budget, and every member that relaxes is capturable."""
+        assert self.stack is not None and self.hooks is not None
+        return (getattr(self.target, "step_mode", "eager") == "graphs" and self.stack.delta > 0
+                and bool(self.hooks.relaxers) and all(member.capturable for member in self.hooks.relaxers))
 
     def accept(self, tree: DraftTree, dist: Tensor, scores: Scores, generator: torch.Generator) -> Acceptance:
         """One step's acceptance by the stack's accept hook or the core's default."""

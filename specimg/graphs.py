@@ -26,6 +26,10 @@ from specimg.errors import SpecimgError
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 """Node counts a step forward is padded to: eight graphs cover every tree up to 128 nodes."""
 
+WARMUP_RUNS = 2
+"""Runs of a function before its capture, on its graph's inputs, outside the graph: cuBLAS,
+the allocator and whatever the function builds on first use (neighbour tables) settle there."""
+
 StepMode = Literal["eager", "static", "graphs"]
 """How a model runs its step forwards: ``eager`` (exact shapes; fastest on a CPU),
 ``static`` (fixed shapes: padded nodes, the whole static cache under a mask: the graphs'
@@ -114,7 +118,7 @@ class GraphSet:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(2):  # cuBLAS and the allocator settle outside the capture
+            for _ in range(WARMUP_RUNS):
                 fn(*static)
         torch.cuda.current_stream().wait_stream(side)
         if self._pool is None:

@@ -158,7 +158,7 @@ def contract_breaches(new: Tensor, before: Tensor, target_dist: Tensor, budget: 
 
 def raise_breach(names: Sequence[str], breaches: Tensor, stack_delta: float) -> None:
     """Raise a BudgetError for the first member whose row of ``breaches`` [members, 4] is
-    set: the step's one host read of the contract checks."""
+    set: a host read."""
     for name, row in zip(names, breaches.tolist()):
         if any(row):
             raise BudgetError(name, _BROKEN[row.index(True)].format(delta=stack_delta))
@@ -179,37 +179,55 @@ def fold(
     stack_delta: float,
     check: bool = True,
 ) -> Tensor:
+    """Apply relaxations in stack order (:func:`fold_on_device`), then read the contract's
+    verdicts: the step's one host read of them (a breach names the first member that broke it)."""
+    dist, breaches = fold_on_device(target_dist, members, stack_delta, check)
+    if breaches is not None:
+        raise_breach([name for name, _, _ in members], breaches, stack_delta)
+    return dist
+
+
+def fold_on_device(
+    target_dist: Tensor,
+    members: Sequence[tuple[str, float, Callable[..., Tensor | None]]],
+    stack_delta: float,
+    check: bool = True,
+) -> tuple[Tensor, Tensor | None]:
     """Apply relaxations in stack order: each gets the previous result and the budget left
-    (at most its own delta).  With ``check`` every output is held to the contract, on the
-    device, and the host reads the verdicts once, after the last member (a breach names the
-    first member that broke it); without it only the distance spent is measured, which the
-    next member's budget needs.  A member with no budget to spend (its delta or the
-    stack's is 0) is skipped; one whose nodes have spent theirs runs and, by the contract,
-    changes nothing."""
+    (at most its own delta).  With ``check`` every output is held to the contract on the
+    device, the verdicts one row per member [members, 4] (which of ``_BROKEN`` it breaks;
+    none for a member that changed nothing) for the caller to read; without it (None) only
+    the distance spent is measured, which the next member's budget needs.  Nothing here
+    reads the host unless a member raises.  A member with no budget to spend (its delta
+    or the stack's is 0) is skipped; one whose nodes have spent theirs runs and, by the
+    contract, changes nothing."""
     dist = target_dist
     spent = torch.zeros(target_dist.shape[0], dtype=target_dist.dtype, device=target_dist.device)
-    names, breaches = [], []
+    rows: list[Tensor | None] = []
     for name, delta, relax in members:
+        rows.append(None)
         if delta <= 0 or stack_delta <= 0:
             continue
         budget = (stack_delta - spent).clamp(min=0.0, max=delta)
         try:
             new = relax(dist=dist, budget=budget)
         except Exception:
-            if breaches:  # an earlier member's broken output may be what this one choked on
-                raise_breach(names, torch.stack(breaches), stack_delta)
+            if any(row is not None for row in rows):  # an earlier member's broken output may be what this one choked on
+                raise_breach([name for name, _, _ in members], _verdicts(rows), stack_delta)
             raise
         if new is None:
             continue
         if new.shape != target_dist.shape:
             raise BudgetError(name, f"returned shape {tuple(new.shape)}, expected {tuple(target_dist.shape)}")
         if check:
-            broken, spent = contract_breaches(new, dist, target_dist, budget, stack_delta)
-            names.append(name)
-            breaches.append(broken)
+            rows[-1], spent = contract_breaches(new, dist, target_dist, budget, stack_delta)
         else:
             spent = 0.5 * (new - target_dist).abs().sum(-1)
         dist = new
-    if breaches:
-        raise_breach(names, torch.stack(breaches), stack_delta)
-    return dist
+    return dist, _verdicts(rows) if check and any(row is not None for row in rows) else None
+
+
+def _verdicts(rows: Sequence[Tensor | None]) -> Tensor:
+    """Members' contract verdicts as one [members, 4] tensor (a member without one: none broken)."""
+    made = next(row for row in rows if row is not None)
+    return torch.stack([made.new_zeros(made.shape) if row is None else row for row in rows])

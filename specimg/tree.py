@@ -169,9 +169,12 @@ class DraftTree:
         ]
 
     def _tree_starts(self) -> Tensor:
-        """A forest's node ids of each node's tree's first node [n]."""
+        """A forest's node ids of each node's tree's first node [n]: each tree's least node
+        id, found on the device (no host data, so a CUDA graph can replay it)."""
         assert self.images is not None
-        return stalls.on_device([a for a, _ in self.spans], self.tokens.device)[self.images]
+        nodes = torch.arange(self.size, device=self.tokens.device)
+        first = nodes.new_full((len(self.sizes),), self.size).scatter_reduce_(0, self.images, nodes, "amin")
+        return first[self.images]
 
     def places(self) -> tuple[Tensor, Tensor, Tensor]:
         """The trees side by side, padded to the largest (K nodes): each node's tree and

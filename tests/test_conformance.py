@@ -17,6 +17,7 @@ from specimg.testing import statistics
 from specimg.testing.conformance import (
     check_accept,
     check_relaxation,
+    check_replay,
     emission,
     make_conformance_tests,
     pair_stacks,
@@ -140,6 +141,36 @@ class Lazy:
             return None
         donors = torch.arange(dist.shape[-1]).expand(*candidates.shape, -1)
         return transfer(dist, target_dist, candidates, donors, budget)[0]
+
+
+class Peeking:
+    """Declared capturable, yet it asks the host whether any node has candidates: a capture
+    fails on that read (or would keep its first answer for good)."""
+
+    @hookimpl
+    def register_methods(self, register):
+        register(MethodSpec("peeking", Budget, graphs=True))
+
+    @hookimpl
+    def build_relaxed_dist(self, dist, target_dist, budget, tree):
+        candidates, _ = tree.candidates()
+        if not bool((candidates >= 0).any()):
+            return None
+        return transfer(dist, target_dist, candidates, torch.arange(dist.shape[-1]).expand(*candidates.shape, -1), budget)[0]
+
+
+def _two_steps() -> tuple[RelaxCase, RelaxCase]:
+    """One tree shape, two steps: the root's two children relabelled, p alike."""
+    p = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25], [0.4, 0.3, 0.2, 0.1]])
+    return (RelaxCase.of(DraftTree.from_parents([0, 1, 2], [-1, 0, 0]), p),
+            RelaxCase.of(DraftTree.from_parents([0, 3, 0], [-1, 0, 0]), p))
+
+
+def test_check_replay_passes_a_capturable_method_and_catches_a_host_read():
+    first, second = _two_steps()
+    check_replay(step_engine("lantern", first), first, second)
+    with pytest.raises(AssertionError, match="declared capturable, but a graph replays aten::_local_scalar_dense"):
+        check_replay(step_engine("peeking", first, plugins=_manager(Peeking())), first, second)
 
 
 def test_check_accept_catches_a_wrong_acceptance_rule():

@@ -5,6 +5,8 @@ capture is checked on the CPU; the CUDA tests run where a GPU is."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -182,6 +184,23 @@ def test_graphed_naive_reproduces_graphed_ar() -> None:
                            tree=specimg.TreeConfig(kind="dynamic", depth=3, topk=3, total_tokens=12)).generate([1, 4], seed=0).tokens
     assert target.step_mode == "graphs" and len(target.graphs) > 0
     assert torch.equal(naive, ar)
+
+
+@cuda
+def test_a_graphed_relaxation_gives_the_eager_folds_tokens() -> None:
+    """cascade+lantern's fold replayed as a CUDA graph per tree shape decodes the tokens of
+    its eager fold, seed for seed."""
+    target = build_target("GPT-B", seed=0, **{**TINY, "block_size": 64}).cuda()
+    drafter = build_drafter(target, seed=1)
+    tokenizer = build_tokenizer(seed=2, codebook_size=TINY["vocab_size"], codebook_embed_dim=8)
+    engine = specimg.Engine(target, drafter, "cascade+lantern", sampling=specimg.Sampling(cfg_scale=3.0), tokenizer=tokenizer,
+                            cuda_graphs="on", tree=specimg.TreeConfig(kind="dynamic", depth=3, topk=3, total_tokens=12))
+    replayed = engine.generate([1, 4], seed=0)
+    assert len(engine.graphs) > 0
+    with mock.patch.object(specimg.Engine, "_relax_replays", lambda self: False):
+        eager = engine.generate([1, 4], seed=0)
+    assert torch.equal(replayed.tokens, eager.tokens)
+    assert [image.accepted for image in replayed.stats.images] == [image.accepted for image in eager.stats.images]
 
 
 @cuda

@@ -4,12 +4,15 @@ adds tensor operations per tree level shows here, without a GPU."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import torch
 
 import specimg
+from specimg.engine import Engine
 from specimg.models.eagle import build_drafter
 from specimg.models.llamagen import build_target
-from specimg.stats import RunStats
+from specimg.models.vq import build_tokenizer
 from specimg.testing.launches import LaunchCounter, graph_path
 
 TINY = dict(dim=64, n_layer=2, n_head=4, vocab_size=64, block_size=16, multiple_of=32, num_classes=10, initializer_range=0.1)
@@ -31,24 +34,32 @@ def test_views_and_no_op_conversions_launch_nothing_and_kernels_launch_once():
     assert launches(lambda: x.to(torch.float64)) == 1
 
 
-def _graph_path_counts(method: str, tree: specimg.TreeConfig) -> tuple[dict[str, float], RunStats]:
+def _graph_path_counts(method: str, tree: specimg.TreeConfig, images: int = 1) -> tuple[dict[str, float], specimg.Generation, Engine]:
+    """Launches per step by phase on the graph path (``images`` decoded as one batch), and
+    what the counted run generated; every relaxation graph must have replayed without a
+    call no graph can replay (the counter raises on one)."""
     target = build_target("GPT-B", seed=0, **TINY)
     drafter = build_drafter(target, seed=1)
+    tokenizer = build_tokenizer(seed=2, codebook_size=TINY["vocab_size"], codebook_embed_dim=8)
     counter = LaunchCounter()
     with graph_path(counter, target, drafter):
-        engine = specimg.Engine(target, None if method == "ar" else drafter, method, sampling=specimg.Sampling(cfg_scale=3.0), tree=tree)
-        engine.generate([0], seed=9)
+        engine = specimg.Engine(target, None if method == "ar" else drafter, method, sampling=specimg.Sampling(cfg_scale=3.0), tree=tree,
+                                tokenizer=tokenizer, batch_size=images)
         with counter:
-            stats = engine.generate([1], seed=0).stats
-    steps = sum(len(image.accepted) for image in stats.images) or stats.tokens
-    return {phase: count / steps for phase, count in counter.counts.items()}, stats
+            engine.generate(list(range(images)), seed=9)  # the captures, checked
+        counter.counts.clear()
+        with counter:
+            result = engine.generate(list(range(1, images + 1)), seed=0)
+    stats = result.stats
+    steps = max(len(image.accepted) for image in stats.images) or stats.tokens
+    return {phase: count / steps for phase, count in counter.counts.items()}, result, engine
 
 
 def test_an_ar_token_on_the_graph_path_is_its_replay_sampling_and_commit():
     """The replay and its one input's copy, the outputs' copies, sampling with CFG, the
     draw and the commit's length: about 13 (25 before the root got a step of its own)."""
-    counts, stats = _graph_path_counts("ar", specimg.TreeConfig())
-    assert stats.tokens == 16 and sum(counts.values()) <= 15, counts
+    counts, result, _ = _graph_path_counts("ar", specimg.TreeConfig())
+    assert result.stats.tokens == 16 and sum(counts.values()) <= 15, counts
 
 
 def test_the_acceptance_walk_issues_a_fixed_handful_of_launches_per_level():
@@ -56,5 +67,33 @@ def test_the_acceptance_walk_issues_a_fixed_handful_of_launches_per_level():
     lookup of the node's children and a match per level (about 9 launches), whatever the
     tree's width; a dozen more per step."""
     tree = specimg.TreeConfig(kind="dynamic", depth=3, topk=3, total_tokens=10)
-    counts, _ = _graph_path_counts("naive", tree)
+    counts, _, _ = _graph_path_counts("naive", tree)
     assert counts["accept"] <= 10 * (tree.depth + 1) + 12, counts
+
+
+def test_a_capturable_stack_relaxes_in_one_replay_and_its_copies_with_the_same_tokens():
+    """cascade+lantern's fold (some 280 launches a step eagerly, its checks included)
+    replays as one graph: the replay, its inputs' copies (the tree's columns and the
+    scores) and q_R's copy out, about 11.  The tokens and accepted lengths are the eager
+    fold's."""
+    tree = specimg.TreeConfig(kind="dynamic", depth=3, topk=3, total_tokens=10)
+    counts, replayed, _ = _graph_path_counts("cascade+lantern", tree)
+    with mock.patch.object(Engine, "_relax_replays", lambda self: False):
+        eager_counts, eager, _ = _graph_path_counts("cascade+lantern", tree)
+    assert counts["relax"] <= 12 < eager_counts["relax"], (counts, eager_counts)
+    assert torch.equal(replayed.tokens, eager.tokens)
+    assert [image.accepted for image in replayed.stats.images] == [image.accepted for image in eager.stats.images]
+
+
+def test_a_batch_relaxes_its_forest_in_one_replay_with_the_same_tokens():
+    """At batch size 3 the forest's fold replays as a graph too (the forest's per-tree
+    offsets are found on the device, not copied from the host), with the eager fold's
+    tokens and over a hundred launches a step fewer."""
+    tree = specimg.TreeConfig(kind="dynamic", depth=3, topk=3, total_tokens=10)
+    counts, replayed, engine = _graph_path_counts("cascade+lantern", tree, images=3)
+    with mock.patch.object(Engine, "_relax_replays", lambda self: False):
+        eager_counts, eager, eager_engine = _graph_path_counts("cascade+lantern", tree, images=3)
+    assert len(engine.graphs) > 0 and len(eager_engine.graphs) == 0
+    assert sum(counts.values()) + 100 < sum(eager_counts.values()), (counts, eager_counts)
+    assert torch.equal(replayed.tokens, eager.tokens)
+    assert [image.accepted for image in replayed.stats.images] == [image.accepted for image in eager.stats.images]

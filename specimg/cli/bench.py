@@ -27,6 +27,7 @@ from specimg.eval.plot import MISSING as MISSING_PLOT
 from specimg.methods import parse_options
 from specimg.plugins import get_plugin_manager
 from specimg.files import writable_folder
+from specimg.graphs import capture_seconds
 from specimg.relax import checks_enabled
 
 
@@ -180,7 +181,11 @@ def bench_command(
     }
     graphs = getattr(models.target, "graphs", None)
     if graphs is not None:
-        extra["step"] = {"mode": models.target.step_mode, "graphs_captured": len(graphs), "capture_s": round(graphs.capture_seconds, 3)}
+        engines = list(run.engines.values())
+        extra["step"] = {
+            "mode": models.target.step_mode, "graphs_captured": len(graphs), "relax_graphs_captured": sum(len(e.graphs) for e in engines),
+            "capture_s": round(capture_seconds(models.target, models.drafter, *engines), 3),
+        }
     cost_model = next((e.cost_model for e in run.engines.values() if e.cost_model is not None), None)
     if cost_model is not None:
         extra["cost_model"] = {"key": cost_model.key, "machine": cost_model.machine}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
+from unittest import mock
 
 import attrs
 import pytest
@@ -24,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from specimg import relax
+from specimg import relax, stalls
 from specimg.config import Sampling
 from specimg.engine import Engine
 from specimg.errors import SpecimgError
@@ -34,7 +35,8 @@ from specimg.plugins import PluginManager, get_plugin_manager
 from specimg.step import Acceptance, Scores
 from specimg.testing import statistics
 from specimg.testing.exact import outcomes
-from specimg.testing.strategies import RelaxCase, budgets, deltas, relax_batches, relax_cases
+from specimg.testing.launches import LaunchCounter, NotCapturable, emulated_captures
+from specimg.testing.strategies import RelaxCase, budgets, deltas, relax_batches, relax_cases, step_pairs
 from specimg.tree import DraftTree
 
 ATOL = 1e-6
@@ -226,6 +228,28 @@ def check_deterministic(engine: Engine, case: RelaxCase, seed: int) -> None:
     assert runs[0] == runs[1], f"accept gave {runs[0]} and {runs[1]} with the same seed"
 
 
+def check_replay(engine: Engine, first: RelaxCase, second: RelaxCase) -> None:
+    """A stack whose members are all capturable (``MethodSpec.graphs``), on the graph path:
+    its relaxation captures as a graph on ``first`` and replays on ``second``, a step of
+    the same shape, with no call a graph cannot replay (a host read, a shape made from
+    values, a tensor made from host data), and gives the eager fold's q_R on each, bit for
+    bit.  (The emulated replay reruns the members' Python, so a member that keeps state
+    of its own between steps is not caught here: a real graph would replay its first.)"""
+    assert engine.stack is not None
+    eager = [relaxed(engine, case.tree, case.scores) for case in (first, second)]
+    counter = LaunchCounter()
+    with emulated_captures(counter), mock.patch.object(stalls, "host_reads_stall", lambda device: True), \
+            mock.patch.object(type(engine.target), "step_mode", "graphs", create=True), counter:
+        try:
+            replayed = [relaxed(engine, case.tree, case.scores) for case in (first, second)]
+        except NotCapturable as error:
+            raise AssertionError(f"{engine.stack.name}: declared capturable, but {error}") from None
+    graphs = 1 if engine.stack.delta > 0 else 0  # with no budget the fold skips every member: nothing to capture
+    assert len(engine.graphs) == graphs, f"{engine.stack.name}: {len(engine.graphs)} relaxation graphs captured, not {graphs}"
+    for step, (want, got) in enumerate(zip(eager, replayed)):
+        assert torch.equal(got, want), f"{engine.stack.name}: q_R replayed as a graph differs from the eager fold's at step {step}"
+
+
 def check_conformance(method: str, case: RelaxCase, options: Options | None = None, delta: float | None = None,
                       plugins: PluginManager | None = None, seed: int = 0) -> None:
     """Every step-level check on one case."""
@@ -340,6 +364,16 @@ def make_conformance_tests(
         def test_batch_relaxation(self, method: str, cases: list[RelaxCase], data: st.DataObject) -> None:
             require_budget(method)
             check_batch(engine_for(method, cases[0], data), cases)
+
+        @over_methods
+        @run
+        @given(steps=step_pairs(), data=st.data())
+        def test_replays_as_a_graph(self, method: str, steps: tuple[RelaxCase, RelaxCase], data: st.DataObject) -> None:
+            engine = engine_for(method, steps[0], data)
+            assert engine.hooks is not None
+            if not engine.hooks.relaxers or not all(member.capturable for member in engine.hooks.relaxers):
+                pytest.skip(f"{method}: relaxes nothing, or a member's relaxation is not declared capturable (MethodSpec.graphs)")
+            check_replay(engine, *steps)
 
         @over_methods
         @run

@@ -42,18 +42,44 @@ def launches_kernel(func: Any, args: Any, kwargs: Any, out: Any) -> bool:
     return not outputs or any(t.untyped_storage().data_ptr() not in storages for t in outputs)
 
 
+HOST_BOUND = {"aten::_local_scalar_dense": "reads a value on the host", "aten::nonzero": "makes a shape from values",
+              "aten::masked_select": "makes a shape from values", "aten::_unique2": "makes a shape from values",
+              "aten::unique_consecutive": "makes a shape from values", "aten::lift_fresh": "makes a tensor from host data"}
+"""Calls a CUDA graph cannot replay: a capture either fails on them or records their
+first result for good."""
+
+
+class NotCapturable(RuntimeError):
+    """A function replayed as a graph ran a call no CUDA graph can replay."""
+
+
 class LaunchCounter(TorchDispatchMode):
     """Kernel launches by phase while active (``with counter:``); inside an emulated graph
-    replay nothing is counted but the replay itself."""
+    replay nothing is counted but the replay itself, and a call no graph can replay
+    (:data:`HOST_BOUND`) raises :class:`NotCapturable`, as a real capture would fail."""
 
     def __init__(self) -> None:
         super().__init__()
         self.counts: Counter[str] = Counter()
         self.phase = "other"
         self.replaying = False
+        self._muted = False
+
+    @contextlib.contextmanager
+    def muted(self) -> Iterator[None]:
+        """Nothing counted and nothing checked inside (a graph's warm-up runs)."""
+        self._muted = True
+        try:
+            yield
+        finally:
+            self._muted = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if self._muted:
+            return func(*args, **kwargs)
+        if self.replaying and func._schema.name in HOST_BOUND:
+            raise NotCapturable(f"a graph replays {func._schema.name}, which {HOST_BOUND[func._schema.name]}")
         out = func(*args, **kwargs)
         if not self.replaying and launches_kernel(func, args, kwargs, out):
             self.counts[self.phase] += 1
@@ -62,14 +88,18 @@ class LaunchCounter(TorchDispatchMode):
 
 class _Replay:
     """A captured graph as the counter sees it (what :class:`~specimg.graphs.GraphSet`
-    keeps in place of a ``torch.cuda.CUDAGraph``): a replay reruns the function on the
-    graph's own input buffers, uncounted but for the one launch, and leaves its results
-    in the graph's own outputs."""
+    keeps in place of a ``torch.cuda.CUDAGraph``): made as GraphSet makes one (its warm-up
+    runs outside the capture, uncounted and unchecked, then the capture), a replay reruns
+    the function on the graph's own input buffers, uncounted but for the one launch, and
+    leaves its results in the graph's own outputs."""
 
     def __init__(self, counter: LaunchCounter, fn: Callable[..., Any], inputs: Any):
         self.counter, self.fn = counter, fn
-        with self._replaying():
+        with counter.muted():
             self.static = [x.clone() for x in inputs]
+            for _ in range(graphs.WARMUP_RUNS):
+                fn(*self.static)
+        with self._replaying():
             self.outputs = fn(*self.static)
 
     @contextlib.contextmanager
@@ -88,12 +118,27 @@ class _Replay:
 
 
 @contextlib.contextmanager
+def emulated_captures(counter: LaunchCounter) -> Iterator[None]:
+    """Every :class:`~specimg.graphs.GraphSet` captures as the counter sees a graph
+    (:class:`_Replay`), on any device: a replay reruns the captured function on the
+    graph's own inputs, so a result that is not a function of them alone shows, and a
+    call no graph can replay raises :class:`NotCapturable` while ``counter`` is active."""
+
+    def capture(self: graphs.GraphSet, fn: Callable[..., Any], inputs: Any) -> tuple[_Replay, Any, Any]:
+        graph = _Replay(counter, fn, inputs)
+        return graph, graph.static, graph.outputs
+
+    with mock.patch.object(graphs.GraphSet, "_capture", capture):
+        yield
+
+
+@contextlib.contextmanager
 def graph_path(counter: LaunchCounter, *models: Any) -> Iterator[None]:
     """``models`` (a LlamaGen target, an EAGLE drafter) stepping as on a GPU: at fixed
-    shapes, through :class:`~specimg.graphs.GraphSet` with its captures emulated (its
-    replays' input copies counted as they run); host reads in their device forms; the
-    engine's phases booked to ``counter``.  Engines built inside with the default
-    ``cuda_graphs="auto"`` leave the models' step modes as this sets them."""
+    shapes, through :class:`~specimg.graphs.GraphSet` with its captures emulated
+    (:func:`emulated_captures`; its replays' input copies counted as they run); host reads
+    in their device forms; the engine's phases booked to ``counter``.  Engines built inside
+    with the default ``cuda_graphs="auto"`` leave the models' step modes as this sets them."""
     original_timed = lane.Lane.timed
 
     @contextlib.contextmanager
@@ -105,11 +150,7 @@ def graph_path(counter: LaunchCounter, *models: Any) -> Iterator[None]:
         finally:
             counter.phase = outer
 
-    def capture(self: graphs.GraphSet, fn: Callable[..., Any], inputs: Any) -> tuple[_Replay, Any, Any]:
-        graph = _Replay(counter, fn, inputs)
-        return graph, graph.static, graph.outputs
-
-    with mock.patch.object(graphs.GraphSet, "_capture", capture), mock.patch.object(lane.Lane, "timed", timed), \
+    with emulated_captures(counter), mock.patch.object(lane.Lane, "timed", timed), \
             mock.patch.object(stalls, "host_reads_stall", lambda device: True):
         for model in models:
             model.set_step_mode("static")

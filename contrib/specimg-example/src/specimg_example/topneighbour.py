@@ -38,6 +38,7 @@ def register_methods(register: Callable[[MethodSpec], None]) -> None:
     register(MethodSpec(
         "topneighbour", TopNeighbourOptions, "drafted tokens take the mass of the target's most probable other tokens, capped",
         batch=True,  # the rule acts node by node, so a forest of several images' trees relaxes in one call
+        graphs=True,  # fixed shapes, no host read: a CUDA graph can replay it
     ))
 
 
@@ -46,7 +47,7 @@ def build_relaxed_dist(dist: Tensor, target_dist: Tensor, budget: Tensor, tree: 
     candidates = tree.candidates()[0]
     n, vocab = target_dist.shape
     index = torch.where(candidates >= 0, candidates, vocab)  # a spare column for "no candidate"
-    is_candidate = torch.zeros(n, vocab + 1, dtype=torch.bool).scatter_(1, index, True)[:, :vocab]
+    is_candidate = torch.zeros(n, vocab + 1, dtype=torch.bool, device=target_dist.device).scatter_(1, index, True)[:, :vocab]
     ranked = target_dist.masked_fill(is_candidate, -1.0).topk(min(options.k, vocab), dim=-1).indices
     donors = ranked[:, None, :].expand(-1, candidates.shape[1], -1)
     cap = options.max_ratio * target_dist.gather(1, candidates.clamp(min=0))
