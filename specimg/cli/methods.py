@@ -32,8 +32,11 @@ def option_list(registry: dict[str, MethodSpec], plugins: PluginManager) -> list
         if spec.paper:
             flags = " ".join(f"-o {name}.{key}={value}" for key, value in spec.paper.items())
             lines.append(f"    as published: {flags}{_budget_note(spec)}  (specimg methods --paper)")
-        if not spec.batch and plugins.implementers("build_relaxed_dist", [Member(spec, spec.defaults)]):
-            lines.append("    in a batch: relaxes image by image (its MethodSpec does not declare batch=True)")
+        if plugins.implementers("build_relaxed_dist", [Member(spec, spec.defaults)]):
+            if not spec.batch:
+                lines.append("    in a batch: relaxes image by image (its MethodSpec does not declare batch=True)")
+            if not spec.graphs:
+                lines.append("    on a GPU: relaxes eagerly, not replayed as a CUDA graph (its MethodSpec does not declare graphs=True)")
     return lines
 
 
