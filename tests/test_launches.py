@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from unittest import mock
 
+import pytest
 import torch
 
 import specimg
@@ -13,7 +14,8 @@ from specimg.engine import Engine
 from specimg.models.eagle import build_drafter
 from specimg.models.llamagen import build_target
 from specimg.models.vq import build_tokenizer
-from specimg.testing.launches import LaunchCounter, graph_path
+from specimg.graphs import GraphSet
+from specimg.testing.launches import LaunchCounter, NotCapturable, emulated_captures, graph_path
 
 TINY = dict(dim=64, n_layer=2, n_head=4, vocab_size=64, block_size=16, multiple_of=32, num_classes=10, initializer_range=0.1)
 
@@ -32,6 +34,18 @@ def test_views_and_no_op_conversions_launch_nothing_and_kernels_launch_once():
     assert launches(lambda: x.add_(1)) == 1
     assert launches(lambda: x.t().flatten()) == 1  # a copy: not contiguous
     assert launches(lambda: x.to(torch.float64)) == 1
+
+
+@pytest.mark.parametrize("read", [
+    lambda x: x.sum().item(), lambda x: bool(x.any()), lambda x: x.tolist(), lambda x: x.nonzero(),
+    lambda x: torch.bincount(x.long()), lambda x: x + torch.tensor([1.0, 2.0]),
+], ids=["item", "bool", "tolist", "nonzero", "bincount", "host-data"])
+def test_an_emulated_capture_refuses_what_no_cuda_graph_can_replay(read):
+    counter = LaunchCounter()
+    with emulated_captures(counter), counter, pytest.raises(NotCapturable):
+        GraphSet().run("step", lambda x: [read(x)], [torch.ones(2)])
+    with emulated_captures(counter), counter:  # the warm-up runs outside the capture: anything goes there
+        GraphSet().run("step", lambda x: [x * 2], [torch.ones(2)])
 
 
 def _graph_path_counts(method: str, tree: specimg.TreeConfig, images: int = 1) -> tuple[dict[str, float], specimg.Generation, Engine]:

@@ -42,11 +42,15 @@ def launches_kernel(func: Any, args: Any, kwargs: Any, out: Any) -> bool:
     return not outputs or any(t.untyped_storage().data_ptr() not in storages for t in outputs)
 
 
-HOST_BOUND = {"aten::_local_scalar_dense": "reads a value on the host", "aten::nonzero": "makes a shape from values",
-              "aten::masked_select": "makes a shape from values", "aten::_unique2": "makes a shape from values",
-              "aten::unique_consecutive": "makes a shape from values", "aten::lift_fresh": "makes a tensor from host data"}
+_SHAPED = "makes a shape from values (a host read on CUDA)"
+HOST_BOUND = {
+    "aten::_local_scalar_dense": "reads a value on the host", "aten::lift_fresh": "makes a tensor from host data",
+    **dict.fromkeys(("aten::nonzero", "aten::masked_select", "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive",
+                     "aten::bincount", "aten::repeat_interleave", "aten::histc"), _SHAPED),
+}
 """Calls a CUDA graph cannot replay: a capture either fails on them or records their
-first result for good."""
+first result for good.  (``Tensor.tolist`` and ``numpy`` read the host below the
+dispatcher: a replay refuses them at the Python level.)"""
 
 
 class NotCapturable(RuntimeError):
@@ -86,6 +90,12 @@ class LaunchCounter(TorchDispatchMode):
         return out
 
 
+def _host_read(name: str) -> Callable[..., Any]:
+    def refuse(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        raise NotCapturable(f"a graph replays Tensor.{name}, which reads values on the host")
+    return refuse
+
+
 class _Replay:
     """A captured graph as the counter sees it (what :class:`~specimg.graphs.GraphSet`
     keeps in place of a ``torch.cuda.CUDAGraph``): made as GraphSet makes one (its warm-up
@@ -107,7 +117,8 @@ class _Replay:
         self.counter.counts[self.counter.phase] += 1
         self.counter.replaying = True
         try:
-            yield
+            with mock.patch.object(torch.Tensor, "tolist", _host_read("tolist")), mock.patch.object(torch.Tensor, "numpy", _host_read("numpy")):
+                yield
         finally:
             self.counter.replaying = False
 
