@@ -62,6 +62,13 @@ def step_mode(cuda_graphs: CudaGraphs, device: torch.device, supported: bool) ->
     return "eager"
 
 
+def capturing() -> bool:
+    """Whether a CUDA graph capture is recording now: a graph set then runs its function
+    directly, so that a program captured whole (a tree's growth) records the kernels of
+    the forwards it calls rather than replaying their graphs inside its own."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def capture_seconds(*models: object) -> float:
     """Seconds the models' graph sets have spent capturing so far (0 for a model without)."""
     return sum(getattr(getattr(model, "graphs", None), "capture_seconds", 0.0) for model in models)
@@ -102,6 +109,8 @@ class GraphSet:
         self._pool = None
 
     def run(self, key: Hashable, fn: Callable[..., Sequence[Tensor]], inputs: Sequence[Tensor]) -> Sequence[Tensor]:
+        if capturing():  # inside another graph's capture: that graph records this call's kernels
+            return fn(*inputs)
         entry = self._graphs.get(key)
         if entry is None:
             entry = self._graphs[key] = self._capture(fn, inputs)  # replayed once: this call

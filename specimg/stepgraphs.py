@@ -1,22 +1,29 @@
-"""A step's own device programs on a tree, replayed as CUDA graphs.
+"""A step's own device programs, replayed as CUDA graphs.
 
-Between verify and accept a step runs tensor programs of its own: the relaxations alone
-cost a GPU hundreds of launches a step, far more than the replayed forwards.  A program
-that reads only a tree and the target's scores on it, with fixed shapes and no host read,
-is captured once per tree shape (:class:`~specimg.graphs.GraphSet`) and then replays as
-one launch plus the copies of its inputs.
+Around its replayed forwards a step runs tensor programs of its own: growing a tree
+(a drafter forward, a top-k and the frontier's bookkeeping per level) and relaxing the
+target's scores cost a GPU over a hundred launches each, far more than the forwards.
+Each is a fixed-shape program with no host read, so it is captured once per tree shape
+(:class:`~specimg.graphs.GraphSet`) and then replays as one launch plus the copies of
+its inputs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from typing import Protocol
 
 import attrs
 from torch import Tensor
 
+from specimg.config import Sampling
 from specimg.graphs import GraphSet
+from specimg.models.base import Drafter
 from specimg.step import Scores
-from specimg.tree import DraftTree
+from specimg.tree import DraftSession, DraftTree, build_dynamic
+
+TREE_COLUMNS = ("tokens", "parents", "depths", "mask", "logprobs", "child_ids")
+"""The tensors of a top-k tree (no draft distributions): what a replayed growth makes."""
 
 TreeProgram = Callable[[DraftTree, Scores], Sequence[Tensor]]
 
@@ -36,3 +43,29 @@ def replay_on_tree(graphs: GraphSet, name: str, program: TreeProgram, tree: Draf
         return program(attrs.evolve(tree, **dict(zip(fields, columns))), Scores(*(next(rest) if kept else None for kept in present)))
 
     return graphs.run(key, run, inputs)
+
+
+class ReplayingDrafter(Drafter, Protocol):
+    """A drafter that replays a program of its steps as one graph (``TreeDrafter.replay``)."""
+
+    def replay(self, key: Hashable, program: Callable[..., Sequence[Tensor]], inputs: Sequence[Tensor]) -> Sequence[Tensor]: ...
+
+
+def grow_replayed(
+    drafter: ReplayingDrafter, sampling: Sampling, root_logits: Tensor, root_token: Tensor, shape: tuple[int, int, int, bool]
+) -> DraftTree:
+    """The core's EAGLE-2 growth of a top-k tree (``shape``: depth, top-k, nodes, as
+    :func:`~specimg.tree.dynamic_shape` gives it; not sampled) from the drafter's root
+    logits and the root's token [1], replayed as one graph per shape: every level's
+    drafter forward, top-k and frontier, and the tree's assembly, in one launch.  Its
+    columns are copied out of the graph's buffers: the step keeps its tree."""
+    depth, topk, nodes, sampled = shape
+    assert not sampled and sampling.cfg_interval < 0, "a replayed growth draws nothing and tracks no guidance interval"
+
+    def grow(root_logits: Tensor, root_token: Tensor) -> list[Tensor]:
+        session = DraftSession(drafter, sampling, root_logits, root_index=0, filtered=False)  # the index matters only where guidance stops
+        tree = build_dynamic(session, root_token, depth, topk, nodes)
+        return [getattr(tree, column) for column in TREE_COLUMNS]
+
+    columns = drafter.replay(("grow", shape, tuple(root_logits.shape)), grow, [root_logits, root_token])
+    return DraftTree(*(column.clone() for column in columns), height=depth)

@@ -104,7 +104,7 @@ class DraftTree:
         for _ in range(height):  # after k rounds a row holds oneself and the ancestors up to k levels above
             mask = eye | mask[up]
         slot = torch.where(parents >= 0, parents, n)  # roots count as the children of a spare slot n
-        counts = torch.bincount(slot, minlength=n + 1)
+        counts = torch.zeros(n + 1, dtype=torch.long, device=device).index_add_(0, slot, torch.ones_like(slot))  # not bincount: it reads the host on CUDA
         if width is None:
             width = int(counts[:n].max())
         columns = max(1, width)
@@ -320,7 +320,7 @@ class _Growth:
             (root_tokens[:, None], torch.full((count, 1), -1, device=device), torch.zeros(count, 1, device=device), torch.zeros(count, 1, device=device))
         ]  # (tokens, parents, logq, score) [G, nodes] per level
         self.session_of = torch.full((count, capacity), -1, dtype=torch.long, device=device)
-        self.session_of[:, 0] = 0
+        self.session_of[:, 0].fill_(0)
         self.fed: list[tuple[Tensor, Tensor]] = [(torch.zeros(count, 1, dtype=torch.long, device=device), session.root_probs[:, None])]
         self.size, self.fed_count, self.width = 1, 0, 0
         self._columns: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None
@@ -382,15 +382,16 @@ def _alone(forest: DraftTree) -> DraftTree:
 
 def build_dynamic(
     session: DraftSession,
-    root_token: int,
+    root_token: int | Tensor,
     depth: int,
     topk: int,
     total_tokens: int,
     sample: bool = False,
     generator: torch.Generator | None = None,
 ) -> DraftTree:
-    """EAGLE-2's dynamic tree of one image (:func:`build_dynamic_batch`)."""
-    root = torch.full((1,), root_token, device=session.device)
+    """EAGLE-2's dynamic tree of one image (:func:`build_dynamic_batch`), from its root's
+    token (or that token [1] on the device)."""
+    root = root_token if isinstance(root_token, Tensor) else torch.full((1,), root_token, device=session.device)
     return _alone(build_dynamic_batch(session.batch, root, depth, topk, total_tokens, sample, [generator]))
 
 

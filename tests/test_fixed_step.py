@@ -204,6 +204,24 @@ def test_a_graphed_relaxation_gives_the_eager_folds_tokens() -> None:
 
 
 @cuda
+def test_a_tree_grown_in_one_replayed_graph_gives_the_eager_growths_tokens() -> None:
+    """The core's top-k tree growth replayed as one CUDA graph (its forwards' kernels
+    recorded in it) decodes what growing it step by step does, seed for seed."""
+    from specimg.lane import Lane
+
+    target = build_target("GPT-B", seed=0, **{**TINY, "block_size": 64}).cuda()
+    drafter = build_drafter(target, seed=1)
+    engine = specimg.Engine(target, drafter, "naive", sampling=specimg.Sampling(cfg_scale=3.0), cuda_graphs="on",
+                            tree=specimg.TreeConfig(kind="dynamic", depth=3, topk=3, total_tokens=12))
+    replayed = engine.generate([1, 4], seed=0)
+    assert any(key[0] == "program" for key in drafter.graphs._graphs)
+    with mock.patch.object(Lane, "_replayed_growth", lambda self, config: None):
+        eager = engine.generate([1, 4], seed=0)
+    assert torch.equal(replayed.tokens, eager.tokens)
+    assert [image.accepted for image in replayed.stats.images] == [image.accepted for image in eager.stats.images]
+
+
+@cuda
 def test_graphed_ar_steps_never_wait_for_the_device() -> None:
     """AR on the graph path waits for the device a few times an image (the condition's and
     the first token's transfers, the first draw, the image's one copy to the host), and

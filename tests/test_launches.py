@@ -15,6 +15,8 @@ from specimg.models.eagle import build_drafter
 from specimg.models.llamagen import build_target
 from specimg.models.vq import build_tokenizer
 from specimg.graphs import GraphSet
+from specimg.lane import Lane
+from specimg.stepgraphs import TREE_COLUMNS
 from specimg.testing.launches import LaunchCounter, NotCapturable, emulated_captures, graph_path
 
 TINY = dict(dim=64, n_layer=2, n_head=4, vocab_size=64, block_size=16, multiple_of=32, num_classes=10, initializer_range=0.1)
@@ -48,10 +50,11 @@ def test_an_emulated_capture_refuses_what_no_cuda_graph_can_replay(read):
         GraphSet().run("step", lambda x: [x * 2], [torch.ones(2)])
 
 
-def _graph_path_counts(method: str, tree: specimg.TreeConfig, images: int = 1) -> tuple[dict[str, float], specimg.Generation, Engine]:
+def _graph_path_counts(method: str, tree: specimg.TreeConfig, images: int = 1, trees: list | None = None) -> tuple[dict[str, float], specimg.Generation, Engine]:
     """Launches per step by phase on the graph path (``images`` decoded as one batch), and
-    what the counted run generated; every relaxation graph must have replayed without a
-    call no graph can replay (the counter raises on one)."""
+    what the counted run generated (each step's tree columns and height into ``trees``);
+    every replayed program must have run no call a graph cannot replay (the counter
+    raises on one)."""
     target = build_target("GPT-B", seed=0, **TINY)
     drafter = build_drafter(target, seed=1)
     tokenizer = build_tokenizer(seed=2, codebook_size=TINY["vocab_size"], codebook_embed_dim=8)
@@ -59,6 +62,8 @@ def _graph_path_counts(method: str, tree: specimg.TreeConfig, images: int = 1) -
     with graph_path(counter, target, drafter):
         engine = specimg.Engine(target, None if method == "ar" else drafter, method, sampling=specimg.Sampling(cfg_scale=3.0), tree=tree,
                                 tokenizer=tokenizer, batch_size=images)
+        if trees is not None:
+            engine.on_step = lambda tree, dist, path: trees.append(([getattr(tree, c).clone() for c in TREE_COLUMNS], tree.height))
         with counter:
             engine.generate(list(range(images)), seed=9)  # the captures, checked
         counter.counts.clear()
@@ -111,3 +116,19 @@ def test_a_batch_relaxes_its_forest_in_one_replay_with_the_same_tokens():
     assert sum(counts.values()) + 100 < sum(eager_counts.values()), (counts, eager_counts)
     assert torch.equal(replayed.tokens, eager.tokens)
     assert [image.accepted for image in replayed.stats.images] == [image.accepted for image in eager.stats.images]
+
+
+def test_a_tree_grows_in_one_replay_as_it_grows_eagerly():
+    """The core's top-k tree grows as one replayed graph (the drafter's start apart):
+    some 18 launches a step instead of some 115 on this tree, every step's tree the eager
+    growth's, column for column, and so the same tokens."""
+    tree = specimg.TreeConfig(kind="dynamic", depth=3, topk=3, total_tokens=10)
+    replayed_trees, eager_trees = [], []
+    counts, replayed, _ = _graph_path_counts("naive", tree, trees=replayed_trees)
+    with mock.patch.object(Lane, "_replayed_growth", lambda self, config: None):
+        eager_counts, eager, _ = _graph_path_counts("naive", tree, trees=eager_trees)
+    assert counts["draft"] <= 20 and eager_counts["draft"] > 60, (counts, eager_counts)
+    assert len(replayed_trees) == len(eager_trees) > 0
+    for (columns, height), (want, want_height) in zip(replayed_trees, eager_trees):
+        assert height == want_height and all(torch.equal(a, b) for a, b in zip(columns, want))
+    assert torch.equal(replayed.tokens, eager.tokens)

@@ -22,7 +22,7 @@ import abc
 import copy
 import json
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -119,6 +119,7 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
         self._slots = torch.arange(0)  # [capacity] slot ids on the cache's device
         self.graphs = GraphSet()
         self._graphed_target: tuple[int, ...] = ()  # the target tensors the graphs read, by address
+        self._program_fed: dict[Hashable, int] = {}  # per replayed program: the fed-node count its run leaves
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -136,7 +137,7 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
         graphs: one per image of a batch (``Engine(batch_size=B)``)."""
         twin = copy.copy(self)
         twin._full_kv, twin._kv = [], []
-        twin.graphs, twin._graphed_target = GraphSet(), ()
+        twin.graphs, twin._graphed_target, twin._program_fed = GraphSet(), (), {}
         return twin
 
     def batch(self, size: int, cfg: bool) -> DraftBatch:
@@ -227,6 +228,26 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
             self._graphed_target = target
         h, logits = self.graphs.run((*key, self._rows), step, inputs)
         return h[:, :n], logits[:, :n].clone()
+
+    def replay(self, key: Hashable, program: Callable[..., Sequence[Tensor]], inputs: Sequence[Tensor]) -> Sequence[Tensor]:
+        """``program``, a run of ``expand`` calls after a ``start`` (the core's growth of a
+        tree), replayed as one CUDA graph per ``key`` on the graph path: its forwards'
+        kernels recorded in it, not their own graphs.  Every run starts from the nodes fed
+        since the start, as the first did, and leaves the count of fed nodes as it did."""
+        if self.step_mode != "graphs":
+            raise RuntimeError("replay needs the graph step mode (Engine(cuda_graphs='on'))")
+        fed = self._count
+        entry = ("program", key, self._rows, fed)
+
+        def run(*args: Tensor) -> Sequence[Tensor]:
+            self._count = fed
+            outputs = program(*args)
+            self._program_fed[entry] = self._count
+            return outputs
+
+        outputs = self.graphs.run(entry, run, inputs)
+        self._count = self._program_fed[entry]
+        return outputs
 
     def _start_fixed(self, hidden: Tensor, tokens: Tensor) -> Tensor:
         m = tokens.shape[0]

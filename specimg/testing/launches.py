@@ -67,20 +67,20 @@ class LaunchCounter(TorchDispatchMode):
         self.counts: Counter[str] = Counter()
         self.phase = "other"
         self.replaying = False
-        self._muted = False
+        self.is_muted = False
 
     @contextlib.contextmanager
     def muted(self) -> Iterator[None]:
         """Nothing counted and nothing checked inside (a graph's warm-up runs)."""
-        self._muted = True
+        outer, self.is_muted = self.is_muted, True
         try:
             yield
         finally:
-            self._muted = False
+            self.is_muted = outer
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if self._muted:
+        if self.is_muted:
             return func(*args, **kwargs)
         if self.replaying and func._schema.name in HOST_BOUND:
             raise NotCapturable(f"a graph replays {func._schema.name}, which {HOST_BOUND[func._schema.name]}")
@@ -114,13 +114,15 @@ class _Replay:
 
     @contextlib.contextmanager
     def _replaying(self) -> Iterator[None]:
-        self.counter.counts[self.counter.phase] += 1
-        self.counter.replaying = True
+        counter = self.counter
+        if not counter.replaying and not counter.is_muted:
+            counter.counts[counter.phase] += 1
+        outer, counter.replaying = counter.replaying, True
         try:
             with mock.patch.object(torch.Tensor, "tolist", _host_read("tolist")), mock.patch.object(torch.Tensor, "numpy", _host_read("numpy")):
                 yield
         finally:
-            self.counter.replaying = False
+            counter.replaying = outer
 
     def replay(self) -> None:
         with self._replaying():
@@ -139,7 +141,7 @@ def emulated_captures(counter: LaunchCounter) -> Iterator[None]:
         graph = _Replay(counter, fn, inputs)
         return graph, graph.static, graph.outputs
 
-    with mock.patch.object(graphs.GraphSet, "_capture", capture):
+    with mock.patch.object(graphs.GraphSet, "_capture", capture), mock.patch.object(graphs, "capturing", lambda: counter.replaying):
         yield
 
 
