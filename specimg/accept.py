@@ -18,7 +18,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
-from torch.nn import functional as F
 
 from specimg import stalls
 from specimg.config import Sampling
@@ -120,11 +119,14 @@ def _matching(forest: DraftTree, dist: Tensor, generators: Sequence[torch.Genera
     Exp(1) variate per entry from the generator, the argmax of row / variate: the same
     draws and the same generator state), and descends to the child with that token.
 
-    The children's tokens and ids + 1 (0 for no child) sit in one table with a last row
-    of none, which node -1 reads: a stopped walker finds no child, with no test for it."""
-    tokens, ids = forest.candidates()
-    table = F.pad(torch.stack([tokens, ids + 1], dim=1), (0, 0, 0, 0, 0, 1), value=0)  # [n + 1, 2, C]
-    variates = torch.empty(len(generators or ()), dist.shape[-1], dtype=dist.dtype, device=dist.device)
+    Each node's child with each token sits in one table [n + 2, V] (-1: none), one lookup
+    a level: a root is nobody's child, so its entry goes to row n, which no walker reads;
+    the last row has no children, and node -1 reads it: a stopped walker finds no child,
+    with no test for it."""
+    n, vocab = forest.size, dist.shape[-1]
+    child_of = torch.full((n + 2, vocab), -1, dtype=torch.long, device=dist.device)
+    child_of[torch.where(forest.parents >= 0, forest.parents, n), forest.tokens] = torch.arange(n, device=dist.device)  # siblings' tokens are distinct
+    variates = torch.empty(len(generators or ()), vocab, dtype=dist.dtype, device=dist.device)
 
     def level(node: Tensor) -> tuple[Tensor, Tensor]:
         if generators is None:
@@ -133,8 +135,7 @@ def _matching(forest: DraftTree, dist: Tensor, generators: Sequence[torch.Genera
             for row, generator in zip(variates, generators):
                 row.exponential_(generator=generator)
             choice = (dist[node] / variates).argmax(dim=-1)
-        children = table[node]  # [walkers, 2, C]; a node's children have distinct tokens, a missing one token -1
-        return choice, (children[:, 1] * (children[:, 0] == choice[:, None])).sum(dim=1) - 1
+        return choice, child_of[node, choice]
 
     return level
 
