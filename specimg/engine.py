@@ -639,7 +639,7 @@ class Engine:
         member is capturable, the fold is replayed as a CUDA graph per tree (or forest)
         shape; the contract's verdicts are read after it, as after an eager fold."""
         assert self.stack is not None and self.hooks is not None
-        if not self._relax_replays():
+        if not self._relax_replays(tree):
             return relax.fold(scores.probs, self.relaxers(tree, scores), self.stack.delta, check=self.check_relax)
         stack_delta = self.stack.delta
 
@@ -652,11 +652,13 @@ class Engine:
             relax.raise_breach([member.method for member in self.hooks.relaxers], breaches[0], stack_delta)
         return dist.clone()  # the graph's output: its next replay overwrites it
 
-    def _relax_replays(self) -> bool:
+    def _relax_replays(self, tree: DraftTree) -> bool:
         """Whether this step's relaxation replays as a graph: the target steps on the graph
-        path, the stack has a budget, and every member that relaxes is capturable."""
+        path, the stack has a budget, every member that relaxes is capturable, and the tree
+        is of top-k drafts (a sampled tree's size changes from step to step, and a graph
+        per size would cost more captures than it saves)."""
         assert self.stack is not None and self.hooks is not None
-        return (getattr(self.target, "step_mode", "eager") == "graphs" and self.stack.delta > 0
+        return (getattr(self.target, "step_mode", "eager") == "graphs" and self.stack.delta > 0 and not tree.sampled
                 and bool(self.hooks.relaxers) and all(member.capturable for member in self.hooks.relaxers))
 
     def accept(self, tree: DraftTree, dist: Tensor, scores: Scores, generator: torch.Generator) -> Acceptance:

@@ -98,7 +98,7 @@ def test_a_capturable_stack_relaxes_in_one_replay_and_its_copies_with_the_same_t
     fold's."""
     tree = specimg.TreeConfig(kind="dynamic", depth=3, topk=3, total_tokens=10)
     counts, replayed, _ = _graph_path_counts("cascade+lantern", tree)
-    with mock.patch.object(Engine, "_relax_replays", lambda self: False):
+    with mock.patch.object(Engine, "_relax_replays", lambda self, tree: False):
         eager_counts, eager, _ = _graph_path_counts("cascade+lantern", tree)
     assert counts["relax"] <= 12 < eager_counts["relax"], (counts, eager_counts)
     assert torch.equal(replayed.tokens, eager.tokens)
@@ -111,7 +111,7 @@ def test_a_batch_relaxes_its_forest_in_one_replay_with_the_same_tokens():
     tokens and over a hundred launches a step fewer."""
     tree = specimg.TreeConfig(kind="dynamic", depth=3, topk=3, total_tokens=10)
     counts, replayed, engine = _graph_path_counts("cascade+lantern", tree, images=3)
-    with mock.patch.object(Engine, "_relax_replays", lambda self: False):
+    with mock.patch.object(Engine, "_relax_replays", lambda self, tree: False):
         eager_counts, eager, eager_engine = _graph_path_counts("cascade+lantern", tree, images=3)
     assert len(engine.graphs) > 0 and len(eager_engine.graphs) == 0
     assert sum(counts.values()) + 100 < sum(eager_counts.values()), (counts, eager_counts)
@@ -133,3 +133,17 @@ def test_a_tree_grows_in_one_replay_as_it_grows_eagerly():
     for (columns, height), (want, want_height) in zip(replayed_trees, eager_trees):
         assert height == want_height and all(torch.equal(a, b) for a, b in zip(columns, want))
     assert torch.equal(replayed.tokens, eager.tokens)
+
+
+def test_trees_of_sampled_drafts_relax_and_grow_eagerly():
+    """A sampled tree's size changes from step to step (and its growth draws): no graph
+    per size, for the fold or the growth (the image's last step, the root alone, is no
+    sampled tree); the same tokens as with both replays off."""
+    tree = specimg.TreeConfig(kind="dynamic", depth=3, topk=3, total_tokens=10, sample=True)
+    _, sampled, engine = _graph_path_counts("cascade+lantern", tree)
+    relax_keys = list(engine.graphs._graphs)
+    assert len(relax_keys) <= 1 and all(key[4] == 0 for key in relax_keys), relax_keys  # height 0: the root alone
+    assert not any(key[0] == "program" for key in engine.drafter.graphs._graphs)
+    with mock.patch.object(Engine, "_relax_replays", lambda self, tree: False), mock.patch.object(Lane, "_replayed_growth", lambda self, config: None):
+        _, eager, _ = _graph_path_counts("cascade+lantern", tree)
+    assert torch.equal(sampled.tokens, eager.tokens)
