@@ -68,6 +68,15 @@ class LaunchCounter(TorchDispatchMode):
         self.phase = "other"
         self.replaying = False
         self.is_muted = False
+        self.is_active = False
+
+    def __enter__(self) -> LaunchCounter:
+        self.is_active = True
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.is_active = False
+        super().__exit__(*exc)
 
     @contextlib.contextmanager
     def muted(self) -> Iterator[None]:
@@ -90,9 +99,14 @@ class LaunchCounter(TorchDispatchMode):
         return out
 
 
-def _host_read(name: str) -> Callable[..., Any]:
+def _host_read(counter: LaunchCounter, name: str) -> Callable[..., Any]:
+    """``Tensor.<name>`` refused while ``counter`` is active (as the dispatcher's host reads are)."""
+    original = getattr(torch.Tensor, name)
+
     def refuse(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        raise NotCapturable(f"a graph replays Tensor.{name}, which reads values on the host")
+        if counter.is_active and not counter.is_muted:
+            raise NotCapturable(f"a graph replays Tensor.{name}, which reads values on the host")
+        return original(self, *args, **kwargs)
     return refuse
 
 
@@ -119,7 +133,7 @@ class _Replay:
             counter.counts[counter.phase] += 1
         outer, counter.replaying = counter.replaying, True
         try:
-            with mock.patch.object(torch.Tensor, "tolist", _host_read("tolist")), mock.patch.object(torch.Tensor, "numpy", _host_read("numpy")):
+            with mock.patch.object(torch.Tensor, "tolist", _host_read(counter, "tolist")), mock.patch.object(torch.Tensor, "numpy", _host_read(counter, "numpy")):
                 yield
         finally:
             counter.replaying = outer
