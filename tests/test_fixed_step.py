@@ -13,6 +13,7 @@ import torch
 import specimg
 from specimg.errors import SpecimgError
 from specimg.graphs import BUCKETS, bucket, step_mode
+from specimg.lane import Lane
 from specimg.models.base import causal_tree_mask
 from specimg.models.eagle import build_drafter
 from specimg.models.llamagen import build_target
@@ -207,8 +208,6 @@ def test_a_graphed_relaxation_gives_the_eager_folds_tokens() -> None:
 def test_a_tree_grown_in_one_replayed_graph_gives_the_eager_growths_tokens() -> None:
     """The core's top-k tree growth replayed as one CUDA graph (its forwards' kernels
     recorded in it) decodes what growing it step by step does, seed for seed."""
-    from specimg.lane import Lane
-
     target = build_target("GPT-B", seed=0, **{**TINY, "block_size": 64}).cuda()
     drafter = build_drafter(target, seed=1)
     engine = specimg.Engine(target, drafter, "naive", sampling=specimg.Sampling(cfg_scale=3.0), cuda_graphs="on",
