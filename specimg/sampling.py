@@ -53,14 +53,14 @@ def probabilities(logits: Tensor, sampling: Sampling, cfg_active: Tensor | bool 
     return filter_logits(guided, sampling.top_k, sampling.top_p).softmax(dim=-1)
 
 
-def cfg_active_at(token_index: Tensor | int, sampling: Sampling) -> Tensor | bool:
-    """Where guidance applies to nodes predicting image tokens ``token_index`` ([n], or
-    one index: the AR loops' per-step flag, without a tensor per step); True alone where
-    guidance never stops (no mask to build and apply).
+def cfg_active_at(token_index: Tensor | int, sampling: Sampling, offset: Tensor | int = 0) -> Tensor | bool:
+    """Where guidance applies to nodes predicting image tokens ``token_index + offset``
+    ([n], or one index: the AR loops' per-step flag, without a tensor per step); True
+    alone where guidance never stops (no mask to build and apply, no index to add up).
 
     LlamaGen's decode loop turns guidance off once its step counter (token index - 1)
     passes cfg_interval; the first token, from the prefill, is always guided.
     """
     if sampling.cfg_interval < 0:
         return True
-    return token_index - 1 <= sampling.cfg_interval
+    return token_index + offset - 1 <= sampling.cfg_interval

@@ -37,8 +37,7 @@ def scores_of(out: TargetOutput, tree: DraftTree, sampling: Sampling, token_inde
     """The scores of a tree from the target's outputs on it (``forward_tree``'s, or one
     image's slice of ``forward_trees``), its root predicting image token ``token_index``
     (for a forest, per node: the index its own tree's root predicts)."""
-    active = True if sampling.cfg_interval < 0 else cfg_active_at(tree.depths + token_index, sampling)  # no per-node indices where guidance never stops
-    probs = probabilities(out.logits, sampling, active)
+    probs = probabilities(out.logits, sampling, cfg_active_at(tree.depths, sampling, token_index))
     return Scores(probs=probs, hidden=out.hidden, logits=out.logits, layers=out.layers)
 
 

@@ -256,7 +256,7 @@ class BatchSession:
         self.root_probs = self._process(root_logits[:, :, None, :], self._depths)[:, 0]
 
     def _process(self, logits: Tensor, depths: Tensor | None) -> Tensor:
-        active = True if depths is None else cfg_active_at(depths + self._first, self.sampling)
+        active = True if depths is None else cfg_active_at(depths, self.sampling, self._first)
         return probabilities(logits, self.sampling, active)
 
     def feed(self, parents: Tensor, tokens: Tensor) -> Tensor:
