@@ -29,7 +29,7 @@ from specimg.sampling import cfg_active_at, probabilities
 from specimg.stackhooks import MemberHook, StackHooks
 from specimg.stats import ImageStats, RunStats
 from specimg.step import Acceptance, Scores, Walked, scores_of
-from specimg.stepgraphs import replay_on_tree
+from specimg.stepgraphs import ReplayingBatch, grow_forest, replay_on_tree
 from specimg.tree import BatchSession, DraftTree, build_dynamic_batch, dynamic_shape, stack_trees
 
 OnImage = Callable[[int, Tensor, ImageStats], None]
@@ -375,15 +375,14 @@ class Engine:
         else:
             proposed, forest = together
         trees = [proposed[i] if i in proposed else lane.root_tree() for i, lane in enumerate(lanes)]
-        start = time.perf_counter()
-        out = target.forward_trees(*(forest.stacked() if forest is not None and len(proposed) == len(lanes) else stack_trees(trees)))
-        verify = (time.perf_counter() - start) / len(running)
+        with Lane.shared("verify", [lanes[i] for i in running]):
+            out = target.forward_trees(*(forest.stacked() if forest is not None and len(proposed) == len(lanes) else stack_trees(trees)))
         paths = [torch.zeros(0, dtype=torch.long, device=self.device)] * len(lanes)  # a finished image commits nothing
         for i in riding:
             lane = lanes[i]
-            lane.stats.seconds["verify"] += verify
             root = TargetOutput(*(t if t is None else t[:, i, :1] for t in out))
-            lane.tokens.append(self._draw(scores_of(root, trees[i], sampling, len(lane.tokens)).probs[0], lane.generator))
+            with lane.timed("verify"):
+                lane.tokens.append(self._draw(scores_of(root, trees[i], sampling, len(lane.tokens)).probs[0], lane.generator))
             lane.stats.target_forwards += 1
             paths[i] = torch.zeros(1, dtype=torch.long, device=self.device)  # the root alone
             if lane.progress:
@@ -392,10 +391,11 @@ class Engine:
         if proposed:
             drafted = list(proposed.values())
             forest = forest if forest is not None else DraftTree.forest(drafted)
-            steps = self._relax_and_accept(out, list(proposed), [lanes[i] for i in proposed], forest, drafted, verify)
+            steps = self._relax_and_accept(out, list(proposed), [lanes[i] for i in proposed], forest, drafted)
         for i, step in steps.items():
             paths[i] = step[-1].path
-        target.commit_trees(paths)
+        with Lane.shared("commit", [lanes[i] for i in running]):
+            target.commit_trees(paths)
         for i, step in steps.items():
             lanes[i].advance(*step)
 
@@ -410,35 +410,46 @@ class Engine:
         shapes = {i: dynamic_shape(lane.tree_config, lane.max_depth) for i, lane in lanes.items()}
         if not lanes or self.hooks.propose.owner is not None or any(shape is None for shape in shapes.values()):
             return None
-        start = time.perf_counter()
-        roots = batch.start({i: (lane.hidden, lane.new_ids) for i, lane in lanes.items()})
-        trees: dict[int, DraftTree] = {}
-        forest = None
-        for shape in dict.fromkeys(shapes.values()):
-            assert shape is not None
-            depth, topk, nodes, sample = shape
-            images = [i for i in lanes if shapes[i] == shape]
-            if depth == 0:  # the image's last token: the root alone
-                trees.update((i, lanes[i].root_tree()) for i in images)
-                continue
+        with Lane.shared("draft", list(lanes.values())):
+            roots = batch.start({i: (lane.hidden, lane.new_ids) for i, lane in lanes.items()})
+            trees: dict[int, DraftTree] = {}
+            forest = None
+            for shape in dict.fromkeys(shapes.values()):
+                assert shape is not None
+                depth, topk, nodes, sample = shape
+                images = [i for i in lanes if shapes[i] == shape]
+                if depth == 0:  # the image's last token: the root alone
+                    trees.update((i, lanes[i].root_tree()) for i in images)
+                    continue
 
-            def expand(parents: Tensor, tokens: Tensor, images: list[int] = images) -> Tensor:
-                fed = batch.expand(dict(zip(images, zip(parents.unbind(), tokens.unbind()))))
-                return torch.stack([fed[i] for i in images], dim=1)
+                root_logits = torch.stack([roots[i] for i in images], dim=1)
+                root_tokens = stalls.on_device([lanes[i].tokens[-1] for i in images], self.device)
+                if self._grows_fixed(batch, images, shape):
+                    forest = grow_forest(cast(ReplayingBatch, batch), self.sampling, root_logits, root_tokens, shape)
+                    trees.update(zip(images, forest.trees()))
+                    continue
 
-            root_index = stalls.on_device([len(lanes[i].tokens) - 1 for i in images], self.device)
-            session = BatchSession(expand, self.sampling, torch.stack([roots[i] for i in images], dim=1), root_index, filtered=sample)
-            generators = [lanes[i].generator for i in images] if sample else None
-            root_tokens = stalls.on_device([lanes[i].tokens[-1] for i in images], self.device)
-            forest = build_dynamic_batch(session, root_tokens, depth, topk, nodes, sample, generators)
-            trees.update(zip(images, forest.trees()))
-        share = (time.perf_counter() - start) / len(lanes)
-        for lane in lanes.values():
-            lane.stats.seconds["draft"] += share
+                def expand(parents: Tensor, tokens: Tensor, images: list[int] = images) -> Tensor:
+                    fed = batch.expand(dict(zip(images, zip(parents.unbind(), tokens.unbind()))))
+                    return torch.stack([fed[i] for i in images], dim=1)
+
+                root_index = stalls.on_device([len(lanes[i].tokens) - 1 for i in images], self.device)
+                session = BatchSession(expand, self.sampling, root_logits, root_index, filtered=sample)
+                generators = [lanes[i].generator for i in images] if sample else None
+                forest = build_dynamic_batch(session, root_tokens, depth, topk, nodes, sample, generators)
+                trees.update(zip(images, forest.trees()))
         return {i: trees[i] for i in lanes}, forest if forest is not None and len(forest.sizes) == len(lanes) else None
 
+    def _grows_fixed(self, batch: BatchDrafting, images: Sequence[int], shape: tuple[int, int, int, bool]) -> bool:
+        """Whether the images ``images`` grow their trees of ``shape`` as one fixed-shape
+        program (:func:`~specimg.stepgraphs.grow_forest`, replayed as a graph on the graph
+        path): the batch drafts at fixed shapes, every place of it drafts this shape, of
+        top-k drafts (nothing drawn), and guidance never stops."""
+        fixed = getattr(batch, "step_mode", "eager") != "eager"  # a drafter's DraftBatch (stepgraphs.ReplayingBatch)
+        return fixed and list(images) == list(range(getattr(batch, "size", 0))) and not shape[3] and self.sampling.cfg_interval < 0
+
     def _relax_and_accept(
-        self, out: TargetOutput, places: Sequence[int], lanes: Sequence[Lane], forest: DraftTree, trees: Sequence[DraftTree], verify: float
+        self, out: TargetOutput, places: Sequence[int], lanes: Sequence[Lane], forest: DraftTree, trees: Sequence[DraftTree]
     ) -> dict[int, tuple[DraftTree, Scores, Tensor, Acceptance, Walked]]:
         """The batch's drafted ``trees`` (of ``lanes`` at ``places``, verified in ``out``)
         as their ``forest``: their scores and q_R in one pass each, then every lane's
@@ -447,32 +458,27 @@ class Engine:
         by lane by the method's.  Per place: what its lane's ``advance`` takes."""
         device, bucket, sizes = self.device, out.logits.shape[2], forest.sizes
         starts = [a for a, _ in forest.spans]
-        nodes = stalls.on_device([place * bucket + node for place, size in zip(places, sizes) for node in range(size)], device)
-        predicted = stalls.on_device([len(lane.tokens) for lane in lanes], device)  # the image token each root predicts
-        scores = scores_of(TargetOutput(*(t if t is None else t.flatten(1, 2)[:, nodes] for t in out)), forest, self.sampling, predicted[forest.images])
-        start = time.perf_counter()
-        dist = self.relax(forest, scores)
-        relaxed = time.perf_counter()
+        with Lane.shared("verify", lanes):
+            nodes = stalls.on_device([place * bucket + node for place, size in zip(places, sizes) for node in range(size)], device)
+            predicted = stalls.on_device([len(lane.tokens) for lane in lanes], device)  # the image token each root predicts
+            scores = scores_of(TargetOutput(*(t if t is None else t.flatten(1, 2)[:, nodes] for t in out)), forest, self.sampling, predicted[forest.images])
+        with Lane.shared("relax", lanes):
+            dist = self.relax(forest, scores)
         own = scores.split(sizes)  # each image's scores, and its q_R (p itself where nothing relaxed)
         dists = [mine.probs for mine in own] if dist is scores.probs else list(dist.split(sizes))
         assert self.hooks is not None
-        if self.hooks.accept.owner is None:  # the core's own rule: every lane at once
-            results = acceptance.accept_forest(forest, starts, dist, scores.probs, self.sampling, self.exact, [lane.generator for lane in lanes])
-            walks = [result.walked for result in results]
-            if dist is not scores.probs:
-                paths = [[first + node for node in result.path] for first, result in zip(starts, results)]
-                for lane, spent in zip(lanes, relax.spent_per_path(dist, scores.probs, paths)):
-                    lane.spent.append(spent)
-        else:
-            results = [self.accept(*step, lane.generator) for lane, step in zip(lanes, zip(trees, dists, own))]
-            walks = [lane.walked(*step) for lane, step in zip(lanes, zip(trees, own, dists, results))]
-        shares = ((relaxed - start) / len(lanes), (time.perf_counter() - relaxed) / len(lanes))
-        steps = {}
-        for place, lane, step in zip(places, lanes, zip(trees, own, dists, results, walks)):
-            for phase, seconds in zip(("verify", "relax", "accept"), (verify, *shares)):
-                lane.stats.seconds[phase] += seconds
-            steps[place] = step
-        return steps
+        with Lane.shared("accept", lanes):
+            if self.hooks.accept.owner is None:  # the core's own rule: every lane at once
+                results = acceptance.accept_forest(forest, starts, dist, scores.probs, self.sampling, self.exact, [lane.generator for lane in lanes])
+                walks = [result.walked for result in results]
+                if dist is not scores.probs:
+                    paths = [[first + node for node in result.path] for first, result in zip(starts, results)]
+                    for lane, spent in zip(lanes, relax.spent_per_path(dist, scores.probs, paths)):
+                        lane.spent.append(spent)
+            else:
+                results = [self.accept(*step, lane.generator) for lane, step in zip(lanes, zip(trees, dists, own))]
+                walks = [lane.walked(*step) for lane, step in zip(lanes, zip(trees, own, dists, results))]
+        return {place: step for place, step in zip(places, zip(trees, own, dists, results, walks))}
 
     def _finish_ar_batch(self, lanes: Sequence[Lane], progress: Callable[[int], None] | None, steps: int) -> None:
         """``steps`` AR steps of every unfinished image (their planners found no tree that

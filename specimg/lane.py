@@ -9,8 +9,8 @@ generator, statistics, planner and drafter."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from typing import Protocol
 
 import attrs
@@ -89,12 +89,20 @@ class Lane:
         copied in)."""
         return attrs.evolve(self._one_node, tokens=stalls.on_device(self.tokens[-1:], self.engine.device))
 
-    @contextmanager
-    def timed(self, phase: str) -> Iterator[None]:
+    def timed(self, phase: str) -> AbstractContextManager[None]:
         """Book the block's time to ``phase``."""
+        return Lane.shared(phase, [self])
+
+    @staticmethod
+    @contextmanager
+    def shared(phase: str, lanes: Sequence[Lane]) -> Iterator[None]:
+        """Book the block's time to ``phase``, each of ``lanes`` (a batch's images stepping
+        together) its equal share."""
         start = time.perf_counter()
         yield
-        self.stats.seconds[phase] += time.perf_counter() - start
+        share = (time.perf_counter() - start) / max(1, len(lanes))
+        for lane in lanes:
+            lane.stats.seconds[phase] += share
 
     @property
     def tree_config(self) -> TreeConfig:

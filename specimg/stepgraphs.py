@@ -17,10 +17,10 @@ import attrs
 from torch import Tensor
 
 from specimg.config import Sampling
-from specimg.graphs import GraphSet
+from specimg.graphs import GraphSet, StepMode
 from specimg.models.base import Drafter
 from specimg.step import Scores
-from specimg.tree import DraftSession, DraftTree, build_dynamic
+from specimg.tree import BatchSession, DraftSession, DraftTree, build_dynamic, build_dynamic_batch
 
 TREE_COLUMNS = ("tokens", "parents", "depths", "mask", "logprobs", "child_ids")
 """The tensors of a top-k tree (no draft distributions): what a replayed growth makes."""
@@ -69,3 +69,38 @@ def grow_replayed(
 
     columns = drafter.replay(("grow", shape, tuple(root_logits.shape)), grow, [root_logits, root_token])
     return DraftTree(*(column.clone() for column in columns), height=depth)
+
+
+class ReplayingBatch(Protocol):
+    """A batch's draft state that feeds every image at once (``DraftBatch.expand_all``) and
+    replays a program of its calls as one graph (``DraftBatch.replay``)."""
+
+    step_mode: StepMode
+
+    def expand_all(self, parents: Tensor, tokens: Tensor) -> Tensor: ...
+
+    def replay(self, key: Hashable, program: Callable[..., Sequence[Tensor]], inputs: Sequence[Tensor]) -> Sequence[Tensor]: ...
+
+
+def grow_forest(batch: ReplayingBatch, sampling: Sampling, root_logits: Tensor, root_tokens: Tensor, shape: tuple[int, int, int, bool]) -> DraftTree:
+    """:func:`grow_replayed` for every image of a batch, each growing a tree of ``shape``
+    from its root logits [rows, B, V] and root token [B]: one program for the batch's
+    forest, every level's drafter forward one call for all the images.  Replayed as one
+    graph per shape where the batch steps as graphs; else run as it is (fixed shapes)."""
+    depth, topk, nodes, sampled = shape
+    assert not sampled and sampling.cfg_interval < 0, "a fixed growth draws nothing and tracks no guidance interval"
+
+    def forest(root_logits: Tensor, root_tokens: Tensor) -> DraftTree:
+        session = BatchSession(batch.expand_all, sampling, root_logits, root_tokens.new_zeros(root_tokens.shape), filtered=False)  # the index matters only where guidance stops
+        return build_dynamic_batch(session, root_tokens, depth, topk, nodes)
+
+    if batch.step_mode != "graphs":
+        return forest(root_logits, root_tokens)
+
+    def grow(root_logits: Tensor, root_tokens: Tensor) -> list[Tensor]:
+        grown = forest(root_logits, root_tokens)
+        return [getattr(grown, column) for column in (*TREE_COLUMNS, "images")]
+
+    columns = [column.clone() for column in batch.replay(("grow", shape, tuple(root_logits.shape)), grow, [root_logits, root_tokens])]
+    count = root_tokens.shape[0]  # where a host read stalls every tree keeps its ``nodes`` best (none dropped): one size
+    return DraftTree(*columns[:-1], height=depth, images=columns[-1], sizes=(columns[0].shape[0] // count,) * count)

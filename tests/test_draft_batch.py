@@ -43,6 +43,36 @@ def test_batched_drafting_is_each_drafter_alone(kind: str, cfg: bool):
                 torch.testing.assert_close(fed[i], alone[i].expand(torch.tensor(p), torch.tensor(t)), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+@pytest.mark.parametrize("cfg", [True, False], ids=["cfg", "no-cfg"])
+def test_every_image_feeding_at_once_is_each_drafter_alone(kind: str, cfg: bool):
+    """``expand_all`` (every image feeds as many nodes: the fixed-shape call a replayed
+    growth makes) gives each image its own drafter's logits, at mixed cache lengths."""
+    target = build_target("GPT-B", seed=0, **TINY)
+    drafter = build_drafter(target, seed=1, kind=kind)
+    drafter.set_step_mode("static")
+    rows, width = 1 + cfg, drafter.fc.in_features if kind == "eagle3" else TINY["dim"]
+    alone = [drafter.replica() for _ in range(3)]
+    for one in alone:
+        one.prefill(0, cfg)
+    batch = DraftBatch(drafter, 3, cfg)
+    g = torch.Generator().manual_seed(0)
+    for news in ([1, 3, 2], [2, 1, 3]):
+        requests = {i: (torch.randn(rows, m, width, generator=g), torch.randint(0, 64, (m,), generator=g)) for i, m in enumerate(news)}
+        batch.start(requests)
+        for i, (hidden, tokens) in requests.items():
+            alone[i].start(hidden, tokens)
+        for parents in ([[0, 0], [0, 0], [0, 0]], [[1, 2], [2, 2], [1, 1]]):
+            tokens = torch.randint(0, 64, (3, 2), generator=g)
+            fed = batch.expand_all(torch.tensor(parents), tokens)
+            assert fed.shape == (rows, 3, 2, TINY["vocab_size"])
+            for i in range(3):
+                torch.testing.assert_close(fed[:, i], alone[i].expand(torch.tensor(parents[i]), tokens[i]), rtol=0, atol=1e-5)
+    batch.expand({0: (torch.tensor([0]), torch.tensor([1]))})  # image 0 alone: the counts differ
+    with pytest.raises(ValueError, match="every image"):
+        batch.expand_all(torch.zeros(3, 1, dtype=torch.long), torch.zeros(3, 1, dtype=torch.long))
+
+
 def test_a_drafter_that_reads_the_condition_is_refused():
     target = build_target("GPT-B", seed=0, **TINY)
     drafter = build_drafter(target, seed=1)

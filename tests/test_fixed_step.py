@@ -5,6 +5,7 @@ capture is checked on the CPU; the CUDA tests run where a GPU is."""
 
 from __future__ import annotations
 
+import contextlib
 from unittest import mock
 
 import pytest
@@ -218,6 +219,24 @@ def test_a_tree_grown_in_one_replayed_graph_gives_the_eager_growths_tokens() -> 
         eager = engine.generate([1, 4], seed=0)
     assert torch.equal(replayed.tokens, eager.tokens)
     assert [image.accepted for image in replayed.stats.images] == [image.accepted for image in eager.stats.images]
+
+
+@cuda
+def test_a_batch_forest_grown_in_one_replayed_graph_is_the_eager_growths() -> None:
+    """Three images' trees grown as one replayed CUDA graph (every level's drafter call for
+    all of them) are, step by step, the trees the eager batch growth makes; so are the
+    tokens."""
+    target = build_target("GPT-B", seed=0, **{**TINY, "block_size": 64}).cuda()
+    drafter = build_drafter(target, seed=1)
+    engine = specimg.Engine(target, drafter, "naive", sampling=specimg.Sampling(cfg_scale=3.0), cuda_graphs="on", batch_size=3,
+                            tree=specimg.TreeConfig(kind="dynamic", depth=3, topk=3, total_tokens=12))
+    grown: dict[str, list[torch.Tensor]] = {"replayed": [], "eager": []}
+    for growth, trees in grown.items():
+        engine.on_step = lambda tree, dist, path, trees=trees: trees.append(torch.stack([tree.tokens, tree.parents]))
+        with contextlib.nullcontext() if growth == "replayed" else mock.patch.object(specimg.Engine, "_grows_fixed", lambda *args: False):
+            trees.append(engine.generate([1, 2, 3], seed=0).tokens)
+    assert len(grown["replayed"]) == len(grown["eager"])
+    assert all(torch.equal(a, b) for a, b in zip(grown["replayed"], grown["eager"]))
 
 
 @cuda

@@ -135,6 +135,26 @@ def test_a_tree_grows_in_one_replay_as_it_grows_eagerly():
     assert torch.equal(replayed.tokens, eager.tokens)
 
 
+def test_a_batch_grows_its_forest_in_one_replay_as_it_grows_eagerly():
+    """At batch size 3, where every image drafts the one tree shape, the batch's forest
+    grows as one replayed graph (the drafter's start apart): every level's drafter call
+    for all the images, their top-k and the forest's assembly.  Each image's tree at each
+    step is the one the eager growth makes, and so are the tokens."""
+    tree = specimg.TreeConfig(kind="dynamic", depth=3, topk=3, total_tokens=10)
+    replayed_trees, eager_trees = [], []
+    counts, replayed, engine = _graph_path_counts("naive", tree, images=3, trees=replayed_trees)
+    with mock.patch.object(Engine, "_grows_fixed", lambda self, batch, images, shape: False):
+        eager_counts, eager, _ = _graph_path_counts("naive", tree, images=3, trees=eager_trees)
+    assert counts["draft"] + 100 < eager_counts["draft"], (counts, eager_counts)
+    assert len(replayed_trees) == len(eager_trees) > 0
+    for (columns, height), (want, want_height) in zip(replayed_trees, eager_trees):
+        tokens, parents, depths, mask, logprobs, child_ids = columns
+        assert height == want_height
+        assert all(torch.equal(a, b) for a, b in zip((tokens, parents, depths, mask, child_ids), (*want[:4], want[5])))
+        torch.testing.assert_close(logprobs, want[4])  # the drafter attends over its whole cache: rounding may differ
+    assert torch.equal(replayed.tokens, eager.tokens)
+
+
 def test_trees_of_sampled_drafts_relax_and_grow_eagerly():
     """A sampled tree's size changes from step to step (and its growth draws): no graph
     per size, for the fold or the growth (the image's last step, the root alone, is no

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from specimg import stalls
 from specimg.errors import SpecimgError
 from specimg.files import atomic_path
-from specimg.graphs import FixedSteps, GraphSet, bucket
+from specimg.graphs import FixedSteps, GraphSet, StepMode, bucket
 from specimg.models.base import Condition, Target, cfg_rows
 from specimg.models.checkpoint import load_into, load_state_dict
 from specimg.models.llamagen import GPTConfig, KVSlot, TransformerBlock, cache_is_stale, init_weights
@@ -397,6 +397,14 @@ class DraftBatch:
         self.device = w.device
         self.starts = torch.zeros(size, dtype=torch.long, device=w.device)  # lengths and counts on the device too,
         self.fed = torch.zeros(size, dtype=torch.long, device=w.device)  # so that a call copies nothing from the host
+        self.graphs = GraphSet()
+        self._program_counts: dict[Hashable, list[int]] = {}  # per replayed program: the fed-node counts its run leaves
+
+    @property
+    def step_mode(self) -> StepMode:
+        """The drafter's step mode: in the fixed ones every image may feed its nodes at once
+        (:meth:`expand_all`), and on the graph path a growth replays (:meth:`replay`)."""
+        return self.core.step_mode
 
     def reset(self, image: int) -> None:
         """Image ``image`` starts a new picture (its drafter's ``prefill``)."""
@@ -479,6 +487,57 @@ class DraftBatch:
         for i, count in zip(images, f):
             self.counts[i] += count
         return {i: logits[:, i, :count] for i, count in zip(images, f)}
+
+    @torch.no_grad()
+    def expand_all(self, parents: Tensor, tokens: Tensor) -> Tensor:
+        """Every image feeds f nodes at once, children of its nodes ``parents`` [B, f] (as
+        :meth:`expand`), with ``tokens`` [B, f]; their logits [rows, B, f, V].  A fixed-shape
+        program of device state alone (the nodes' ids and slots from the images' common
+        count of fed nodes, attention over the whole cache under a mask), so that a tree's
+        growth replays as one graph (:meth:`replay`)."""
+        width, counts = tokens.shape[1], set(self.counts)
+        if tokens.shape[0] != self.size or len(counts) != 1:
+            raise ValueError("expand_all feeds every image of the batch, each fed as many nodes as the others")
+        fed = counts.pop()
+        if fed + width > self.max_nodes:
+            raise ValueError(f"{fed + width} draft nodes exceed max_tree_nodes={self.max_nodes}")
+        every_image = torch.arange(self.size, device=self.device)[:, None]
+        new = (fed + 1 + torch.arange(width, device=self.device)).expand(self.size, -1)  # node ids fed + 1, ...
+        self.depth[every_image, new] = self.depth.gather(1, parents) + 1
+        self.anc[every_image, new] = self.anc[every_image, parents].scatter_(2, new[..., None], True)  # a scalar fill: graph-safe
+        first = self.starts[:, None]
+        slots = (first + new - 1).clamp_(max=self.capacity - 1)  # node id j at slot length + j - 1
+        positions = self.depth.gather(1, new) + first - 1  # the root sits at lengths[i] - 1
+        keys = torch.arange(self.capacity, device=self.device)
+        node = (keys - first + 1)[:, None, :].expand(-1, width, -1)  # the node at each slot past the prefix (ids past the tree: none)
+        inside = (node >= 1) & (node <= self.max_nodes)
+        seen = (keys < first)[:, None, :] | (inside & self.anc[every_image, new].gather(2, node.clamp(0, self.max_nodes)))
+        states = self.feat.gather(1, parents.repeat(self.rows, 1)[..., None].expand(-1, -1, self.feat.shape[-1]))
+        h = self._forward(states, tokens, slots, positions, seen)
+        self.feat.view(self.rows, self.size, *self.feat.shape[1:])[:, every_image, new] = h.view(self.rows, self.size, width, -1)
+        self.fed.fill_(fed + width)
+        self.counts = [fed + width] * self.size
+        return self.core._logits(h).float().view(self.rows, self.size, width, -1)
+
+    def replay(self, key: Hashable, program: Callable[..., Sequence[Tensor]], inputs: Sequence[Tensor]) -> Sequence[Tensor]:
+        """``program``, a run of :meth:`expand_all` calls after a ``start`` (the core's growth
+        of every image's tree), replayed as one CUDA graph per ``key`` on the graph path (as
+        :meth:`TreeDrafter.replay` for one image).  Every run starts from the counts of fed
+        nodes the first did, and leaves them as it did."""
+        if self.step_mode != "graphs":
+            raise RuntimeError("replay needs the graph step mode (Engine(cuda_graphs='on'))")
+        counts = list(self.counts)
+        entry = ("program", key, tuple(counts))
+
+        def run(*args: Tensor) -> Sequence[Tensor]:
+            self.counts = list(counts)
+            outputs = program(*args)
+            self._program_counts[entry] = list(self.counts)
+            return outputs
+
+        outputs = self.graphs.run(entry, run, inputs)
+        self.counts = list(self._program_counts[entry])
+        return outputs
 
     def _forward(self, states: Tensor, tokens: Tensor, slots: Tensor, positions: Tensor, seen: Tensor) -> Tensor:
         """The draft layer over every image's pairs: states [rows * B, w, D], tokens, slots,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 from unittest import mock
 
@@ -166,18 +166,18 @@ def graph_path(counter: LaunchCounter, *models: Any) -> Iterator[None]:
     (:func:`emulated_captures`; its replays' input copies counted as they run); host reads
     in their device forms; the engine's phases booked to ``counter``.  Engines built inside
     with the default ``cuda_graphs="auto"`` leave the models' step modes as this sets them."""
-    original_timed = lane.Lane.timed
+    original_shared = lane.Lane.shared
 
     @contextlib.contextmanager
-    def timed(self: lane.Lane, phase: str) -> Iterator[None]:
+    def shared(phase: str, lanes: Sequence[lane.Lane]) -> Iterator[None]:
         outer, counter.phase = counter.phase, phase
         try:
-            with original_timed(self, phase):
+            with original_shared(phase, lanes):
                 yield
         finally:
             counter.phase = outer
 
-    with emulated_captures(counter), mock.patch.object(lane.Lane, "timed", timed), \
+    with emulated_captures(counter), mock.patch.object(lane.Lane, "shared", staticmethod(shared)), \
             mock.patch.object(stalls, "host_reads_stall", lambda device: True):
         for model in models:
             model.set_step_mode("static")
