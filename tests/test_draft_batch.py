@@ -46,8 +46,9 @@ def test_batched_drafting_is_each_drafter_alone(kind: str, cfg: bool):
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
 @pytest.mark.parametrize("cfg", [True, False], ids=["cfg", "no-cfg"])
 def test_every_image_feeding_at_once_is_each_drafter_alone(kind: str, cfg: bool):
-    """``expand_all`` (every image feeds as many nodes: the fixed-shape call a replayed
-    growth makes) gives each image its own drafter's logits, at mixed cache lengths."""
+    """At fixed shapes (the graph path's arithmetic), ``start`` and ``expand_all`` (every
+    image feeds as many nodes: the call a replayed growth makes) give each image its own
+    drafter's logits, at mixed cache lengths."""
     target = build_target("GPT-B", seed=0, **TINY)
     drafter = build_drafter(target, seed=1, kind=kind)
     drafter.set_step_mode("static")
@@ -59,9 +60,9 @@ def test_every_image_feeding_at_once_is_each_drafter_alone(kind: str, cfg: bool)
     g = torch.Generator().manual_seed(0)
     for news in ([1, 3, 2], [2, 1, 3]):
         requests = {i: (torch.randn(rows, m, width, generator=g), torch.randint(0, 64, (m,), generator=g)) for i, m in enumerate(news)}
-        batch.start(requests)
+        roots = batch.start(requests)  # at fixed shapes too: padded to a bucket, attending over the whole cache
         for i, (hidden, tokens) in requests.items():
-            alone[i].start(hidden, tokens)
+            torch.testing.assert_close(roots[i], alone[i].start(hidden, tokens), rtol=0, atol=1e-5)
         for parents in ([[0, 0], [0, 0], [0, 0]], [[1, 2], [2, 2], [1, 1]]):
             tokens = torch.randint(0, 64, (3, 2), generator=g)
             fed = batch.expand_all(torch.tensor(parents), tokens)

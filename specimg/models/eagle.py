@@ -416,10 +416,10 @@ class DraftBatch:
         """Each requesting image commits its m new pairs; their root logits [rows, V]."""
         core, images = self.core, list(requests)
         m = [int(tokens.shape[0]) for _, tokens in requests.values()]
-        width = max(m)
         for i, count in zip(images, m):
             if self.lengths[i] + count > self.capacity:
                 raise ValueError(f"{count} new pairs overflow the drafter cache ({self.capacity - self.lengths[i]} slots left)")
+        width = max(m) if self.step_mode == "eager" else bucket(max(m), self.capacity - max(self.lengths))  # padding pairs: nobody sees them
         # every (row, image, pair) at once: where it goes in the [rows * size, width] inputs, and the last pair of each image
         pairs = [(r * self.size + i) * width + j for r in range(self.rows) for i, count in zip(images, m) for j in range(count)]
         ends = [(r * self.size + i) * width + count - 1 for r in range(self.rows) for i, count in zip(images, m)]
@@ -429,12 +429,12 @@ class DraftBatch:
         states[at] = lifted.flatten(0, 1)
         tokens = torch.zeros(self.size * width, dtype=torch.long, device=self.device)
         tokens[at[: sum(m)]] = torch.cat([new.to(self.device) for _, new in requests.values()])  # row 0's places: image i's pair j at i * width + j
-        slots = self.starts[:, None] + torch.arange(width, device=self.device)  # pair j of image i at lengths[i] + j
-        used = max(self.lengths) + width  # the slots any image uses: attention stops there
-        seen = torch.arange(used, device=self.device) < slots[..., None] + 1  # its prefix and itself
-        h = self._forward(states.view(self.rows * self.size, width, -1), tokens.view(self.size, width), slots, slots, seen)
-        root = h.flatten(0, 1)[last].view(self.rows, len(images), -1)  # [rows, requests, D]
-        logits = core._logits(root).float()
+        inputs = (states.view(self.rows * self.size, width, -1), tokens.view(self.size, width), last)
+        if self.step_mode == "graphs":
+            root, logits = (t.clone() for t in self.graphs.run(("start", width, len(images)), self._start_step, inputs))
+        else:  # eagerly, attention stops at the last slot any image uses
+            root, logits = self._start_step(*inputs, used=max(self.lengths) + width if self.step_mode == "eager" else None)
+        root, logits = root.view(self.rows, len(images), -1), logits.view(self.rows, len(images), -1)  # [rows, requests, ...]
         self.feat[:, 0].view(self.rows, self.size, -1)[:, placed] = root
         self.starts[placed] += added
         self.fed[placed] = 0
@@ -442,6 +442,17 @@ class DraftBatch:
             self.lengths[i] += count
             self.counts[i] = 0
         return {i: logits[:, k] for k, i in enumerate(images)}
+
+    def _start_step(self, states: Tensor, tokens: Tensor, last: Tensor, used: int | None = None) -> tuple[Tensor, Tensor]:
+        """``start``'s forward from device tensors alone: pair j of image i at slot
+        lengths[i] + j (``starts``, read where it lives), seeing its prefix and itself among
+        the first ``used`` slots (the whole cache: a fixed shape, replayed as a graph); the
+        states and logits of the pairs at ``last``."""
+        width = tokens.shape[1]
+        slots = self.starts[:, None] + torch.arange(width, device=self.device)
+        seen = torch.arange(used or self.capacity, device=self.device) < slots[..., None] + 1
+        root = self._forward(states, tokens, slots, slots, seen).flatten(0, 1)[last]
+        return root, self.core._logits(root).float()
 
     @torch.no_grad()
     def expand(self, requests: Mapping[int, DraftRequest]) -> dict[int, Tensor]:
