@@ -422,12 +422,14 @@ class Engine:
                     trees.update((i, lanes[i].root_tree()) for i in images)
                     continue
 
+                if len(images) == len(lanes) and self._grows_fixed(batch, shape):
+                    forest = self._grow_every_place(cast(ReplayingBatch, batch), lanes, roots, shape)
+                    every_place = forest.trees()
+                    trees.update((i, every_place[i]) for i in images)
+                    continue
+
                 root_logits = torch.stack([roots[i] for i in images], dim=1)
                 root_tokens = stalls.on_device([lanes[i].tokens[-1] for i in images], self.device)
-                if self._grows_fixed(batch, images, shape):
-                    forest = grow_forest(cast(ReplayingBatch, batch), self.sampling, root_logits, root_tokens, shape)
-                    trees.update(zip(images, forest.trees()))
-                    continue
 
                 def expand(parents: Tensor, tokens: Tensor, images: list[int] = images) -> Tensor:
                     fed = batch.expand(dict(zip(images, zip(parents.unbind(), tokens.unbind()))))
@@ -440,13 +442,24 @@ class Engine:
                 trees.update(zip(images, forest.trees()))
         return {i: trees[i] for i in lanes}, forest if forest is not None and len(forest.sizes) == len(lanes) else None
 
-    def _grows_fixed(self, batch: BatchDrafting, images: Sequence[int], shape: tuple[int, int, int, bool]) -> bool:
-        """Whether the images ``images`` grow their trees of ``shape`` as one fixed-shape
-        program (:func:`~specimg.stepgraphs.grow_forest`, replayed as a graph on the graph
-        path): the batch drafts at fixed shapes, every place of it drafts this shape, of
-        top-k drafts (nothing drawn), and guidance never stops."""
+    def _grows_fixed(self, batch: BatchDrafting, shape: tuple[int, int, int, bool]) -> bool:
+        """Whether trees of ``shape`` grow as one fixed-shape program for every place of the
+        batch (:meth:`_grow_every_place`): the batch drafts at fixed shapes, the trees are of
+        top-k drafts (nothing drawn) and guidance never stops."""
         fixed = getattr(batch, "step_mode", "eager") != "eager"  # a drafter's DraftBatch (stepgraphs.ReplayingBatch)
-        return fixed and list(images) == list(range(getattr(batch, "size", 0))) and not shape[3] and self.sampling.cfg_interval < 0
+        return fixed and not shape[3] and self.sampling.cfg_interval < 0
+
+    def _grow_every_place(self, batch: ReplayingBatch, lanes: Mapping[int, Lane], roots: Mapping[int, Tensor], shape: tuple[int, int, int, bool]) -> DraftTree:
+        """The forest of a tree of ``shape`` at every place of the batch, grown as one
+        program (:func:`~specimg.stepgraphs.grow_forest`; one graph per shape on the graph
+        path), when every drafting lane drafts that shape.  A place with no lane drafting
+        (its image finished, or sent to AR) grows a scratch tree from a uniform root, so
+        that the program keeps its shape; its tree is never used."""
+        idle = [place for place in range(batch.size) if place not in lanes]
+        batch.idle(idle)
+        root_logits = torch.stack([roots[place] if place in roots else torch.zeros_like(next(iter(roots.values()))) for place in range(batch.size)], dim=1)
+        root_tokens = stalls.on_device([lanes[place].tokens[-1] if place in lanes else 0 for place in range(batch.size)], self.device)
+        return grow_forest(batch, self.sampling, root_logits, root_tokens, shape)
 
     def _relax_and_accept(
         self, out: TargetOutput, places: Sequence[int], lanes: Sequence[Lane], forest: DraftTree, trees: Sequence[DraftTree]

@@ -76,6 +76,9 @@ class ReplayingBatch(Protocol):
     replays a program of its calls as one graph (``DraftBatch.replay``)."""
 
     step_mode: StepMode
+    size: int
+
+    def idle(self, images: Sequence[int]) -> None: ...
 
     def expand_all(self, parents: Tensor, tokens: Tensor) -> Tensor: ...
 

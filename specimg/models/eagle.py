@@ -411,6 +411,13 @@ class DraftBatch:
         self.lengths[image], self.counts[image] = 0, 0
         self.starts[image], self.fed[image] = 0, 0
 
+    def idle(self, images: Sequence[int]) -> None:
+        """Images ``images`` draft nothing this step (finished, or decoding AR): their nodes
+        become scratch that :meth:`expand_all` may write from the first id on (their next
+        ``start`` forgets them, as it forgets any image's nodes)."""
+        for image in images:
+            self.counts[image] = 0
+
     @torch.no_grad()
     def start(self, requests: Mapping[int, DraftRequest]) -> dict[int, Tensor]:
         """Each requesting image commits its m new pairs; their root logits [rows, V]."""
