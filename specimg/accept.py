@@ -101,6 +101,7 @@ def _walk_on_device(forest: DraftTree, roots: Sequence[int], generators: Sequenc
     accepted = (levels >= 0).sum(dim=0)
     outcome = torch.cat([accepted, levels.T.flatten(), choices.T.flatten()]).tolist()  # the one host read
     depth, results = forest.height + 1, []
+    paths = torch.cat([start.new_zeros(walkers, 1), levels.T - start[:, None]], dim=1)  # each walker's path from its root, in its tree's ids
     for walker, root in enumerate(roots):
         count = outcome[walker]
         if generators is not None:
@@ -108,8 +109,7 @@ def _walk_on_device(forest: DraftTree, roots: Sequence[int], generators: Sequenc
         at = walkers + walker * depth
         nodes = [reached_node - root for reached_node in outcome[at : at + count]]
         token_list = outcome[walkers * (1 + depth) + walker * depth :][: count + 1]
-        path = torch.cat([start.new_zeros(1), levels[:count, walker] - root])
-        results.append(Acceptance([0, *nodes], token_list[-1], Walked(path, choices[: count + 1, walker], token_list)))
+        results.append(Acceptance([0, *nodes], token_list[-1], Walked(paths[walker, : count + 1], choices[: count + 1, walker], token_list)))
     return results
 
 
