@@ -402,10 +402,10 @@ class Engine:
     def _draft_together(self, lanes: Mapping[int, Lane], batch: BatchDrafting) -> tuple[dict[int, DraftTree], DraftTree | None] | None:
         """Every drafting lane's tree, grown together where the core grows EAGLE-2 trees
         (no method brings its own, no static tree): one drafter call and one top-k per level
-        for all the lanes that draft one shape (:func:`specimg.tree.build_dynamic_batch`),
-        each tree the one its lane grows alone; and where every lane drafted one shape,
-        their forest.  None otherwise: the lanes then propose side by side
-        (:mod:`specimg.lockstep`)."""
+        for all the lanes that draft one shape (:func:`specimg.tree.build_dynamic_batch`;
+        at fixed shapes one program for every place, :meth:`_grow_every_place`), each tree
+        the one its lane grows alone; and where every lane drafted one shape, their forest.
+        None otherwise: the lanes then propose side by side (:mod:`specimg.lockstep`)."""
         assert self.hooks is not None
         shapes = {i: dynamic_shape(lane.tree_config, lane.max_depth) for i, lane in lanes.items()}
         if not lanes or self.hooks.propose.owner is not None or any(shape is None for shape in shapes.values()):
@@ -422,10 +422,11 @@ class Engine:
                     trees.update((i, lanes[i].root_tree()) for i in images)
                     continue
 
-                if len(images) == len(lanes) and self._grows_fixed(batch, shape):
-                    forest = self._grow_every_place(cast(ReplayingBatch, batch), lanes, roots, shape)
-                    every_place = forest.trees()
+                if self._grows_fixed(batch, shape):
+                    grown = self._grow_every_place(cast(ReplayingBatch, batch), {i: lanes[i] for i in images}, roots, shape)
+                    every_place = grown.trees()
                     trees.update((i, every_place[i]) for i in images)
+                    forest = grown if len(images) == len(every_place) else None  # a forest of these images' trees alone
                     continue
 
                 root_logits = torch.stack([roots[i] for i in images], dim=1)
@@ -452,12 +453,11 @@ class Engine:
     def _grow_every_place(self, batch: ReplayingBatch, lanes: Mapping[int, Lane], roots: Mapping[int, Tensor], shape: tuple[int, int, int, bool]) -> DraftTree:
         """The forest of a tree of ``shape`` at every place of the batch, grown as one
         program (:func:`~specimg.stepgraphs.grow_forest`; one graph per shape on the graph
-        path), when every drafting lane drafts that shape.  A place with no lane drafting
-        (its image finished, or sent to AR) grows a scratch tree from a uniform root, so
-        that the program keeps its shape; its tree is never used."""
-        idle = [place for place in range(batch.size) if place not in lanes]
-        batch.idle(idle)
-        root_logits = torch.stack([roots[place] if place in roots else torch.zeros_like(next(iter(roots.values()))) for place in range(batch.size)], dim=1)
+        path) for the ``lanes`` that draft that shape.  Any other place (its image
+        finished, sent to AR, or drafting another shape, grown before or after) grows a
+        scratch tree from a uniform root, so that the program keeps its shape; that tree
+        is never used."""
+        root_logits = torch.stack([roots[place] if place in lanes else torch.zeros_like(next(iter(roots.values()))) for place in range(batch.size)], dim=1)
         root_tokens = stalls.on_device([lanes[place].tokens[-1] if place in lanes else 0 for place in range(batch.size)], self.device)
         return grow_forest(batch, self.sampling, root_logits, root_tokens, shape)
 

@@ -11,7 +11,7 @@ import torch
 
 import specimg
 from specimg.engine import Engine
-from specimg.models.eagle import build_drafter
+from specimg.models.eagle import DraftBatch, build_drafter
 from specimg.models.llamagen import build_target
 from specimg.models.vq import build_tokenizer
 from specimg.graphs import GraphSet
@@ -136,14 +136,15 @@ def test_a_tree_grows_in_one_replay_as_it_grows_eagerly():
 
 
 def test_a_batch_grows_its_forest_in_one_replay_as_it_grows_eagerly():
-    """At batch size 3, where every drafting image drafts the one tree shape, the batch's
-    forest grows as one replayed graph: every level's drafter call for all the places,
-    their top-k and the forest's assembly (a place whose image finished grows a scratch
-    tree, so the tail of the run replays too).  Each image's tree at each step is the one
-    the eager growth makes, and so are the tokens."""
+    """At batch size 3 the batch's forest grows as one replayed graph per tree shape:
+    every level's drafter call for all the places, their top-k and the forest's assembly
+    (a place whose image finished, or drafts a shallower tree near its end, grows a
+    scratch tree, so every step replays).  Each image's tree at each step is the one the
+    eager growth makes, and so are the tokens."""
     tree = specimg.TreeConfig(kind="dynamic", depth=3, topk=3, total_tokens=10)
     replayed_trees, eager_trees = [], []
-    counts, replayed, engine = _graph_path_counts("naive", tree, images=3, trees=replayed_trees)
+    with mock.patch.object(DraftBatch, "expand", side_effect=AssertionError("a batch step grew eagerly")):
+        counts, replayed, engine = _graph_path_counts("naive", tree, images=3, trees=replayed_trees)
     with mock.patch.object(Engine, "_grows_fixed", lambda *args: False):
         eager_counts, eager, _ = _graph_path_counts("naive", tree, images=3, trees=eager_trees)
     assert counts["draft"] + 100 < eager_counts["draft"], (counts, eager_counts)

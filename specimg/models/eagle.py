@@ -411,12 +411,12 @@ class DraftBatch:
         self.lengths[image], self.counts[image] = 0, 0
         self.starts[image], self.fed[image] = 0, 0
 
-    def idle(self, images: Sequence[int]) -> None:
-        """Images ``images`` draft nothing this step (finished, or decoding AR): their nodes
-        become scratch that :meth:`expand_all` may write from the first id on (their next
-        ``start`` forgets them, as it forgets any image's nodes)."""
-        for image in images:
-            self.counts[image] = 0
+    def clear_nodes(self) -> None:
+        """Every image forgets its speculative nodes, as after its start: a growth for every
+        place (:meth:`expand_all`) then feeds from the first id on, whichever images drafted
+        before it.  A tree grown already keeps its own columns."""
+        self.counts = [0] * self.size
+        self.fed.zero_()
 
     @torch.no_grad()
     def start(self, requests: Mapping[int, DraftRequest]) -> dict[int, Tensor]:
