@@ -86,10 +86,11 @@ class ReplayingBatch(Protocol):
 
 
 def grow_forest(batch: ReplayingBatch, sampling: Sampling, root_logits: Tensor, root_tokens: Tensor, shape: tuple[int, int, int, bool]) -> DraftTree:
-    """:func:`grow_replayed` for every image of a batch, each growing a tree of ``shape``
-    from its root logits [rows, B, V] and root token [B]: one program for the batch's
-    forest, every level's drafter forward one call for all the images, from no nodes fed.  Replayed as one
-    graph per shape where the batch steps as graphs; else run as it is (fixed shapes)."""
+    """:func:`grow_replayed` for every place of a batch, each growing a tree of ``shape``
+    from its root logits [rows, B, V] and root token [B], from no nodes fed: one program
+    for the batch's forest, every level's drafter forward one call for all the places.
+    Replayed as one graph per shape where the batch steps as graphs; else run as it is
+    (fixed shapes)."""
     depth, topk, nodes, sampled = shape
     assert not sampled and sampling.cfg_interval < 0, "a fixed growth draws nothing and tracks no guidance interval"
     batch.clear_nodes()
