@@ -434,17 +434,20 @@ def test_fixed_shape_batched_ar_steps_are_the_eager_ones(kind: str):
 
 
 def test_a_speculative_batch_at_fixed_shapes_draws_the_eager_images():
-    """The batch's tree forwards at the fixed shapes CUDA graphs replay (the engine's step
-    mode on a GPU) give the images of eager decoding."""
+    """The batch's tree forwards and drafting at the fixed shapes CUDA graphs replay (the
+    engine's step mode on a GPU: the drafter's start padded, every place's forest grown as
+    one program) give the images of eager decoding."""
     target = build_target("GPT-B", seed=0, **TINY)
     drafter = build_drafter(target, seed=1)
     tokenizer = build_tokenizer(seed=2, **dict(TINY_VQ, codebook_size=TINY["vocab_size"]))
     runs = []
     for mode in ("eager", "static"):
         target.set_step_mode(mode)
+        drafter.set_step_mode(mode)
         engine = Engine(target, drafter, "cascade+lantern", sampling=Sampling(cfg_scale=3.0, top_k=30), tree=TREE, tokenizer=tokenizer, batch_size=3)
         runs.append(engine.generate([3, 7, 3, 0, 9], seed=5).tokens)
     target.set_step_mode("eager")
+    drafter.set_step_mode("eager")
     assert torch.equal(*runs)
 
 
