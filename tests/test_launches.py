@@ -157,6 +157,24 @@ def test_a_batch_grows_its_forest_in_one_replay_as_it_grows_eagerly():
     assert torch.equal(replayed.tokens, eager.tokens)
 
 
+def test_a_batch_keeps_its_graphs_in_the_drafters_set_from_run_to_run():
+    """A batch's graphs (its start, its forests' growth) live in the drafter's graph set,
+    keyed apart from one image's, so their capture time is counted with the drafter's
+    (calibration leaves it out); the drafter keeps the batch, so a run repeating the
+    first's steps captures nothing new."""
+    target = build_target("GPT-B", seed=0, **TINY)
+    drafter = build_drafter(target, seed=1)
+    tree = specimg.TreeConfig(kind="dynamic", depth=3, topk=3, total_tokens=10)
+    with graph_path(LaunchCounter(), target, drafter):
+        engine = specimg.Engine(target, drafter, "naive", sampling=specimg.Sampling(cfg_scale=3.0), tree=tree, batch_size=3)
+        engine.generate([1, 2, 3], seed=0)
+        kinds = {key[0] for key in drafter.graphs._graphs}
+        captured = len(drafter.graphs)
+        engine.generate([1, 2, 3], seed=0)
+    assert kinds == {"batch"} and len(drafter.graphs) == captured
+    assert drafter.batch(3, cfg=True) is drafter.batch(3, cfg=True)
+
+
 def test_trees_of_sampled_drafts_relax_and_grow_eagerly():
     """A sampled tree's size changes from step to step (and its growth draws): no graph
     per size, for the fold or the growth (the image's last step, the root alone, is no

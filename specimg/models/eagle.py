@@ -120,6 +120,7 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
         self.graphs = GraphSet()
         self._graphed_target: tuple[int, ...] = ()  # the target tensors the graphs read, by address
         self._program_fed: dict[Hashable, int] = {}  # per replayed program: the fed-node count its run leaves
+        self._batches: dict[tuple[int, bool], DraftBatch] = {}  # kept, so that their graphs are captured once
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -130,6 +131,7 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
         super()._apply(fn, recurse)
         self._full_kv, self._kv = [], []
         self.graphs.clear()
+        self._batches = {}
         return self
 
     def replica(self) -> TreeDrafter:
@@ -137,12 +139,16 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
         graphs: one per image of a batch (``Engine(batch_size=B)``)."""
         twin = copy.copy(self)
         twin._full_kv, twin._kv = [], []
-        twin.graphs, twin._graphed_target, twin._program_fed = GraphSet(), (), {}
+        twin.graphs, twin._graphed_target, twin._program_fed, twin._batches = GraphSet(), (), {}, {}
         return twin
 
     def batch(self, size: int, cfg: bool) -> DraftBatch:
-        """The draft state of ``size`` images drafting together (``Engine(batch_size=B)``)."""
-        return DraftBatch(self, size, cfg)
+        """The draft state of ``size`` images drafting together (``Engine(batch_size=B)``),
+        kept for the next batch of that size: each image resets its own part as it begins,
+        and the batch's graphs, which read its buffers, are captured once."""
+        if (size, cfg) not in self._batches:
+            self._batches[size, cfg] = DraftBatch(self, size, cfg)
+        return self._batches[size, cfg]
 
     # -- Drafter protocol
 
@@ -222,12 +228,17 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
         if self.step_mode != "graphs":
             h, logits = step(*inputs)
             return h[:, :n], logits[:, :n]
+        h, logits = self.current_graphs().run((*key, self._rows), step, inputs)
+        return h[:, :n], logits[:, :n].clone()
+
+    def current_graphs(self) -> GraphSet:
+        """Its graphs (a batch's too), cleared first where the target's embedding or RoPE,
+        which they read, were made anew."""
         target = (self.draft_rope().data_ptr(), self.target.input_embeddings().data_ptr())
         if target != self._graphed_target:
             self.graphs.clear()
             self._graphed_target = target
-        h, logits = self.graphs.run((*key, self._rows), step, inputs)
-        return h[:, :n], logits[:, :n].clone()
+        return self.graphs
 
     def replay(self, key: Hashable, program: Callable[..., Sequence[Tensor]], inputs: Sequence[Tensor]) -> Sequence[Tensor]:
         """``program``, a run of ``expand`` calls after a ``start`` (the core's growth of a
@@ -382,7 +393,7 @@ class DraftBatch:
     def __init__(self, drafter: TreeDrafter, size: int, cfg: bool):
         if drafter.context:
             raise ValueError("a drafter that reads the whole condition drafts one image at a time")
-        self.core = drafter.replica()
+        self.drafter, self.core = drafter, drafter.replica()  # the core keeps the batch's caches; the drafter, its graphs
         self.size, self.rows = size, cfg_rows(cfg)
         c, w, n = drafter.layer_config, drafter.fc.weight, drafter.max_tree_nodes
         rows = self.rows * size
@@ -397,14 +408,20 @@ class DraftBatch:
         self.device = w.device
         self.starts = torch.zeros(size, dtype=torch.long, device=w.device)  # lengths and counts on the device too,
         self.fed = torch.zeros(size, dtype=torch.long, device=w.device)  # so that a call copies nothing from the host
-        self.graphs = GraphSet()
         self._program_counts: dict[Hashable, list[int]] = {}  # per replayed program: the fed-node counts its run leaves
+        self._identity = object()  # in its graphs' keys
 
     @property
     def step_mode(self) -> StepMode:
         """The drafter's step mode: in the fixed ones every image may feed its nodes at once
         (:meth:`expand_all`), and on the graph path a growth replays (:meth:`replay`)."""
-        return self.core.step_mode
+        return self.drafter.step_mode
+
+    def _graphs_run(self, key: Hashable, fn: Callable[..., Sequence[Tensor]], inputs: Sequence[Tensor]) -> Sequence[Tensor]:
+        """``fn`` replayed from the drafter's graph set (so that its capture time is counted
+        and it is cleared with the drafter's), keyed apart from one image's graphs and any
+        other batch's: its graphs read this batch's buffers."""
+        return self.drafter.current_graphs().run(("batch", self._identity, key), fn, inputs)
 
     def reset(self, image: int) -> None:
         """Image ``image`` starts a new picture (its drafter's ``prefill``)."""
@@ -438,7 +455,7 @@ class DraftBatch:
         tokens[at[: sum(m)]] = torch.cat([new.to(self.device) for _, new in requests.values()])  # row 0's places: image i's pair j at i * width + j
         inputs = (states.view(self.rows * self.size, width, -1), tokens.view(self.size, width), last)
         if self.step_mode == "graphs":
-            root, logits = (t.clone() for t in self.graphs.run(("start", width, len(images)), self._start_step, inputs))
+            root, logits = (t.clone() for t in self._graphs_run(("start", width, len(images)), self._start_step, inputs))
         else:  # eagerly, attention stops at the last slot any image uses
             root, logits = self._start_step(*inputs, used=max(self.lengths) + width if self.step_mode == "eager" else None)
         root, logits = root.view(self.rows, len(images), -1), logits.view(self.rows, len(images), -1)  # [rows, requests, ...]
@@ -553,7 +570,7 @@ class DraftBatch:
             self._program_counts[entry] = list(self.counts)
             return outputs
 
-        outputs = self.graphs.run(entry, run, inputs)
+        outputs = self._graphs_run(entry, run, inputs)
         self.counts = list(self._program_counts[entry])
         return outputs
 
