@@ -29,7 +29,7 @@ from specimg.sampling import cfg_active_at, probabilities
 from specimg.stackhooks import MemberHook, StackHooks
 from specimg.stats import ImageStats, RunStats
 from specimg.step import Acceptance, Scores, Walked, scores_of
-from specimg.stepgraphs import ReplayingBatch, grow_forest, replay_on_tree
+from specimg.stepgraphs import ReplayingBatch, fixed_growth, grow_forest, replay_on_tree
 from specimg.tree import BatchSession, DraftTree, build_dynamic_batch, dynamic_shape, stack_trees
 
 OnImage = Callable[[int, Tensor, ImageStats], None]
@@ -448,7 +448,7 @@ class Engine:
         batch (:meth:`_grow_every_place`): the batch drafts at fixed shapes, the trees are of
         top-k drafts (nothing drawn) and guidance never stops."""
         fixed = getattr(batch, "step_mode", "eager") != "eager"  # a drafter's DraftBatch (stepgraphs.ReplayingBatch)
-        return fixed and not shape[3] and self.sampling.cfg_interval < 0
+        return fixed and fixed_growth(shape, self.sampling)
 
     def _grow_every_place(self, batch: ReplayingBatch, lanes: Mapping[int, Lane], roots: Mapping[int, Tensor], shape: tuple[int, int, int, bool]) -> DraftTree:
         """The forest of a tree of ``shape`` at every place of the batch, grown as one

@@ -98,6 +98,7 @@ class GraphSet:
     def __init__(self) -> None:
         self._graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, Sequence[Tensor], Sequence[Tensor]]] = {}
         self._pool: object | None = None
+        self._host_after: dict[Hashable, Hashable] = {}  # per program (:meth:`run_program`): the host state its capture's run left
         self.capture_seconds = 0.0
         """Total time spent capturing (the warm-up runs included)."""
 
@@ -106,6 +107,7 @@ class GraphSet:
 
     def clear(self) -> None:
         self._graphs.clear()
+        self._host_after.clear()
         self._pool = None
 
     def run(self, key: Hashable, fn: Callable[..., Sequence[Tensor]], inputs: Sequence[Tensor]) -> Sequence[Tensor]:
@@ -119,6 +121,29 @@ class GraphSet:
         for buffer, value in zip(static, inputs):
             buffer.copy_(value, non_blocking=True)
         graph.replay()
+        return outputs
+
+    def run_program(
+        self, key: tuple[Hashable, ...], program: Callable[..., Sequence[Tensor]], inputs: Sequence[Tensor],
+        host: tuple[Callable[[], Hashable], Callable[[Hashable], None]],
+    ) -> Sequence[Tensor]:
+        """:meth:`run` for a program that also moves host state (``host``: its getter and
+        setter; a drafter's count of fed nodes), one graph per key and starting state (the
+        key's last item).  Every run (warm-ups, capture) starts from the state before the
+        first, and after a replay, which runs no Python, the state is set as the capture's
+        run left it."""
+        get, put = host
+        before = get()
+        entry = (*key, before)
+
+        def recorded(*args: Tensor) -> Sequence[Tensor]:
+            put(before)
+            outputs = program(*args)
+            self._host_after[entry] = get()
+            return outputs
+
+        outputs = self.run(entry, recorded, inputs)
+        put(self._host_after[entry])
         return outputs
 
     def _capture(self, fn: Callable[..., Sequence[Tensor]], inputs: Sequence[Tensor]) -> tuple[torch.cuda.CUDAGraph, Sequence[Tensor], Sequence[Tensor]]:

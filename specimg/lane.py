@@ -24,7 +24,7 @@ from specimg.planner import TreePlanner
 from specimg.stackhooks import StackHooks
 from specimg.stats import ImageStats
 from specimg.step import Acceptance, Scores, Step, Walked
-from specimg.stepgraphs import grow_replayed
+from specimg.stepgraphs import fixed_growth, grow_replayed
 from specimg.tree import DraftSession, DraftTree, dynamic_shape
 
 
@@ -141,7 +141,7 @@ class Lane:
             return None
         assert self.engine.hooks is not None
         shape = dynamic_shape(tree_config, self.max_depth)
-        if shape is None or shape[0] == 0 or shape[3] or self.engine.hooks.propose.owner is not None or self.engine.sampling.cfg_interval >= 0:
+        if shape is None or shape[0] == 0 or self.engine.hooks.propose.owner is not None or not fixed_growth(shape, self.engine.sampling):
             return None
         return shape
 

@@ -45,6 +45,13 @@ def replay_on_tree(graphs: GraphSet, name: str, program: TreeProgram, tree: Draf
     return graphs.run(key, run, inputs)
 
 
+def fixed_growth(shape: tuple[int, int, int, bool], sampling: Sampling) -> bool:
+    """Whether the core's growth of a tree of ``shape`` (:func:`~specimg.tree.dynamic_shape`)
+    is a fixed program a graph can replay: its drafts are top-k (nothing drawn) and
+    guidance never stops (no token index to track)."""
+    return not shape[3] and sampling.cfg_interval < 0
+
+
 class ReplayingDrafter(Drafter, Protocol):
     """A drafter that replays a program of its steps as one graph (``TreeDrafter.replay``)."""
 
@@ -59,8 +66,8 @@ def grow_replayed(
     logits and the root's token [1], replayed as one graph per shape: every level's
     drafter forward, top-k and frontier, and the tree's assembly, in one launch.  Its
     columns are copied out of the graph's buffers: the step keeps its tree."""
-    depth, topk, nodes, sampled = shape
-    assert not sampled and sampling.cfg_interval < 0, "a replayed growth draws nothing and tracks no guidance interval"
+    depth, topk, nodes, _ = shape
+    assert fixed_growth(shape, sampling), "a replayed growth draws nothing and tracks no guidance interval"
 
     def grow(root_logits: Tensor, root_token: Tensor) -> list[Tensor]:
         session = DraftSession(drafter, sampling, root_logits, root_index=0, filtered=False)  # the index matters only where guidance stops
@@ -91,8 +98,8 @@ def grow_forest(batch: ReplayingBatch, sampling: Sampling, root_logits: Tensor, 
     for the batch's forest, every level's drafter forward one call for all the places.
     Replayed as one graph per shape where the batch steps as graphs; else run as it is
     (fixed shapes)."""
-    depth, topk, nodes, sampled = shape
-    assert not sampled and sampling.cfg_interval < 0, "a fixed growth draws nothing and tracks no guidance interval"
+    depth, topk, nodes, _ = shape
+    assert fixed_growth(shape, sampling), "a fixed growth draws nothing and tracks no guidance interval"
     batch.clear_nodes()
 
     def forest(root_logits: Tensor, root_tokens: Tensor) -> DraftTree:

@@ -119,7 +119,6 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
         self._slots = torch.arange(0)  # [capacity] slot ids on the cache's device
         self.graphs = GraphSet()
         self._graphed_target: tuple[int, ...] = ()  # the target tensors the graphs read, by address
-        self._program_fed: dict[Hashable, int] = {}  # per replayed program: the fed-node count its run leaves
         self._batches: dict[tuple[int, bool], DraftBatch] = {}  # kept, so that their graphs are captured once
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -139,7 +138,7 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
         graphs: one per image of a batch (``Engine(batch_size=B)``)."""
         twin = copy.copy(self)
         twin._full_kv, twin._kv = [], []
-        twin.graphs, twin._graphed_target, twin._program_fed, twin._batches = GraphSet(), (), {}, {}
+        twin.graphs, twin._graphed_target, twin._batches = GraphSet(), (), {}
         return twin
 
     def batch(self, size: int, cfg: bool) -> DraftBatch:
@@ -247,18 +246,7 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
         since the start, as the first did, and leaves the count of fed nodes as it did."""
         if self.step_mode != "graphs":
             raise RuntimeError("replay needs the graph step mode (Engine(cuda_graphs='on'))")
-        fed = self._count
-        entry = ("program", key, self._rows, fed)
-
-        def run(*args: Tensor) -> Sequence[Tensor]:
-            self._count = fed
-            outputs = program(*args)
-            self._program_fed[entry] = self._count
-            return outputs
-
-        outputs = self.graphs.run(entry, run, inputs)
-        self._count = self._program_fed[entry]
-        return outputs
+        return self.graphs.run_program(("program", key, self._rows), program, inputs, (lambda: self._count, lambda count: setattr(self, "_count", count)))
 
     def _start_fixed(self, hidden: Tensor, tokens: Tensor) -> Tensor:
         m = tokens.shape[0]
@@ -408,7 +396,6 @@ class DraftBatch:
         self.device = w.device
         self.starts = torch.zeros(size, dtype=torch.long, device=w.device)  # lengths and counts on the device too,
         self.fed = torch.zeros(size, dtype=torch.long, device=w.device)  # so that a call copies nothing from the host
-        self._program_counts: dict[Hashable, list[int]] = {}  # per replayed program: the fed-node counts its run leaves
         self._identity = object()  # in its graphs' keys
 
     @property
@@ -561,18 +548,8 @@ class DraftBatch:
         nodes the first did, and leaves them as it did."""
         if self.step_mode != "graphs":
             raise RuntimeError("replay needs the graph step mode (Engine(cuda_graphs='on'))")
-        counts = list(self.counts)
-        entry = ("program", key, tuple(counts))
-
-        def run(*args: Tensor) -> Sequence[Tensor]:
-            self.counts = list(counts)
-            outputs = program(*args)
-            self._program_counts[entry] = list(self.counts)
-            return outputs
-
-        outputs = self._graphs_run(entry, run, inputs)
-        self.counts = list(self._program_counts[entry])
-        return outputs
+        host = (lambda: tuple(self.counts), lambda counts: setattr(self, "counts", list(counts)))
+        return self.drafter.current_graphs().run_program(("batch", self._identity, "program", key), program, inputs, host)
 
     def _forward(self, states: Tensor, tokens: Tensor, slots: Tensor, positions: Tensor, seen: Tensor) -> Tensor:
         """The draft layer over every image's pairs: states [rows * B, w, D], tokens, slots,
