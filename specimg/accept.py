@@ -14,20 +14,37 @@ in it, so only its law is the host form's.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from specimg import stalls
 from specimg.config import Sampling
+from specimg.graphs import GraphSet
 from specimg.step import Acceptance, Walked
 from specimg.tree import DraftTree
 
 
-Level = Callable[[Tensor], tuple[Tensor, Tensor]]
-"""One level of a device walk: each walker's node (-1 once it stopped) -> its emitted token
-and the child it descends to (-1: it stops; always -1 from node -1)."""
+Level = Callable[[Tensor, Sequence[Tensor]], tuple[Tensor, Tensor]]
+"""One level of a device walk: each walker's node (-1 once it stopped) and its draws for
+the level ([walkers, size] per kind of draw) -> its emitted token and the child it
+descends to (-1: it stops; always -1 from node -1)."""
+
+
+class DeviceRule(NamedTuple):
+    """A rule as a device walk (:func:`_walk_on_device`): the step's ``tensors``, what each
+    walker draws at every level (``draws``: per kind, in drawing order, the ``Tensor``
+    method that draws it in place, its size and dtype) and ``levels``, which makes the
+    level function from the tensors alone: a rule keeps no tensor of its own, so its
+    program replays as a graph on any step's tensors."""
+
+    name: str
+    tensors: tuple[Tensor, ...]
+    draws: tuple[tuple[str, int, torch.dtype], ...]
+    levels: Callable[..., Level]
 
 
 def rejects_recursively(sampling: Sampling, exact: bool, tree: DraftTree) -> bool:
@@ -36,18 +53,20 @@ def rejects_recursively(sampling: Sampling, exact: bool, tree: DraftTree) -> boo
     return not sampling.greedy and exact and tree.sampled
 
 
-def walk_forest(forest: DraftTree, roots: Sequence[int], dist: Tensor, generators: Sequence[torch.Generator | None] | None) -> list[Acceptance]:
+def walk_forest(
+    forest: DraftTree, roots: Sequence[int], dist: Tensor, generators: Sequence[torch.Generator | None] | None, graphs: GraphSet | None = None
+) -> list[Acceptance]:
     """Sample-and-match (with ``generators``, one per tree) or greedy (None) on every tree
     of a forest (:meth:`DraftTree.forest`, its roots at ``roots``; or one tree, root 0).
 
-    Where a host read stalls, one device program for every tree (:func:`_walk_on_device`);
-    else on the host, each tree drawing only at the nodes its walk reaches, the candidates
+    Where a host read stalls, one device program for every tree (:func:`_walk_on_device`;
+    replayed from ``graphs`` where given); else on the host, each tree drawing only at the nodes its walk reaches, the candidates
     read once for all.  Both make the same draws and leave each generator as drawing alone
     would.  Paths and tokens come back per tree, in that tree's own node ids, with their
     device tensors (``walked``) made in one copy."""
     if not stalls.host_reads_stall(dist.device) or (generators is not None and None in generators):
         return _walk_on_host(forest, roots, dist, generators)
-    return _walk_on_device(forest, roots, generators, _matching(forest, dist, generators))  # type: ignore[arg-type]
+    return _walk_on_device(forest, roots, generators, _matching(forest, dist, generators is not None), graphs)  # type: ignore[arg-type]
 
 
 def _walk_on_host(forest: DraftTree, roots: Sequence[int], dist: Tensor, generators: Sequence[torch.Generator | None] | None) -> list[Acceptance]:
@@ -79,121 +98,153 @@ def _copied(forest: DraftTree, walks: Sequence[tuple[list[int], int]]) -> list[A
     return [Acceptance(path, new[-1], Walked(parts[2 * i], parts[2 * i + 1], new)) for i, (path, new) in enumerate(zip(paths, new_tokens))]
 
 
-def _walk_on_device(forest: DraftTree, roots: Sequence[int], generators: Sequence[torch.Generator] | None, level: Level) -> list[Acceptance]:
+def _walk_on_device(
+    forest: DraftTree, roots: Sequence[int], generators: Sequence[torch.Generator] | None, rule: DeviceRule, graphs: GraphSet | None = None
+) -> list[Acceptance]:
     """Every tree's walk as one device program of ``forest.height + 1`` levels, whatever
-    the outcome: ``level(node)`` gives each walker's emitted token at its node and the
-    child it descends to (-1: it stops there), drawing from each walker's generator.
-    The host reads the outcome once for every tree (the generators' states are host-side
-    copies on CUDA: no wait), the levels after a walk stopped are ignored, and every
-    tree's generator is set back to its state after the draws that counted."""
-    device, walkers = forest.tokens.device, len(roots)
+    the outcome.  Each walker's draws for every level are made first, from its own
+    generator (:func:`_draw`); the program of levels then takes them as it takes the
+    step's tensors, so that ``graphs`` can replay it as one graph per shape (the
+    generators stay outside it).  The host reads the outcome once for every tree (the
+    generators' states are host-side copies on CUDA: no wait), the levels after a walk
+    stopped are ignored, and every tree's generator is set back to its state after the
+    draws that counted."""
+    device, walkers, depth = forest.tokens.device, len(roots), forest.height + 1
     start = stalls.on_device(list(roots), device)
-    node = start
-    states: list[list[Tensor]] = [[g.get_state()] for g in generators] if generators is not None else []
-    reached, chosen = [], []
-    for _ in range(forest.height + 1):
-        choice, node = level(node)  # a stopped walker's node is -1 from then on
-        for generator, saved in zip(generators or (), states):
-            saved.append(generator.get_state())
-        chosen.append(choice)
-        reached.append(node)
-    levels, choices = torch.stack(reached), torch.stack(chosen)  # [levels, walkers]
-    accepted = (levels >= 0).sum(dim=0)
-    outcome = torch.cat([accepted, levels.T.flatten(), choices.T.flatten()]).tolist()  # the one host read
-    depth, results = forest.height + 1, []
-    paths = torch.cat([start.new_zeros(walkers, 1), levels.T - start[:, None]], dim=1)  # each walker's path from its root, in its tree's ids
-    for walker, root in enumerate(roots):
+    draws, states = _draw(rule.draws, generators or (), depth, device)
+    inputs = [start, *rule.tensors, *draws]
+    program = functools.partial(_levels, rule.levels, len(rule.tensors), depth)
+    if graphs is None:
+        packed = program(*inputs)[0]
+    else:
+        key = ("walk", rule.name, depth, tuple((tuple(t.shape), t.dtype) for t in inputs))
+        packed = graphs.run(key, program, inputs)[0].clone()  # the graph's output: its next replay overwrites it
+    outcome = packed.tolist()  # the one host read
+    results = []
+    for walker, saved in enumerate(states or [None] * walkers):
         count = outcome[walker]
-        if generators is not None:
-            generators[walker].set_state(states[walker][count + 1])
-        at = walkers + walker * depth
-        nodes = [reached_node - root for reached_node in outcome[at : at + count]]
-        token_list = outcome[walkers * (1 + depth) + walker * depth :][: count + 1]
-        results.append(Acceptance([0, *nodes], token_list[-1], Walked(paths[walker, : count + 1], choices[: count + 1, walker], token_list)))
+        if saved is not None:
+            generators[walker].set_state(saved[count + 1])  # type: ignore[index]
+        tokens = slice(walkers + walker * depth, walkers + walker * depth + count + 1)
+        path = slice(walkers * (1 + depth) + walker * (depth + 1), walkers * (1 + depth) + walker * (depth + 1) + count + 1)
+        token_list = outcome[tokens]
+        results.append(Acceptance(outcome[path], token_list[-1], Walked(packed[path], packed[tokens], token_list)))
     return results
 
 
-def _matching(forest: DraftTree, dist: Tensor, generators: Sequence[torch.Generator] | None) -> Level:
-    """Sample-and-match's level (greedy without ``generators``): each walker draws once
-    from its node's distribution, as ``torch.multinomial(row, 1)`` draws one token (an
-    Exp(1) variate per entry from the generator, the argmax of row / variate: the same
-    draws and the same generator state), and descends to the child with that token.
+def _draw(
+    draws: Sequence[tuple[str, int, torch.dtype]], generators: Sequence[torch.Generator], depth: int, device: torch.device
+) -> tuple[list[Tensor], list[list[Tensor]]]:
+    """Each walker's draws for ``depth`` levels ([depth, walkers, size] per kind), level by
+    level from its own generator, as its walk would draw them where every level counted;
+    and each generator's state before the first level and after each."""
+    buffers = [torch.empty(depth, len(generators), size, dtype=dtype, device=device) for _, size, dtype in draws]
+    states = [[generator.get_state()] for generator in generators]
+    for level in range(depth):
+        for walker, (generator, saved) in enumerate(zip(generators, states)):
+            for (method, _, _), buffer in zip(draws, buffers):
+                getattr(buffer[level, walker], method)(generator=generator)
+            saved.append(generator.get_state())
+    return buffers, states
 
-    Each node's child with each token sits in one table [n + 2, V] (-1: none; int32, 4 (n
+
+def _levels(levels: Callable[..., Level], count: int, depth: int, start: Tensor, *inputs: Tensor) -> list[Tensor]:
+    """A device walk's program: ``depth`` levels of the level ``levels`` makes from the
+    step's ``count`` tensors, from the walkers' roots ``start``, each level taking its
+    draws from the rest of ``inputs``.  Its outcome in one tensor: each walker's count of
+    accepted nodes, then its emitted tokens per level, then its path in its tree's ids
+    (root 0, one node per level; a level after its walk stopped holds junk)."""
+    level, draws = levels(*inputs[:count]), inputs[count:]
+    node, reached, chosen = start, [], []
+    for step in range(depth):
+        choice, node = level(node, [drawn[step] for drawn in draws])  # a stopped walker's node is -1 from then on
+        chosen.append(choice)
+        reached.append(node)
+    nodes, choices = torch.stack(reached, dim=1), torch.stack(chosen, dim=1)  # [walkers, depth]
+    paths = torch.cat([torch.zeros_like(start)[:, None], nodes - start[:, None]], dim=1)
+    return [torch.cat([(nodes >= 0).sum(dim=1), choices.flatten(), paths.flatten()])]
+
+
+def _matching(forest: DraftTree, dist: Tensor, sampled: bool) -> DeviceRule:
+    """Sample-and-match (greedy where not ``sampled``) as a device walk: each walker draws
+    once from its node's distribution, as ``torch.multinomial(row, 1)`` draws one token (an
+    Exp(1) variate per entry from the generator, the argmax of row / variate: the same
+    draws and the same generator state), and descends to the child with that token."""
+    draws = (("exponential_", dist.shape[-1], dist.dtype),) if sampled else ()
+    return DeviceRule("match", (dist, forest.parents, forest.tokens), draws, _match_levels)
+
+
+def _match_levels(dist: Tensor, parents: Tensor, tokens: Tensor) -> Level:
+    """Each node's child with each token sits in one table [n + 2, V] (-1: none; int32, 4 (n
     + 2) V bytes: 8 MB for 128 nodes of 16384 tokens), one lookup a level: a root is
     nobody's child, so its entry goes to row n, which no walker reads; the last row has
     no children, and node -1 reads it: a stopped walker finds no child, unasked."""
-    n, vocab = forest.size, dist.shape[-1]
+    n, vocab = dist.shape
     child_of = torch.full((n + 2, vocab), -1, dtype=torch.int32, device=dist.device)
-    child_of[torch.where(forest.parents >= 0, forest.parents, n), forest.tokens] = torch.arange(n, dtype=torch.int32, device=dist.device)  # siblings' tokens are distinct
-    variates = torch.empty(len(generators or ()), vocab, dtype=dist.dtype, device=dist.device)
+    child_of[torch.where(parents >= 0, parents, n), tokens] = torch.arange(n, dtype=torch.int32, device=dist.device)  # siblings' tokens are distinct
 
-    def level(node: Tensor) -> tuple[Tensor, Tensor]:
-        if generators is None:
-            choice = dist[node].argmax(dim=-1)
-        else:
-            for row, generator in zip(variates, generators):
-                row.exponential_(generator=generator)
-            choice = (dist[node] / variates).argmax(dim=-1)
+    def level(node: Tensor, draws: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+        choice = (dist[node] / draws[0] if draws else dist[node]).argmax(dim=-1)
         return choice, child_of[node, choice]
 
     return level
 
 
-def _rejecting(forest: DraftTree, target_dist: Tensor, generators: Sequence[torch.Generator]) -> Level:
-    """Recursive rejection's level (:func:`recursive_rejection`) for every walker at once:
-    C uniforms and V Exp(1) variates per walker and level, used or not, so that a level
-    draws as much whatever happens in it; the children in draft-rank order, a rejected
-    one's draft mass taken from the residual; after the last, a draw from the residual
-    (the argmax of residual / variate, as ``torch.multinomial``)."""
+def _rejecting(forest: DraftTree, target_dist: Tensor) -> DeviceRule:
+    """Recursive rejection (:func:`recursive_rejection`) as a device walk: C uniforms and V
+    Exp(1) variates per walker and level, used or not, so that a level draws as much
+    whatever happens in it."""
     assert forest.draft_probs is not None
-    tokens, ids = forest.candidates()
-    walkers, vocab = len(generators), target_dist.shape[-1]
-    uniforms = torch.empty(walkers, ids.shape[1], dtype=torch.float64, device=target_dist.device)
-    variates = torch.empty(walkers, vocab, dtype=torch.float32, device=target_dist.device)
+    draws = (("uniform_", forest.child_ids.shape[1], torch.float64), ("exponential_", target_dist.shape[-1], torch.float32))
+    return DeviceRule("reject", (target_dist, forest.draft_probs, forest.tokens, forest.child_ids), draws, _reject_levels)
 
-    def level(node: Tensor) -> tuple[Tensor, Tensor]:
-        for u, e, generator in zip(uniforms, variates, generators):
-            u.uniform_(generator=generator)
-            e.exponential_(generator=generator)
-        residual, draft = target_dist[node].double(), forest.draft_probs[node].double()  # node -1: rows never taken
+
+def _reject_levels(target_dist: Tensor, draft_probs: Tensor, node_tokens: Tensor, child_ids: Tensor) -> Level:
+    """The children in draft-rank order, a rejected one's draft mass taken from the
+    residual; after the last, a draw from the residual (the argmax of residual / variate,
+    as ``torch.multinomial``)."""
+    tokens = torch.where(child_ids >= 0, node_tokens[child_ids.clamp(min=0)], -1)
+    tiny = torch.finfo(torch.float64).tiny
+
+    def level(node: Tensor, draws: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+        uniforms, variates = draws
+        residual, draft = target_dist[node].double(), draft_probs[node].double()  # node -1: rows never taken
         child, trying = torch.full_like(node, -1), node >= 0
-        for column in range(ids.shape[1]):
-            candidate, x = ids[node, column], tokens[node, column].clamp(min=0)[:, None]
+        for column in range(child_ids.shape[1]):
+            candidate, x = child_ids[node, column], tokens[node, column].clamp(min=0)[:, None]
             trying = trying & (candidate >= 0)
             take = trying & (uniforms[:, column] * draft.gather(1, x)[:, 0] <= residual.gather(1, x)[:, 0])
             child = torch.where(take, candidate, child)
             rejected = (trying & ~take)[:, None]
             left = (residual - draft).clamp(min=0)
             mass = left.sum(dim=1, keepdim=True)
-            residual = torch.where(rejected & (mass > 0), left / mass.clamp(min=torch.finfo(torch.float64).tiny), residual)
+            residual = torch.where(rejected & (mass > 0), left / mass.clamp(min=tiny), residual)
             draft = torch.where(rejected, draft.scatter(1, x, 0.0), draft)
             total = draft.sum(dim=1, keepdim=True)
-            draft = torch.where(rejected & (total > 0), draft / total.clamp(min=torch.finfo(torch.float64).tiny), draft)
+            draft = torch.where(rejected & (total > 0), draft / total.clamp(min=tiny), draft)
             trying = trying & ~take & (total[:, 0] > 0)  # no draft mass left: no child can be drawn
         correction = (residual.float() / variates).argmax(dim=-1)
-        return torch.where(child >= 0, forest.tokens[child.clamp(min=0)], correction), child
+        return torch.where(child >= 0, node_tokens[child.clamp(min=0)], correction), child
 
     return level
 
 
-def _thresholding(chain: DraftTree, accept_prob: Tensor, residual: Tensor, generators: Sequence[torch.Generator]) -> Level:
-    """:func:`chain_acceptance`'s level for every walker at once: one uniform and V Exp(1)
-    variates per walker and level, used or not; the child is taken where the uniform falls
-    below its node's probability, else the residual's draw (the argmax of residual /
-    variate, as ``torch.multinomial``) is emitted."""
-    tokens, ids = chain.candidates()
-    uniforms = torch.empty(len(generators), 1, dtype=torch.float64, device=residual.device)
-    variates = torch.empty(len(generators), residual.shape[-1], dtype=torch.float32, device=residual.device)
+def _thresholding(chain: DraftTree, accept_prob: Tensor, residual: Tensor) -> DeviceRule:
+    """:func:`chain_acceptance` as a device walk: one uniform and V Exp(1) variates per
+    walker and level, used or not; the child is taken where the uniform falls below its
+    node's probability, else the residual's draw (the argmax of residual / variate, as
+    ``torch.multinomial``) is emitted."""
+    draws = (("uniform_", 1, torch.float64), ("exponential_", residual.shape[-1], torch.float32))
+    return DeviceRule("threshold", (accept_prob, residual, chain.tokens, chain.child_ids), draws, _threshold_levels)
 
-    def level(node: Tensor) -> tuple[Tensor, Tensor]:
-        for u, e, generator in zip(uniforms, variates, generators):
-            u.uniform_(generator=generator)
-            e.exponential_(generator=generator)
-        child = torch.where(node >= 0, ids[node, 0], -1)
+
+def _threshold_levels(accept_prob: Tensor, residual: Tensor, tokens: Tensor, child_ids: Tensor) -> Level:
+    def level(node: Tensor, draws: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+        uniforms, variates = draws
+        child = torch.where(node >= 0, child_ids[node, 0], -1)
         take = (uniforms[:, 0] < accept_prob[node].double()) & (child >= 0)
         drawn = (residual[node].float() / variates).argmax(dim=-1)
-        return torch.where(take, tokens[node, 0], drawn), torch.where(take, child, -1)
+        return torch.where(take, tokens[child.clamp(min=0)], drawn), torch.where(take, child, -1)
 
     return level
 
@@ -210,7 +261,7 @@ def chain_acceptance(chain: DraftTree, accept_prob: Tensor, residual: Tensor, ge
     if chain.child_ids.shape[1] > 1:
         raise ValueError("chain_acceptance takes a chain: every node has at most one child")
     if stalls.host_reads_stall(residual.device):
-        return _walk_on_device(chain, [0], [generator], _thresholding(chain, accept_prob, residual, [generator]))[0]
+        return _walk_on_device(chain, [0], [generator], _thresholding(chain, accept_prob, residual))[0]
     uniforms = torch.rand(accept_prob.shape, generator=generator, dtype=torch.float64, device=residual.device)
     accepted = (uniforms < accept_prob.double()).tolist()
     path, node, next_ids = [0], 0, chain.child_ids[:, 0].tolist()
@@ -247,7 +298,9 @@ def recursive_rejection(tree: DraftTree, target_dist: Tensor, generator: torch.G
     return reject_forest(tree, [0], target_dist, [generator])[0]
 
 
-def reject_forest(forest: DraftTree, roots: Sequence[int], target_dist: Tensor, generators: Sequence[torch.Generator | None]) -> list[Acceptance]:
+def reject_forest(
+    forest: DraftTree, roots: Sequence[int], target_dist: Tensor, generators: Sequence[torch.Generator | None], graphs: GraphSet | None = None
+) -> list[Acceptance]:
     """:func:`recursive_rejection` on every tree of a forest (its roots at ``roots``; or one
     tree, root 0), tree g drawing from ``generators[g]``.
 
@@ -259,7 +312,7 @@ def reject_forest(forest: DraftTree, roots: Sequence[int], target_dist: Tensor, 
     if forest.draft_probs is None:
         raise ValueError("recursive rejection needs the draft distributions of a sampled tree")
     if stalls.host_reads_stall(target_dist.device) and None not in generators:
-        return _walk_on_device(forest, roots, generators, _rejecting(forest, target_dist, generators))  # type: ignore[arg-type]
+        return _walk_on_device(forest, roots, generators, _rejecting(forest, target_dist), graphs)  # type: ignore[arg-type]
     trees, dists = ([forest], [target_dist]) if forest.images is None else (forest.trees(), target_dist.split(list(forest.sizes)))
     results = [_reject_on_host(tree, dist, generator) for tree, dist, generator in zip(trees, dists, generators)]
     return _copied(forest, [([root + node for node in result.path], result.next_token) for root, result in zip(roots, results)])
@@ -267,14 +320,15 @@ def reject_forest(forest: DraftTree, roots: Sequence[int], target_dist: Tensor, 
 
 def accept_forest(
     forest: DraftTree, roots: Sequence[int], dist: Tensor, target_dist: Tensor, sampling: Sampling, exact: bool,
-    generators: Sequence[torch.Generator | None],
+    generators: Sequence[torch.Generator | None], graphs: GraphSet | None = None,
 ) -> list[Acceptance]:
     """The core's rule on every tree of a forest (or one tree, root 0): recursive rejection
     against ``target_dist`` where it applies (:func:`rejects_recursively`), else
-    sample-and-match on ``dist`` (greedy at temperature 0)."""
+    sample-and-match on ``dist`` (greedy at temperature 0); its device walk replayed from
+    ``graphs`` where given."""
     if rejects_recursively(sampling, exact, forest):
-        return reject_forest(forest, roots, target_dist, generators)
-    return walk_forest(forest, roots, dist, None if sampling.greedy else generators)
+        return reject_forest(forest, roots, target_dist, generators, graphs)
+    return walk_forest(forest, roots, dist, None if sampling.greedy else generators, graphs)
 
 
 def _reject_on_host(tree: DraftTree, target_dist: Tensor, generator: torch.Generator | None) -> Acceptance:

@@ -91,7 +91,7 @@ class Engine:
         self.device = costs.device_of(target)
         self._set_step_mode(cuda_graphs)
         self.graphs = GraphSet()
-        """The step's own graphs, on the graph path: the stack's relaxation per tree shape."""
+        """The step's own graphs, on the graph path: the stack's relaxation and the core's walk per tree shape."""
         self.check_relax = relax.checks_enabled()
         self.calibration_seconds = 0.0
         """What :meth:`prepare` spent measuring this machine's costs and calibrating the stack (0 when the cache had them)."""
@@ -482,7 +482,8 @@ class Engine:
         assert self.hooks is not None
         with Lane.shared("accept", lanes):
             if self.hooks.accept.owner is None:  # the core's own rule: every lane at once
-                results = acceptance.accept_forest(forest, starts, dist, scores.probs, self.sampling, self.exact, [lane.generator for lane in lanes])
+                results = acceptance.accept_forest(forest, starts, dist, scores.probs, self.sampling, self.exact, [lane.generator for lane in lanes],
+                                                   self._step_graphs(forest))
                 walks = [result.walked for result in results]
                 if dist is not scores.probs:
                     paths = [[first + node for node in result.path] for first, result in zip(starts, results)]
@@ -672,17 +673,27 @@ class Engine:
         return dist.clone()  # the graph's output: its next replay overwrites it
 
     def _relax_replays(self, tree: DraftTree) -> bool:
-        """Whether this step's relaxation replays as a graph: the target steps on the graph
-        path, the stack has a budget, every member that relaxes is capturable, and the tree
-        is of top-k drafts (a sampled tree's size changes from step to step, and a graph
-        per size would cost more captures than it saves)."""
+        """Whether this step's relaxation replays as a graph: the step's programs replay
+        (:meth:`_step_graphs`), the stack has a budget and every member that relaxes is
+        capturable."""
         assert self.stack is not None and self.hooks is not None
-        return (getattr(self.target, "step_mode", "eager") == "graphs" and self.stack.delta > 0 and not tree.sampled
+        return (self._step_graphs(tree) is not None and self.stack.delta > 0
                 and bool(self.hooks.relaxers) and all(member.capturable for member in self.hooks.relaxers))
 
+    def _step_graphs(self, tree: DraftTree) -> GraphSet | None:
+        """The graphs that replay this step's own programs (its relaxation, the core's
+        walk), or None: they replay where the target steps on the graph path and the tree
+        is of top-k drafts (a sampled tree's size changes from step to step, and a graph
+        per size would cost more captures than it saves)."""
+        replays = getattr(self.target, "step_mode", "eager") == "graphs" and not tree.sampled
+        return self.graphs if replays else None
+
     def accept(self, tree: DraftTree, dist: Tensor, scores: Scores, generator: torch.Generator) -> Acceptance:
-        """One step's acceptance by the stack's accept hook or the core's default."""
+        """One step's acceptance by the stack's accept hook, else by the core's own rule,
+        whose device walk replays as a graph where the step's programs do."""
         assert self.stack is not None and self.hooks is not None
+        if self.hooks.accept.owner is None:
+            return acceptance.accept_forest(tree, [0], dist, scores.probs, self.sampling, self.exact, [generator], self._step_graphs(tree))[0]
         return self.hooks.accept(tree=tree, dist=dist, scores=scores, sampling=self.sampling, generator=generator, exact=self.exact,
                                  target=self.target)
 

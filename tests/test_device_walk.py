@@ -9,11 +9,13 @@ import torch
 
 import specimg
 from specimg import accept, stalls
+from specimg.graphs import GraphSet
 from specimg.models.eagle import build_drafter
 from specimg.models.llamagen import build_target
 from specimg.models.vq import build_tokenizer
 from specimg.testing import statistics
 from specimg.testing.exact import outcomes
+from specimg.testing.launches import LaunchCounter, emulated_captures
 from specimg.testing.syncs import counting_host_reads
 from specimg.tree import DraftTree
 
@@ -95,6 +97,51 @@ def test_a_forest_walks_as_each_tree_alone(monkeypatch, greedy, form):
             path, new_tokens, token_list = result.walked
             assert path.tolist() == alone.path
             assert new_tokens.tolist() == token_list == tree.tokens[path[1:]].tolist() + [alone.next_token]
+
+
+def sampled_forest(trees: list[DraftTree], vocab: int, g: torch.Generator) -> DraftTree:
+    """``trees`` as sampled trees, each node with a random draft distribution, in one forest."""
+    return DraftTree.forest([
+        DraftTree.from_parents(tree.tokens.tolist(), tree.parents.tolist(), sampled=True,
+                               draft_probs=torch.softmax(2 * torch.randn(tree.size, vocab, generator=g), dim=-1))
+        for tree in trees
+    ])
+
+
+@pytest.mark.parametrize("rule", ["match", "greedy", "reject"])
+def test_a_replayed_walk_is_the_walk_run_directly(monkeypatch, rule):
+    """The device walk replayed from a graph set (captures emulated: a replay reruns the
+    program on the graph's own input buffers, and a call no CUDA graph can replay
+    raises) gives every tree's path, next token, walked tensors and generator state of
+    the same walk run directly, step after step, with one graph per forest shape (its
+    trees' sizes, its height, for rejection its widest node's children): the program
+    reads each step's tensors, none kept from the capture's."""
+    monkeypatch.setattr(stalls, "host_reads_stall", lambda device: True)
+    g, vocab, graphs = torch.Generator().manual_seed(2), 5, GraphSet()
+    shapes = [[random_tree(n, vocab, torch.Generator().manual_seed(n)) for n in sizes] for sizes in ((4, 7), (6, 6, 3))]
+    lengths, shapes_seen = set(), set()
+    for step in range(24):
+        trees = [random_tree(tree.size, vocab, g) for tree in shapes[step % 2]]  # new tokens and parents at a captured shape
+        forest = sampled_forest(trees, vocab, g) if rule == "reject" else DraftTree.forest(trees)
+        dist = torch.softmax(3 * torch.randn(forest.size, vocab, generator=g), dim=-1)
+        roots = [start for start, _ in forest.spans]
+        shapes_seen.add((forest.sizes, forest.height, forest.child_ids.shape[1] if rule == "reject" else None))  # rejection reads the widest node's children
+        outcomes = []
+        for replay in (None, graphs):
+            generators = [torch.Generator().manual_seed(100 * step + i) for i in range(len(trees))]
+            counter = LaunchCounter()
+            with emulated_captures(counter), counter:
+                if rule == "reject":
+                    results = accept.reject_forest(forest, roots, dist, generators, replay)
+                else:
+                    results = accept.walk_forest(forest, roots, dist, None if rule == "greedy" else generators, replay)
+            outcomes.append(([(r.path, r.next_token, r.walked.path.tolist(), r.walked.new_tokens.tolist(), r.walked.token_list) for r in results],
+                             [generator.get_state() for generator in generators]))
+        (direct, direct_states), (replayed, replayed_states) = outcomes
+        assert replayed == direct, step
+        assert all(torch.equal(a, b) for a, b in zip(direct_states, replayed_states)), step
+        lengths.update(len(path) for path, *_ in direct)
+    assert len(graphs) == len(shapes_seen) < 24 and len(lengths) >= 3
 
 
 @pytest.fixture(scope="module")

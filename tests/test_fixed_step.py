@@ -206,6 +206,24 @@ def test_a_graphed_relaxation_gives_the_eager_folds_tokens() -> None:
 
 
 @cuda
+def test_a_walk_replayed_as_a_cuda_graph_decodes_the_eager_walks_tokens() -> None:
+    """Sample-and-match's levels replayed as one CUDA graph per tree shape, each image's
+    draws made before it from its own generator, decode what the eager device walk does,
+    seed for seed: one image at a time and three together."""
+    target = build_target("GPT-B", seed=0, **{**TINY, "block_size": 64}).cuda()
+    drafter = build_drafter(target, seed=1)
+    for batch_size in (1, 3):
+        engine = specimg.Engine(target, drafter, "naive", sampling=specimg.Sampling(cfg_scale=3.0), cuda_graphs="on", batch_size=batch_size,
+                                tree=specimg.TreeConfig(kind="dynamic", depth=3, topk=3, total_tokens=12))
+        replayed = engine.generate([1, 2, 3], seed=0)
+        assert any(key[0] == "walk" for key in engine.graphs._graphs)
+        with mock.patch.object(specimg.Engine, "_step_graphs", lambda self, tree: None):
+            eager = engine.generate([1, 2, 3], seed=0)
+        assert torch.equal(replayed.tokens, eager.tokens), batch_size
+        assert [image.accepted for image in replayed.stats.images] == [image.accepted for image in eager.stats.images]
+
+
+@cuda
 def test_a_tree_grown_in_one_replayed_graph_gives_the_eager_growths_tokens() -> None:
     """The core's top-k tree growth replayed as one CUDA graph (its forwards' kernels
     recorded in it) decodes what growing it step by step does, seed for seed."""

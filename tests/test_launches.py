@@ -81,14 +81,21 @@ def test_an_ar_token_on_the_graph_path_is_its_replay_sampling_and_commit():
     assert result.stats.tokens == 16 and sum(counts.values()) <= 15, counts
 
 
-def test_the_acceptance_walk_issues_a_fixed_handful_of_launches_per_level():
-    """Sample-and-match on the device walks every level whatever it accepts: a draw
-    (Exp(1) variates, the node's row over them, its argmax) and one lookup of the child
-    with that token per level (5 launches), whatever the tree's width; a dozen more per
-    step."""
+@pytest.mark.parametrize("images", [1, 3])
+def test_the_acceptance_walk_replays_as_one_graph_after_its_draws(images):
+    """Sample-and-match on the device replays its levels as one graph per tree shape: per
+    step, each image's Exp(1) variates for every level, drawn outside the graph from its
+    own generator, and a handful of launches (the inputs' copies, the replay, the
+    outcome's copy), where each level cost some 6 launches eagerly.  The tokens are the
+    eager walk's."""
     tree = specimg.TreeConfig(kind="dynamic", depth=3, topk=3, total_tokens=10)
-    counts, _, _ = _graph_path_counts("naive", tree)
-    assert counts["accept"] <= 6 * (tree.depth + 1) + 12, counts
+    counts, replayed, engine = _graph_path_counts("naive", tree, images=images)
+    with mock.patch.object(Engine, "_step_graphs", lambda self, tree: None):
+        eager_counts, eager, _ = _graph_path_counts("naive", tree, images=images)
+    assert counts["accept"] <= images * (tree.depth + 1) + 8 < eager_counts["accept"], (counts, eager_counts)
+    assert any(key[0] == "walk" for key in engine.graphs._graphs)
+    assert torch.equal(replayed.tokens, eager.tokens)
+    assert [image.accepted for image in replayed.stats.images] == [image.accepted for image in eager.stats.images]
 
 
 def test_a_capturable_stack_relaxes_in_one_replay_and_its_copies_with_the_same_tokens():
@@ -113,7 +120,8 @@ def test_a_batch_relaxes_its_forest_in_one_replay_with_the_same_tokens():
     counts, replayed, engine = _graph_path_counts("cascade+lantern", tree, images=3)
     with mock.patch.object(Engine, "_relax_replays", lambda self, tree: False):
         eager_counts, eager, eager_engine = _graph_path_counts("cascade+lantern", tree, images=3)
-    assert len(engine.graphs) > 0 and len(eager_engine.graphs) == 0
+    relaxed = [[key for key in e.graphs._graphs if key[0] == "relax"] for e in (engine, eager_engine)]
+    assert relaxed[0] and not relaxed[1]
     assert sum(counts.values()) + 100 < sum(eager_counts.values()), (counts, eager_counts)
     assert torch.equal(replayed.tokens, eager.tokens)
     assert [image.accepted for image in replayed.stats.images] == [image.accepted for image in eager.stats.images]
@@ -175,15 +183,17 @@ def test_a_batch_keeps_its_graphs_in_the_drafters_set_from_run_to_run():
     assert drafter.batch(3, cfg=True) is drafter.batch(3, cfg=True)
 
 
-def test_trees_of_sampled_drafts_relax_and_grow_eagerly():
+def test_trees_of_sampled_drafts_relax_walk_and_grow_eagerly():
     """A sampled tree's size changes from step to step (and its growth draws): no graph
-    per size, for the fold or the growth (the image's last step, the root alone, is no
-    sampled tree); the same tokens as with both replays off."""
+    per size, for the fold, the walk or the growth (the image's last step, the root
+    alone, is no sampled tree); the same tokens as with the replays off."""
     tree = specimg.TreeConfig(kind="dynamic", depth=3, topk=3, total_tokens=10, sample=True)
     _, sampled, engine = _graph_path_counts("cascade+lantern", tree)
-    relax_keys = list(engine.graphs._graphs)
-    assert len(relax_keys) <= 1 and all(key[4] == 0 for key in relax_keys), relax_keys  # height 0: the root alone
+    keys = list(engine.graphs._graphs)
+    relax_heights = [key[4] for key in keys if key[0] == "relax"]
+    walk_depths = [key[2] for key in keys if key[0] == "walk"]
+    assert relax_heights in ([], [0]) and walk_depths in ([], [1]), keys  # the root alone: height 0, one level
     assert not any(key[0] == "program" for key in engine.drafter.graphs._graphs)
-    with mock.patch.object(Engine, "_relax_replays", lambda self, tree: False), mock.patch.object(Lane, "_replayed_growth", lambda self, config: None):
+    with mock.patch.object(Engine, "_step_graphs", lambda self, tree: None), mock.patch.object(Lane, "_replayed_growth", lambda self, config: None):
         _, eager, _ = _graph_path_counts("cascade+lantern", tree)
     assert torch.equal(sampled.tokens, eager.tokens)
