@@ -29,7 +29,7 @@ from specimg.sampling import cfg_active_at, probabilities
 from specimg.stackhooks import MemberHook, StackHooks
 from specimg.stats import ImageStats, RunStats
 from specimg.step import Acceptance, Scores, Walked, scores_of
-from specimg.stepgraphs import ReplayingBatch, fixed_growth, grow_forest, replay_on_tree
+from specimg.stepgraphs import ReplayingBatch, ReplayingTarget, ar_step_replayed, fixed_growth, grow_forest, replay_on_tree, score_replayed
 from specimg.tree import BatchSession, DraftTree, build_dynamic_batch, dynamic_shape, stack_trees
 
 OnImage = Callable[[int, Tensor, ImageStats], None]
@@ -613,15 +613,20 @@ class Engine:
     def _decode_ar(self, tokens: list[int], generator: torch.Generator, stats: ImageStats, progress: Callable[[int], None] | None) -> None:
         """The rest of the image one token per forward.  Each token stays on the device and
         feeds the next step; the host reads them all at the end, so no step waits for the
-        device (on a GPU the host runs ahead and the launches overlap the work)."""
+        device (on a GPU the host runs ahead and the launches overlap the work).  Where the
+        target replays programs, the forward and the token's distribution are one graph
+        (:func:`~specimg.stepgraphs.ar_step_replayed`)."""
         target, sampling, device = self.target, self.sampling, self.device
         root = torch.zeros(1, dtype=torch.long, device=device)
         mask = torch.ones(1, 1, dtype=torch.bool, device=device)
-        last, drawn = torch.tensor(tokens[-1:], device=device), []
+        last, drawn, replays = torch.tensor(tokens[-1:], device=device), [], self._target_replays
         for index in range(len(tokens), target.num_tokens):
-            out = target.forward_tree(last, root, mask)
+            if replays:
+                probs = ar_step_replayed(cast(ReplayingTarget, target), sampling, last, cfg_active_at(index, sampling))
+            else:
+                probs = probabilities(target.forward_tree(last, root, mask).logits, sampling, cfg_active_at(index, sampling))[0]
             target.commit(root)
-            last = self._sample(probabilities(out.logits, sampling, cfg_active_at(index, sampling))[0], generator)
+            last = self._sample(probs, generator)
             drawn.append(last)
             stats.target_forwards += 1
             if progress:
@@ -688,6 +693,22 @@ class Engine:
         replays = getattr(self.target, "step_mode", "eager") == "graphs" and not tree.sampled
         return self.graphs if replays else None
 
+    def score(self, tree: DraftTree, token_index: int) -> Scores:
+        """The target's scores on one image's tree by the stack's score hook, else by the
+        core's own, which replays with the sampling's processing as one graph per tree
+        size where the step's programs replay, the target replays programs and guidance
+        never stops (:func:`~specimg.stepgraphs.score_replayed`)."""
+        assert self.hooks is not None
+        if self.hooks.score.owner is None and self._step_graphs(tree) is not None and self._target_replays and self.sampling.cfg_interval < 0:
+            return score_replayed(cast(ReplayingTarget, self.target), self.sampling, tree)
+        return self.hooks.score(target=self.target, tree=tree, sampling=self.sampling, token_index=token_index)
+
+    @property
+    def _target_replays(self) -> bool:
+        """Whether the target replays a program around its forward as one graph
+        (:class:`~specimg.stepgraphs.ReplayingTarget`, on the graph path)."""
+        return getattr(self.target, "step_mode", "eager") == "graphs" and hasattr(self.target, "replay")
+
     def accept(self, tree: DraftTree, dist: Tensor, scores: Scores, generator: torch.Generator) -> Acceptance:
         """One step's acceptance by the stack's accept hook, else by the core's own rule,
         whose device walk replays as a graph where the step's programs do."""
@@ -708,7 +729,7 @@ class Engine:
                 break
             tree = lane.propose()
             with lane.timed("verify"):
-                scores = self.hooks.score(target=self.target, tree=tree, sampling=self.sampling, token_index=len(lane.tokens))
+                scores = self.score(tree, len(lane.tokens))
             dist, result, walked = lane.accept(tree, scores)
             with lane.timed("commit"):
                 self.target.commit(walked.path)

@@ -2,10 +2,11 @@
 
 Around its replayed forwards a step runs tensor programs of its own: growing a tree
 (a drafter forward, a top-k and the frontier's bookkeeping per level) and relaxing the
-target's scores cost a GPU over a hundred launches each, far more than the forwards.
-Each is a fixed-shape program with no host read, so it is captured once per tree shape
-(:class:`~specimg.graphs.GraphSet`) and then replays as one launch plus the copies of
-its inputs.
+target's scores cost a GPU over a hundred launches each, far more than the forwards;
+turning the target's logits into distributions (guidance, filter, softmax) costs as
+many launches as the forward's replay and its copies.  Each is a fixed-shape program
+with no host read, so it is captured once per tree shape (:class:`~specimg.graphs.GraphSet`)
+and then replays as one launch plus the copies of its inputs.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Protocol
 
 import attrs
+import torch
 from torch import Tensor
 
 from specimg.config import Sampling
 from specimg.graphs import GraphSet, StepMode
-from specimg.models.base import Drafter
+from specimg.models.base import Drafter, Target
+from specimg.sampling import probabilities
 from specimg.step import Scores
 from specimg.tree import BatchSession, DraftSession, DraftTree, build_dynamic, build_dynamic_batch
 
@@ -116,3 +119,36 @@ def grow_forest(batch: ReplayingBatch, sampling: Sampling, root_logits: Tensor, 
     columns = [column.clone() for column in batch.replay(("grow", shape, tuple(root_logits.shape)), grow, [root_logits, root_tokens])]
     count = root_tokens.shape[0]  # where a host read stalls every tree keeps its ``nodes`` best (none dropped): one size
     return DraftTree(*columns[:-1], height=depth, images=columns[-1], sizes=(columns[0].shape[0] // count,) * count)
+
+
+class ReplayingTarget(Target, Protocol):
+    """A target that replays a program around its step forward as one graph (``LlamaGenTarget.replay``)."""
+
+    def replay(self, key: Hashable, program: Callable[..., Sequence[Tensor]], inputs: Sequence[Tensor]) -> Sequence[Tensor]: ...
+
+
+def score_replayed(target: ReplayingTarget, sampling: Sampling, tree: DraftTree) -> Scores:
+    """The core's scores of a tree (the target's forward, then guidance, filter and softmax),
+    replayed as one graph per tree size.  Guidance never stops here (no token index to
+    track).  The scores are copied out of the graph's buffers: the step keeps them."""
+    assert sampling.cfg_interval < 0, "a replayed score tracks no guidance interval"
+
+    def score(tokens: Tensor, depths: Tensor, mask: Tensor) -> list[Tensor]:
+        logits, hidden, layers = target.forward_tree(tokens, depths, mask)
+        return [probabilities(logits, sampling), hidden, logits, *([] if layers is None else [layers])]
+
+    probs, hidden, logits, *layers = (t.clone() for t in target.replay(("score", tree.size), score, [tree.tokens, tree.depths, tree.mask]))
+    return Scores(probs, hidden, logits, *layers)
+
+
+def ar_step_replayed(target: ReplayingTarget, sampling: Sampling, last: Tensor, cfg_active: bool) -> Tensor:
+    """AR's step, the forward of the last token [1] and its distribution [V], replayed as
+    one graph per guidance state.  The distribution is the graph's own output, which its
+    next replay overwrites: AR draws from it first."""
+
+    def step(last: Tensor) -> list[Tensor]:
+        root = torch.zeros_like(last)  # depth 0, seeing itself
+        logits = target.forward_tree(last, root, torch.ones(1, 1, dtype=torch.bool, device=last.device)).logits
+        return [probabilities(logits, sampling, cfg_active)[0]]
+
+    return target.replay(("ar", cfg_active), step, [last])[0]

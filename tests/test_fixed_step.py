@@ -206,6 +206,23 @@ def test_a_graphed_relaxation_gives_the_eager_folds_tokens() -> None:
 
 
 @cuda
+def test_a_forward_replayed_with_its_distributions_decodes_the_eager_distributions_tokens() -> None:
+    """AR's step and the core's score of a tree, each replayed as one CUDA graph with the
+    distributions made from its logits, decode what the forward's own graph followed by
+    the eager distributions does, seed for seed."""
+    target = build_target("GPT-B", seed=0, **{**TINY, "block_size": 64}).cuda()
+    drafter = build_drafter(target, seed=1)
+    for method in ("ar", "naive"):
+        engine = specimg.Engine(target, None if method == "ar" else drafter, method, sampling=specimg.Sampling(cfg_scale=3.0), cuda_graphs="on",
+                                tree=specimg.TreeConfig(kind="dynamic", depth=3, topk=3, total_tokens=12))
+        replayed = engine.generate([1, 4], seed=0)
+        assert any(key[0] == "program" for key in target.graphs._graphs)
+        with mock.patch.object(specimg.Engine, "_target_replays", property(lambda self: False)):
+            eager = engine.generate([1, 4], seed=0)
+        assert torch.equal(replayed.tokens, eager.tokens), method
+
+
+@cuda
 def test_a_walk_replayed_as_a_cuda_graph_decodes_the_eager_walks_tokens() -> None:
     """Sample-and-match's levels replayed as one CUDA graph per tree shape, each image's
     draws made before it from its own generator, decode what the eager device walk does,

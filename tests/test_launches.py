@@ -50,13 +50,14 @@ def test_an_emulated_capture_refuses_what_no_cuda_graph_can_replay(read):
         GraphSet().run("step", lambda x: [x * 2], [torch.ones(2)])
 
 
-def _graph_path_counts(method: str, tree: specimg.TreeConfig, images: int = 1, trees: list | None = None) -> tuple[dict[str, float], specimg.Generation, Engine]:
-    """Launches per step by phase on the graph path (``images`` decoded as one batch), and
-    what the counted run generated (each step's tree columns and height into ``trees``);
-    every replayed program must have run no call a graph cannot replay (the counter
-    raises on one)."""
+def _graph_path_counts(method: str, tree: specimg.TreeConfig, images: int = 1, trees: list | None = None,
+                       kind: str = "eagle1") -> tuple[dict[str, float], specimg.Generation, Engine]:
+    """Launches per step by phase on the graph path (``images`` decoded as one batch; a
+    ``kind`` drafter), and what the counted run generated (each step's tree columns and
+    height into ``trees``); every replayed program must have run no call a graph cannot
+    replay (the counter raises on one)."""
     target = build_target("GPT-B", seed=0, **TINY)
-    drafter = build_drafter(target, seed=1)
+    drafter = build_drafter(target, seed=1, kind=kind)
     tokenizer = build_tokenizer(seed=2, codebook_size=TINY["vocab_size"], codebook_embed_dim=8)
     counter = LaunchCounter()
     with graph_path(counter, target, drafter):
@@ -74,11 +75,32 @@ def _graph_path_counts(method: str, tree: specimg.TreeConfig, images: int = 1, t
     return {phase: count / steps for phase, count in counter.counts.items()}, result, engine
 
 
-def test_an_ar_token_on_the_graph_path_is_its_replay_sampling_and_commit():
-    """The replay and its one input's copy, the outputs' copies, sampling with CFG, the
-    draw and the commit's length: about 13 (25 before the root got a step of its own)."""
+def test_an_ar_token_on_the_graph_path_is_one_replay_its_draw_and_commit():
+    """The forward and the token's distribution (guidance, filter, softmax) replay as one
+    graph: its one input's copy, the replay, the draw and the commit's length, 4 a token,
+    with the image's prefill and first draw spread over its 16 tokens at most 7 (12.5 when
+    the distribution was made eagerly); the same tokens as then."""
     counts, result, _ = _graph_path_counts("ar", specimg.TreeConfig())
-    assert result.stats.tokens == 16 and sum(counts.values()) <= 15, counts
+    with mock.patch.object(Engine, "_target_replays", property(lambda self: False)):
+        eager_counts, eager, _ = _graph_path_counts("ar", specimg.TreeConfig())
+    assert result.stats.tokens == 16 and sum(counts.values()) <= 7 < 12 < sum(eager_counts.values()), (counts, eager_counts)
+    assert torch.equal(result.tokens, eager.tokens)
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_a_tree_is_scored_in_one_replay_with_its_distributions(kind):
+    """The core's score of a tree, the target's forward and the distributions made from its
+    logits, replays as one graph per tree size: the tree's three columns copied in, the
+    replay, the scores copied out (with an EAGLE-3 drafter, the exposed layers' states
+    too), where the distributions alone cost 7 launches eagerly; the same tokens."""
+    tree = specimg.TreeConfig(kind="dynamic", depth=3, topk=3, total_tokens=10)
+    counts, replayed, engine = _graph_path_counts("naive", tree, kind=kind)
+    with mock.patch.object(Engine, "_target_replays", property(lambda self: False)):
+        eager_counts, eager, _ = _graph_path_counts("naive", tree, kind=kind)
+    assert counts["verify"] <= 8 < eager_counts["verify"], (counts, eager_counts)
+    assert any(key[1][0] == "score" for key in engine.target.graphs._graphs if key[0] == "program")
+    assert torch.equal(replayed.tokens, eager.tokens)
+    assert [image.accepted for image in replayed.stats.images] == [image.accepted for image in eager.stats.images]
 
 
 @pytest.mark.parametrize("images", [1, 3])

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Literal
 
 import attrs
@@ -502,6 +502,17 @@ class LlamaGenTarget(FixedSteps, nn.Module):
             kv[..., start + 1 : start + m, :] = kv[..., src, :]
         self._len, self._pending = start + m, 0
         self._start.add_(m)
+
+    def replay(self, key: Hashable, program: Callable[..., Sequence[Tensor]], inputs: Sequence[Tensor]) -> Sequence[Tensor]:
+        """``program``, which calls ``forward_tree`` once (the core's scoring of a tree, AR's
+        step), replayed as one CUDA graph per ``key`` on the graph path: the forward's
+        kernels recorded in it, not its own graph, with the program's work around them.
+        Every run leaves the pending tree's size as the first did (``commit`` checks it);
+        a replay does not check the tree against the cache's room, which its caller has."""
+        if self.step_mode != "graphs":
+            raise RuntimeError("replay needs the graph step mode (Engine(cuda_graphs='on'))")
+        return self.graphs.run_program(("program", key, self._rows, self.exposed), program, inputs,
+                                       (lambda: self._pending, lambda pending: setattr(self, "_pending", pending)))
 
     def _forward_fixed(self, tokens: Tensor, depths: Tensor, mask: Tensor) -> TargetOutput:
         """``forward_tree`` at a fixed shape: the nodes padded to a bucket (a padded node
