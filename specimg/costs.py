@@ -25,22 +25,24 @@ import statistics
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import numpy as np
 import torch
 from torch import Tensor
 
-from specimg.accept import sample_and_match
+from specimg.accept import walk_forest
 from specimg.cache import cache_dir
 from specimg.config import Sampling
 from specimg.files import atomic_path
+from specimg.graphs import GraphSet
 from specimg.methods import AR, Stack
 from specimg.errors import SpecimgError
 from specimg.models.base import BatchTrees, Condition, Drafter, Target, draft_features
 from specimg.profile import MAX_DEPTH, MAX_TOPK, AcceptanceProfile
 from specimg.sampling import probabilities
+from specimg.stepgraphs import ReplayingDrafter, ReplayingTarget, ar_step_replayed, fixed_growth, grow_replayed, replays, score_replayed
 from specimg.tree import DraftSession, DraftTree, build_dynamic, stack_trees
 
 VERIFY_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
@@ -369,9 +371,12 @@ def measure(target: Target, drafter: Drafter, sampling: Sampling, condition: Con
             drafter.prefill(condition, sampling.cfg)
             return drafter.start(draft_features(drafter, prefill), token)
 
-        def draft(root: torch.Tensor, depth: int) -> DraftTree:
+        def draft(root: torch.Tensor, depth: int) -> DraftTree:  # as the engine grows it: one replayed graph where it can
+            shape = (depth, width, 1 + depth * width * width, False)
+            if replays(drafter) and fixed_growth(shape, sampling):
+                return grow_replayed(cast(ReplayingDrafter, drafter), sampling, root, token, shape)
             session = DraftSession(drafter, sampling, root, 0, filtered=False)
-            return build_dynamic(session, 0, depth, width, 1 + depth * width * width)
+            return build_dynamic(session, 0, depth, width, shape[2])
 
         shallow, deep = (timed(lambda root, d=depth: draft(root, d), setup=fresh_root) for depth in (1, 3))
         base.append((width, shallow))
@@ -383,16 +388,27 @@ Timer = Callable[..., float]
 
 
 def _verify_times(target: Target, sampling: Sampling, trees: Mapping[int, DraftTree], timed: Timer) -> tuple[float, list[tuple[int, float]]]:
-    """One AR step and the verify of each tree, on the target's tree cache as ``measure`` left it."""
+    """One AR step and the verify of each tree, on the target's tree cache as ``measure``
+    left it, each as the engine runs it: where the target replays programs, the forward
+    and its distributions as one graph (:mod:`specimg.stepgraphs`)."""
     device = device_of(target)
     token = torch.zeros(1, dtype=torch.long, device=device)
-    inputs = {n: tuple(t.to(device) for t in (tree.tokens, tree.depths, tree.mask)) for n, tree in trees.items()}
+    on_device = {n: attrs.evolve(tree, **{f: getattr(tree, f).to(device) for f in ("tokens", "depths", "mask")}) for n, tree in trees.items()}
 
     def ar_step() -> None:  # no commit, so the prefix stays put; the commit's cost is in the overhead
-        out = target.forward_tree(token, token, torch.ones(1, 1, dtype=torch.bool, device=device))
-        torch.multinomial(probabilities(out.logits, sampling)[0], 1)
+        if replays(target):
+            probs = ar_step_replayed(cast(ReplayingTarget, target), sampling, token, True)
+        else:
+            probs = probabilities(target.forward_tree(token, token, torch.ones(1, 1, dtype=torch.bool, device=device)).logits, sampling)[0]
+        torch.multinomial(probs, 1)
 
-    return _in_rounds(ar_step, lambda n: probabilities(target.forward_tree(*inputs[n]).logits, sampling), list(trees), timed)
+    def verify(n: int) -> Tensor:
+        tree = on_device[n]
+        if replays(target) and sampling.cfg_interval < 0:
+            return score_replayed(cast(ReplayingTarget, target), sampling, tree).probs
+        return probabilities(target.forward_tree(tree.tokens, tree.depths, tree.mask).logits, sampling)
+
+    return _in_rounds(ar_step, verify, list(trees), timed)
 
 
 def _batch_verify_times(target: Target, sampling: Sampling, condition: Condition, trees: Mapping[int, DraftTree], timed: Timer, batch: int) -> tuple[float, list[tuple[int, float]]]:
@@ -431,8 +447,9 @@ def _in_rounds(ar_step: Callable[[], Any], verify: Callable[[int], Any], sizes: 
 
 def _step_overhead(target: Target, sampling: Sampling, condition: Condition, device: torch.device) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
     """(setup, call): a step's work besides drafting and verifying, on an 8-node chain
-    whose first three drafts are accepted: the walk, the commit and the planner's
-    observation.  The setup restarts the image and verifies the chain, untimed."""
+    whose first three drafts are accepted: the walk (replayed as the engine replays it,
+    where the target replays programs), the commit and the planner's observation.  The
+    setup restarts the image and verifies the chain, untimed."""
     chain = DraftTree.from_parents([0] * 8, [-1, *range(7)])
     tree = attrs.evolve(chain, **{f: getattr(chain, f).to(device) for f in ("tokens", "parents", "depths", "mask", "logprobs", "child_ids")})
     dist = torch.zeros(8, target.vocab_size, device=device)
@@ -440,13 +457,14 @@ def _step_overhead(target: Target, sampling: Sampling, condition: Condition, dev
     dist[3:, 1] = 1.0
     profile = AcceptanceProfile(device)
     generator = torch.Generator(device).manual_seed(0)
+    graphs = GraphSet() if replays(target) else None
 
     def verify() -> None:
         target.prefill(condition, sampling.cfg)
         target.forward_tree(tree.tokens, tree.depths, tree.mask)
 
     def rest(_: Any) -> None:
-        result = sample_and_match(tree, dist, generator)
+        result = walk_forest(tree, [0], dist, [generator], graphs)[0]
         path = torch.tensor(result.path, device=device)
         target.commit(path)
         tree.tokens[path[1:]].tolist()

@@ -29,7 +29,7 @@ from specimg.sampling import cfg_active_at, probabilities
 from specimg.stackhooks import MemberHook, StackHooks
 from specimg.stats import ImageStats, RunStats
 from specimg.step import Acceptance, Scores, Walked, scores_of
-from specimg.stepgraphs import ReplayingBatch, ReplayingTarget, ar_step_replayed, fixed_growth, grow_forest, replay_on_tree, score_replayed
+from specimg.stepgraphs import ReplayingBatch, ReplayingTarget, ar_step_replayed, fixed_growth, grow_forest, replay_on_tree, replays, score_replayed
 from specimg.tree import BatchSession, DraftTree, build_dynamic_batch, dynamic_shape, stack_trees
 
 OnImage = Callable[[int, Tensor, ImageStats], None]
@@ -707,7 +707,7 @@ class Engine:
     def _target_replays(self) -> bool:
         """Whether the target replays a program around its forward as one graph
         (:class:`~specimg.stepgraphs.ReplayingTarget`, on the graph path)."""
-        return getattr(self.target, "step_mode", "eager") == "graphs" and hasattr(self.target, "replay")
+        return replays(self.target)
 
     def accept(self, tree: DraftTree, dist: Tensor, scores: Scores, generator: torch.Generator) -> Acceptance:
         """One step's acceptance by the stack's accept hook, else by the core's own rule,

@@ -24,7 +24,7 @@ from specimg.planner import TreePlanner
 from specimg.stackhooks import StackHooks
 from specimg.stats import ImageStats
 from specimg.step import Acceptance, Scores, Step, Walked
-from specimg.stepgraphs import fixed_growth, grow_replayed
+from specimg.stepgraphs import fixed_growth, grow_replayed, replays
 from specimg.tree import DraftSession, DraftTree, dynamic_shape
 
 
@@ -137,7 +137,7 @@ class Lane:
         """The tree shape to grow as one replayed graph (:func:`~specimg.stepgraphs.grow_replayed`),
         or None: the drafter steps on the graph path and replays programs, the stack grows
         the core's EAGLE-2 trees, of top-k drafts (nothing drawn), and guidance never stops."""
-        if getattr(self.drafter, "step_mode", "eager") != "graphs" or not hasattr(self.drafter, "replay"):
+        if not replays(self.drafter):
             return None
         assert self.engine.hooks is not None
         shape = dynamic_shape(tree_config, self.max_depth)

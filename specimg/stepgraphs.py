@@ -48,6 +48,12 @@ def replay_on_tree(graphs: GraphSet, name: str, program: TreeProgram, tree: Draf
     return graphs.run(key, run, inputs)
 
 
+def replays(model: object) -> bool:
+    """Whether ``model`` (a target, a drafter) steps as CUDA graphs and replays a program
+    around its step forwards as one graph (its ``replay``)."""
+    return getattr(model, "step_mode", "eager") == "graphs" and hasattr(model, "replay")
+
+
 def fixed_growth(shape: tuple[int, int, int, bool], sampling: Sampling) -> bool:
     """Whether the core's growth of a tree of ``shape`` (:func:`~specimg.tree.dynamic_shape`)
     is a fixed program a graph can replay: its drafts are top-k (nothing drawn) and

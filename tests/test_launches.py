@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import specimg
+from specimg import costs
 from specimg.engine import Engine
 from specimg.models.eagle import DraftBatch, build_drafter
 from specimg.models.llamagen import build_target
@@ -219,3 +220,19 @@ def test_trees_of_sampled_drafts_relax_walk_and_grow_eagerly():
     with mock.patch.object(Engine, "_step_graphs", lambda self, tree: None), mock.patch.object(Lane, "_replayed_growth", lambda self, config: None):
         _, eager, _ = _graph_path_counts("cascade+lantern", tree)
     assert torch.equal(sampled.tokens, eager.tokens)
+
+
+def test_the_cost_model_times_the_programs_the_graph_path_replays():
+    """On the graph path the cost model times what the engine runs: AR's step and each
+    verify with their distributions as one replayed program, each tree's growth as one,
+    the walk replayed; every timing comes out positive, and no program calls what a
+    graph cannot replay."""
+    target = build_target("GPT-B", seed=0, **{**TINY, "block_size": 64})
+    drafter = build_drafter(target, seed=1)
+    counter = LaunchCounter()
+    with graph_path(counter, target, drafter), counter, mock.patch.object(costs, "_REPEATS", 2):
+        model = costs.measure(target, drafter, specimg.Sampling(cfg_scale=3.0), 1)
+    programs = {key[1][0] for key in target.graphs._graphs if key[0] == "program"}
+    grown = {key[1][1] for key in drafter.graphs._graphs if key[0] == "program" and key[1][0] == "grow"}
+    assert programs == {"score", "ar"} and {depth for depth, *_ in grown} == {1, 3}, (programs, grown)
+    assert model.ar_ms > 0 and all(ms > 0 for _, ms in (*model.verify_ms, *model.draft_base_ms, *model.draft_level_ms)) and model.overhead_ms > 0

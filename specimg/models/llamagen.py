@@ -511,6 +511,7 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         a replay does not check the tree against the cache's room, which its caller has."""
         if self.step_mode != "graphs":
             raise RuntimeError("replay needs the graph step mode (Engine(cuda_graphs='on'))")
+        self._pending = 0  # a forward replaces any pending tree: every run starts from none, one graph per key
         return self.graphs.run_program(("program", key, self._rows, self.exposed), program, inputs,
                                        (lambda: self._pending, lambda pending: setattr(self, "_pending", pending)))
 
