@@ -1,17 +1,17 @@
-"""The core's own implementations of the firstresult hooks, used when no method in the
-stack supplies one.  Registered first (``specimg.plugins``), but marked ``trylast``, so
-pluggy calls them after any method's implementation."""
+"""The core's own implementations of the firstresult hooks propose_tree and score, used
+when no method in the stack supplies one.  Registered first (``specimg.plugins``), but
+marked ``trylast``, so pluggy calls them after any method's implementation.  (The core's
+acceptance rule is the engine's own, run where the stack's ``accept`` passes, so that it
+can take every tree of a batch at once: ``Engine.accept``.)"""
 
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
-from specimg import accept as acceptance
 from specimg.config import Sampling, TreeConfig
 from specimg.hookspecs import hookimpl
 from specimg.models.base import Target
-from specimg.step import Acceptance, Scores, scores_of
+from specimg.step import Scores, scores_of
 from specimg.tree import DraftSession, DraftTree, build_tree
 
 
@@ -25,8 +25,3 @@ def propose_tree(
 @hookimpl(trylast=True)
 def score(target: Target, tree: DraftTree, sampling: Sampling, token_index: int) -> Scores:
     return scores_of(target.forward_tree(tree.tokens, tree.depths, tree.mask), tree, sampling, token_index)
-
-
-@hookimpl(trylast=True)
-def accept(tree: DraftTree, dist: Tensor, scores: Scores, sampling: Sampling, generator: torch.Generator, exact: bool) -> Acceptance:
-    return acceptance.accept_forest(tree, [0], dist, scores.probs, sampling, exact, [generator])[0]

@@ -467,8 +467,9 @@ class Engine:
         """The batch's drafted ``trees`` (of ``lanes`` at ``places``, verified in ``out``)
         as their ``forest``: their scores and q_R in one pass each, then every lane's
         acceptance of its own rows, all in one call under the core's own rule
-        (:func:`specimg.accept.accept_forest`: one device program on a device), else lane
-        by lane by the method's.  Per place: what its lane's ``advance`` takes."""
+        (:func:`specimg.accept.accept_forest`: one device program on a device) where the
+        stack's ``accept`` passes on every tree, else lane by lane.  Per place: what its
+        lane's ``advance`` takes."""
         device, bucket, sizes = self.device, out.logits.shape[2], forest.sizes
         starts = [a for a, _ in forest.spans]
         with Lane.shared("verify", lanes):
@@ -481,7 +482,8 @@ class Engine:
         dists = [mine.probs for mine in own] if dist is scores.probs else list(dist.split(sizes))
         assert self.hooks is not None
         with Lane.shared("accept", lanes):
-            if self.hooks.accept.owner is None:  # the core's own rule: every lane at once
+            methods = [self._method_accept(*step, lane.generator) for lane, step in zip(lanes, zip(trees, dists, own))]
+            if all(result is None for result in methods):  # the core's own rule: every lane at once
                 results = acceptance.accept_forest(forest, starts, dist, scores.probs, self.sampling, self.exact, [lane.generator for lane in lanes],
                                                    self._step_graphs(forest))
                 walks = [result.walked for result in results]
@@ -490,7 +492,8 @@ class Engine:
                     for lane, spent in zip(lanes, relax.spent_per_path(dist, scores.probs, paths)):
                         lane.spent.append(spent)
             else:
-                results = [self.accept(*step, lane.generator) for lane, step in zip(lanes, zip(trees, dists, own))]
+                results = [self._core_accept(*step, lane.generator) if result is None else result
+                           for lane, step, result in zip(lanes, zip(trees, dists, own), methods)]
                 walks = [lane.walked(*step) for lane, step in zip(lanes, zip(trees, own, dists, results))]
         return {place: step for place, step in zip(places, zip(trees, own, dists, results, walks))}
 
@@ -710,13 +713,24 @@ class Engine:
         return replays(self.target)
 
     def accept(self, tree: DraftTree, dist: Tensor, scores: Scores, generator: torch.Generator) -> Acceptance:
-        """One step's acceptance by the stack's accept hook, else by the core's own rule,
-        whose device walk replays as a graph where the step's programs do."""
-        assert self.stack is not None and self.hooks is not None
+        """One step's acceptance by the stack's accept hook, else (no member implements
+        it, or it passes) by the core's own rule."""
+        result = self._method_accept(tree, dist, scores, generator)
+        return self._core_accept(tree, dist, scores, generator) if result is None else result
+
+    def _method_accept(self, tree: DraftTree, dist: Tensor, scores: Scores, generator: torch.Generator) -> Acceptance | None:
+        """The acceptance of the stack's member that implements ``accept``; None where none
+        does or it passes."""
+        assert self.hooks is not None
         if self.hooks.accept.owner is None:
-            return acceptance.accept_forest(tree, [0], dist, scores.probs, self.sampling, self.exact, [generator], self._step_graphs(tree))[0]
+            return None
         return self.hooks.accept(tree=tree, dist=dist, scores=scores, sampling=self.sampling, generator=generator, exact=self.exact,
                                  target=self.target)
+
+    def _core_accept(self, tree: DraftTree, dist: Tensor, scores: Scores, generator: torch.Generator) -> Acceptance:
+        """The core's own rule on one tree (:func:`specimg.accept.accept_forest`), its device
+        walk replayed as a graph where the step's programs replay."""
+        return acceptance.accept_forest(tree, [0], dist, scores.probs, self.sampling, self.exact, [generator], self._step_graphs(tree))[0]
 
     def _decode_speculative(self, lane: Lane) -> None:
         """One image's speculative steps; once its planner finds no tree that pays, the rest

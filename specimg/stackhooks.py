@@ -18,7 +18,8 @@ from specimg.plugins import PluginManager
 class FirstResult:
     """A firstresult hook (propose_tree, score, accept): the one member that implements it
     (``owner``; None: the core's default alone), called with that member's options where
-    the hook takes options."""
+    the hook takes options.  ``accept`` calls the member alone, None where it passes: the
+    engine then runs the core's rule itself (for a batch, on every tree at once)."""
 
     caller: Callable[..., Any] = attrs.field(repr=False)
     owner: str | None
@@ -67,18 +68,18 @@ class StackHooks:
         return cls(
             propose=_first_result(plugins, stack, "propose_tree"),
             score=_first_result(plugins, stack, "score"),
-            accept=_first_result(plugins, stack, "accept"),
+            accept=_first_result(plugins, stack, "accept", with_defaults=False),
             relaxers=_member_hooks(plugins, stack, "build_relaxed_dist"),
             train_losses=_member_hooks(plugins, stack, "train_loss"),
         )
 
 
-def _first_result(plugins: PluginManager, stack: Stack, hook: str) -> FirstResult:
+def _first_result(plugins: PluginManager, stack: Stack, hook: str, with_defaults: bool = True) -> FirstResult:
     owners = plugins.implementers(hook, stack.members)
     if len(owners) > 1:
         raise SpecimgError(f"methods {owners[0]!r} and {owners[1]!r} both implement {hook!r}; stack at most one of them")
     member = next((m for m in stack.members if m.spec.name in owners), None)
-    caller = plugins.caller(hook, [m.spec.plugin for m in stack.members], with_defaults=True)
+    caller = plugins.caller(hook, [m.spec.plugin for m in stack.members], with_defaults=with_defaults)
     takes_options = "options" in getattr(plugins.pm.hook, hook).spec.argnames
     return FirstResult(caller, member.spec.name if member else None, member.options if member else None, takes_options)
 
