@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from specimg import stalls
+from specimg import relax, stalls
 from specimg.config import Sampling
 from specimg.graphs import GraphSet
 from specimg.step import Acceptance, Walked
@@ -54,19 +54,22 @@ def rejects_recursively(sampling: Sampling, exact: bool, tree: DraftTree) -> boo
 
 
 def walk_forest(
-    forest: DraftTree, roots: Sequence[int], dist: Tensor, generators: Sequence[torch.Generator | None] | None, graphs: GraphSet | None = None
+    forest: DraftTree, roots: Sequence[int], dist: Tensor, generators: Sequence[torch.Generator | None] | None, graphs: GraphSet | None = None,
+    target_dist: Tensor | None = None,
 ) -> list[Acceptance]:
     """Sample-and-match (with ``generators``, one per tree) or greedy (None) on every tree
     of a forest (:meth:`DraftTree.forest`, its roots at ``roots``; or one tree, root 0).
 
     Where a host read stalls, one device program for every tree (:func:`_walk_on_device`;
-    replayed from ``graphs`` where given); else on the host, each tree drawing only at the nodes its walk reaches, the candidates
+    replayed from ``graphs`` where given; with ``target_dist``, p where ``dist`` is a relaxed
+    q_R, it also measures each path's spent budget, ``Walked.spent``); else on the host, each tree drawing only at the nodes its walk reaches, the candidates
     read once for all.  Both make the same draws and leave each generator as drawing alone
     would.  Paths and tokens come back per tree, in that tree's own node ids, with their
     device tensors (``walked``) made in one copy."""
     if not stalls.host_reads_stall(dist.device) or (generators is not None and None in generators):
         return _walk_on_host(forest, roots, dist, generators)
-    return _walk_on_device(forest, roots, generators, _matching(forest, dist, generators is not None), graphs)  # type: ignore[arg-type]
+    spent = None if target_dist is None or target_dist is dist else (dist, target_dist)
+    return _walk_on_device(forest, roots, generators, _matching(forest, dist, generators is not None), graphs, spent)  # type: ignore[arg-type]
 
 
 def _walk_on_host(forest: DraftTree, roots: Sequence[int], dist: Tensor, generators: Sequence[torch.Generator | None] | None) -> list[Acceptance]:
@@ -99,7 +102,8 @@ def _copied(forest: DraftTree, walks: Sequence[tuple[list[int], int]]) -> list[A
 
 
 def _walk_on_device(
-    forest: DraftTree, roots: Sequence[int], generators: Sequence[torch.Generator] | None, rule: DeviceRule, graphs: GraphSet | None = None
+    forest: DraftTree, roots: Sequence[int], generators: Sequence[torch.Generator] | None, rule: DeviceRule, graphs: GraphSet | None = None,
+    spent: tuple[Tensor, Tensor] | None = None,
 ) -> list[Acceptance]:
     """Every tree's walk as one device program of ``forest.height + 1`` levels, whatever
     the outcome.  Each walker's draws for every level are made first, from its own
@@ -108,17 +112,18 @@ def _walk_on_device(
     generators stay outside it).  The host reads the outcome once for every tree (the
     generators' states are host-side copies on CUDA: no wait), the levels after a walk
     stopped are ignored, and every tree's generator is set back to its state after the
-    draws that counted."""
+    draws that counted.  With ``spent`` (q_R and p), the program also sums each path's
+    TVD of q_R to p (``Walked.spent``)."""
     device, walkers, depth = forest.tokens.device, len(roots), forest.height + 1
     start = stalls.on_device(list(roots), device)
     draws, states = _draw(rule.draws, generators or (), depth, device)
-    inputs = [start, *rule.tensors, *draws]
-    program = functools.partial(_levels, rule.levels, len(rule.tensors), depth)
+    inputs = [start, *rule.tensors, *draws, *(spent or ())]
+    program = functools.partial(_levels, rule.levels, len(rule.tensors), len(draws), depth)
     if graphs is None:
-        packed = program(*inputs)[0]
+        packed, *measured = program(*inputs)
     else:
         key = ("walk", rule.name, depth, tuple((tuple(t.shape), t.dtype) for t in inputs))
-        packed = graphs.run(key, program, inputs)[0].clone()  # the graph's output: its next replay overwrites it
+        packed, *measured = (t.clone() for t in graphs.run(key, program, inputs))  # the graph's outputs: its next replay overwrites them
     outcome = packed.tolist()  # the one host read
     results = []
     for walker, saved in enumerate(states or [None] * walkers):
@@ -128,7 +133,8 @@ def _walk_on_device(
         tokens = slice(walkers + walker * depth, walkers + walker * depth + count + 1)
         path = slice(walkers * (1 + depth) + walker * (depth + 1), walkers * (1 + depth) + walker * (depth + 1) + count + 1)
         token_list = outcome[tokens]
-        results.append(Acceptance(outcome[path], token_list[-1], Walked(packed[path], packed[tokens], token_list)))
+        walked = Walked(packed[path], packed[tokens], token_list, measured[0][walker] if measured else None)
+        results.append(Acceptance(outcome[path], token_list[-1], walked))
     return results
 
 
@@ -148,13 +154,15 @@ def _draw(
     return buffers, states
 
 
-def _levels(levels: Callable[..., Level], count: int, depth: int, start: Tensor, *inputs: Tensor) -> list[Tensor]:
+def _levels(levels: Callable[..., Level], count: int, kinds: int, depth: int, start: Tensor, *inputs: Tensor) -> list[Tensor]:
     """A device walk's program: ``depth`` levels of the level ``levels`` makes from the
     step's ``count`` tensors, from the walkers' roots ``start``, each level taking its
-    draws from the rest of ``inputs``.  Its outcome in one tensor: each walker's count of
-    accepted nodes, then its emitted tokens per level, then its path in its tree's ids
-    (root 0, one node per level; a level after its walk stopped holds junk)."""
-    level, draws = levels(*inputs[:count]), inputs[count:]
+    draws from the next ``kinds`` of ``inputs``.  Its outcome in one tensor: each walker's
+    count of accepted nodes, then its emitted tokens per level, then its path in its
+    tree's ids (root 0, one node per level; a level after its walk stopped holds junk).
+    Where q_R and p close ``inputs``, each walker's TVD of one to the other summed over
+    its path follows, in a second tensor."""
+    level, draws, spent = levels(*inputs[:count]), inputs[count : count + kinds], inputs[count + kinds :]
     node, reached, chosen = start, [], []
     for step in range(depth):
         choice, node = level(node, [drawn[step] for drawn in draws])  # a stopped walker's node is -1 from then on
@@ -162,7 +170,11 @@ def _levels(levels: Callable[..., Level], count: int, depth: int, start: Tensor,
         reached.append(node)
     nodes, choices = torch.stack(reached, dim=1), torch.stack(chosen, dim=1)  # [walkers, depth]
     paths = torch.cat([torch.zeros_like(start)[:, None], nodes - start[:, None]], dim=1)
-    return [torch.cat([(nodes >= 0).sum(dim=1), choices.flatten(), paths.flatten()])]
+    outcome = [torch.cat([(nodes >= 0).sum(dim=1), choices.flatten(), paths.flatten()])]
+    if spent:
+        on_path = torch.cat([start[:, None], nodes], dim=1)
+        outcome.append((relax.tvd(*spent)[on_path.clamp(min=0)] * (on_path >= 0)).sum(dim=1))
+    return outcome
 
 
 def _matching(forest: DraftTree, dist: Tensor, sampled: bool) -> DeviceRule:
@@ -324,11 +336,12 @@ def accept_forest(
 ) -> list[Acceptance]:
     """The core's rule on every tree of a forest (or one tree, root 0): recursive rejection
     against ``target_dist`` where it applies (:func:`rejects_recursively`), else
-    sample-and-match on ``dist`` (greedy at temperature 0); its device walk replayed from
-    ``graphs`` where given."""
+    sample-and-match on ``dist`` (greedy at temperature 0), whose device walk measures the
+    budget each path spent where ``dist`` is not ``target_dist``; the device walk replayed
+    from ``graphs`` where given."""
     if rejects_recursively(sampling, exact, forest):
         return reject_forest(forest, roots, target_dist, generators, graphs)
-    return walk_forest(forest, roots, dist, None if sampling.greedy else generators, graphs)
+    return walk_forest(forest, roots, dist, None if sampling.greedy else generators, graphs, target_dist)
 
 
 def _reject_on_host(tree: DraftTree, target_dist: Tensor, generator: torch.Generator | None) -> Acceptance:

@@ -488,9 +488,11 @@ class Engine:
                                                    self._step_graphs(forest))
                 walks = [result.walked for result in results]
                 if dist is not scores.probs:
-                    paths = [[first + node for node in result.path] for first, result in zip(starts, results)]
-                    for lane, spent in zip(lanes, relax.spent_per_path(dist, scores.probs, paths)):
-                        lane.spent.append(spent)
+                    spent = [walk.spent for walk in walks]  # measured by a device walk
+                    if None in spent:
+                        spent = list(relax.spent_per_path(dist, scores.probs, [[first + node for node in result.path] for first, result in zip(starts, results)]))
+                    for lane, mine in zip(lanes, spent):
+                        lane.spent.append(mine)
             else:
                 results = [self._core_accept(*step, lane.generator) if result is None else result
                            for lane, step, result in zip(lanes, zip(trees, dists, own), methods)]

@@ -157,10 +157,11 @@ class Lane:
 
     def walked(self, tree: DraftTree, scores: Scores, dist: Tensor, result: Acceptance) -> Walked:
         """The accepted path on the device (one copy where the rule handed none over);
-        the budget its nodes spent (q_R against p, where q_R is not p itself) is booked."""
+        the budget its nodes spent (q_R against p, where q_R is not p itself; measured by
+        the walk where it did) is booked."""
         walked = result.walked or walk_on_device(tree, result)
         if dist is not scores.probs:
-            self.spent.append(relax.tvd(dist[walked.path], scores.probs[walked.path]).sum())
+            self.spent.append(relax.tvd(dist[walked.path], scores.probs[walked.path]).sum() if walked.spent is None else walked.spent)
         return walked
 
     def advance(self, tree: DraftTree, scores: Scores, dist: Tensor, result: Acceptance, walked: Walked) -> None:
@@ -168,7 +169,7 @@ class Lane:
         tokens, the planner's lesson and the step's statistics."""
         engine, stats = self.engine, self.stats
         with self.timed("commit"):
-            path, self.new_ids, new_tokens = walked
+            path, self.new_ids, new_tokens = walked.path, walked.new_tokens, walked.token_list
             if self.drafter is not None:
                 self.hidden = draft_features(self.drafter, scores)[:, path]
             self.tokens.extend(new_tokens)

@@ -45,11 +45,14 @@ class Walked(NamedTuple):
     """What a rule that walked the tree on the device hands the commit, so that it neither
     copies the path to the device nor reads the tokens back: the ``path`` and the step's
     ``new_tokens`` (the path's tokens after the root, then the next token) as device
-    tensors, and ``token_list``, those tokens as the walk's one read gave them."""
+    tensors, ``token_list``, those tokens as the walk's one read gave them, and ``spent``,
+    the TVD of q_R to p summed over the path's nodes (0-dim, on the device) where the walk
+    measured it (None: where q_R is p, or the engine measures it)."""
 
     path: Tensor
     new_tokens: Tensor
     token_list: list[int]
+    spent: Tensor | None = None
 
 
 class Acceptance(NamedTuple):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import specimg
-from specimg import accept, stalls
+from specimg import accept, relax, stalls
 from specimg.graphs import GraphSet
 from specimg.models.eagle import build_drafter
 from specimg.models.llamagen import build_target
@@ -66,7 +66,7 @@ def test_the_device_walk_is_the_host_walk(monkeypatch, greedy):
         (host, host_state), (device, device_state) = walk_both(monkeypatch, rule, tree, dist, seed)
         assert (device.path, device.next_token) == (host.path, host.next_token), seed
         assert torch.equal(device_state, host_state), seed
-        for path, new_tokens, token_list in (host.walked, device.walked):
+        for path, new_tokens, token_list, _ in (host.walked, device.walked):
             assert path.tolist() == host.path
             assert new_tokens.tolist() == token_list == tree.tokens[path[1:]].tolist() + [host.next_token]
         lengths.add(len(host.path))
@@ -94,7 +94,7 @@ def test_a_forest_walks_as_each_tree_alone(monkeypatch, greedy, form):
             alone = accept.greedy(tree, dist[start:stop]) if greedy else accept.sample_and_match(tree, dist[start:stop], own)
             assert (result.path, result.next_token) == (alone.path, alone.next_token), (seed, i)
             assert greedy or torch.equal(own.get_state(), generators[i].get_state()), (seed, i)
-            path, new_tokens, token_list = result.walked
+            path, new_tokens, token_list, _ = result.walked
             assert path.tolist() == alone.path
             assert new_tokens.tolist() == token_list == tree.tokens[path[1:]].tolist() + [alone.next_token]
 
@@ -142,6 +142,27 @@ def test_a_replayed_walk_is_the_walk_run_directly(monkeypatch, rule):
         assert all(torch.equal(a, b) for a, b in zip(direct_states, replayed_states)), step
         lengths.update(len(path) for path, *_ in direct)
     assert len(graphs) == len(shapes_seen) < 24 and len(lengths) >= 3
+
+
+@pytest.mark.parametrize("replayed", [False, True], ids=["direct", "replayed"])
+def test_the_device_walk_measures_the_budget_each_path_spent(monkeypatch, replayed):
+    """Given p beside a relaxed q_R, the device walk (run directly, or replayed from a
+    graph) sums each path's TVD of q_R to p in its program: what the engine would measure
+    from the path, to double rounding; given q_R as p, it measures nothing."""
+    monkeypatch.setattr(stalls, "host_reads_stall", lambda device: True)
+    g, vocab, graphs = torch.Generator().manual_seed(3), 5, GraphSet() if replayed else None
+    for step in range(20):
+        forest = DraftTree.forest([random_tree(n, vocab, g) for n in (4, 7, 1)])
+        p, q = (torch.softmax(3 * torch.randn(forest.size, vocab, generator=g), dim=-1) for _ in range(2))
+        roots = [start for start, _ in forest.spans]
+        generators = [torch.Generator().manual_seed(10 * step + i) for i in range(len(roots))]
+        with emulated_captures(LaunchCounter()):
+            results = accept.walk_forest(forest, roots, q, generators, graphs, target_dist=p)
+            unmeasured = accept.walk_forest(forest, roots, q, None, graphs, target_dist=q)
+        for root, result in zip(roots, results):
+            nodes = [root + node for node in result.path]
+            torch.testing.assert_close(result.walked.spent, relax.tvd(q[nodes], p[nodes]).sum(), rtol=1e-12, atol=1e-15)
+        assert all(result.walked.spent is None for result in unmeasured)
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +216,22 @@ def test_a_checked_relaxation_on_the_device_reads_twice_a_step(models, monkeypat
     on_device, reads, steps = generate(models, "cascade+lantern", sampling)
     assert torch.equal(on_device, on_cpu)
     assert reads == 2 * steps + 2, (reads, steps)
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_a_relaxed_image_books_the_budget_its_device_walks_measured(models, monkeypatch, batch_size):
+    """cascade+lantern with the device forms forced books, per image, the budget its walks
+    measured in their programs: the CPU path's, to double rounding."""
+    target, drafter, tokenizer = models
+
+    def spent(forced: bool) -> list[float]:
+        monkeypatch.setattr(stalls, "host_reads_stall", lambda device: forced)
+        engine = specimg.Engine(target, drafter, "cascade+lantern", sampling=specimg.Sampling(cfg_scale=3.0), tokenizer=tokenizer,
+                                tree=specimg.TreeConfig(kind="dynamic", depth=3, topk=3, total_tokens=10), batch_size=batch_size)
+        return [image.tvd for image in engine.generate([1, 3], seed=0).stats.images]
+
+    on_cpu = spent(False)
+    assert spent(True) == pytest.approx(on_cpu, rel=1e-9) and min(on_cpu) > 0
 
 
 def sampled_tree() -> tuple[DraftTree, torch.Tensor]:
@@ -260,7 +297,7 @@ def test_recursive_rejection_on_the_device_leaves_each_generator_after_the_level
             torch.empty(2, dtype=torch.float64).uniform_(generator=replay)
             torch.empty(4).exponential_(generator=replay)
         assert torch.equal(replay.get_state(), generator.get_state())
-        path, new_tokens, token_list = result.walked
+        path, new_tokens, token_list, _ = result.walked
         assert path.tolist() == result.path and new_tokens.tolist() == token_list == tree.tokens[path[1:]].tolist() + [result.next_token]
 
 
@@ -311,7 +348,7 @@ def test_chain_acceptance_on_the_device_leaves_the_generator_after_the_levels_it
             torch.empty(1, dtype=torch.float64).uniform_(generator=replay)
             torch.empty(4).exponential_(generator=replay)
         assert torch.equal(replay.get_state(), generator.get_state()), seed
-        path, new_tokens, token_list = result.walked
+        path, new_tokens, token_list, _ = result.walked
         assert path.tolist() == result.path and new_tokens.tolist() == token_list == chain.tokens[path[1:]].tolist() + [result.next_token]
         lengths.add(len(result.path))
     assert len(lengths) >= 3

@@ -111,13 +111,14 @@ def test_the_acceptance_walk_replays_as_one_graph_after_its_draws(images, method
     step, each image's Exp(1) variates for every level, drawn outside the graph from its
     own generator, and a handful of launches (the inputs' copies, the replay, the
     outcome's copy), where each level cost some 6 launches eagerly.  So does it where a
-    member's ``accept`` passes (GSD's budgeted mode), for a batch on every tree at once.
-    The tokens are the eager walk's."""
+    member's ``accept`` passes (GSD's budgeted mode), for a batch on every tree at once,
+    measuring the budget each path spent in the same program.  The tokens are the eager
+    walk's."""
     tree = specimg.TreeConfig(kind="dynamic", depth=3, topk=3, total_tokens=10)
     counts, replayed, engine = _graph_path_counts(method, tree, images=images)
     with mock.patch.object(Engine, "_step_graphs", lambda self, tree: None):
         eager_counts, eager, _ = _graph_path_counts(method, tree, images=images)
-    handful = 8 if method == "naive" or images == 1 else 16  # a batch books the budget its paths spent here (a lane alone: later)
+    handful = 8 if method == "naive" else 10  # a relaxed stack's walk also takes p and hands back the budget its paths spent
     assert counts["accept"] <= images * (tree.depth + 1) + handful < eager_counts["accept"], (counts, eager_counts)
     assert any(key[0] == "walk" for key in engine.graphs._graphs)
     assert torch.equal(replayed.tokens, eager.tokens)
