@@ -2,8 +2,9 @@
 # The checks a first run on a CUDA machine owes the graph path, as one script with a time
 # limit per section (about 9 minutes in all), so that a short device lease covers it:
 #   1. the CUDA tests: graphs replay the static forwards exactly, graphed naive is graphed
-#      AR, the replayed growth (one image's tree, a batch's forest) and relaxation decode
-#      the eager programs' tokens, the host-device waits a step;
+#      AR, the replayed growth (one image's tree, a batch's forest), relaxation, walk and
+#      forward-with-distributions (AR's step, a tree's score) decode the eager programs'
+#      tokens, the host-device waits a step;
 #   2. benchmarks/gpu.py --quick: AR eager and graphed, the verify curve, batches, the
 #      fixed-tree runs, the oracle and the demo's default bench (its JSON into the output
 #      folder);

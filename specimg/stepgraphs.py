@@ -25,9 +25,6 @@ from specimg.sampling import probabilities
 from specimg.step import Scores
 from specimg.tree import BatchSession, DraftSession, DraftTree, build_dynamic, build_dynamic_batch
 
-TREE_COLUMNS = ("tokens", "parents", "depths", "mask", "logprobs", "child_ids")
-"""The tensors of a top-k tree (no draft distributions): what a replayed growth makes."""
-
 TreeProgram = Callable[[DraftTree, Scores], Sequence[Tensor]]
 
 
@@ -80,11 +77,28 @@ def grow_replayed(
 
     def grow(root_logits: Tensor, root_token: Tensor) -> list[Tensor]:
         session = DraftSession(drafter, sampling, root_logits, root_index=0, filtered=False)  # the index matters only where guidance stops
-        tree = build_dynamic(session, root_token, depth, topk, nodes)
-        return [getattr(tree, column) for column in TREE_COLUMNS]
+        return _grown_columns(build_dynamic(session, root_token, depth, topk, nodes))
 
-    columns = drafter.replay(("grow", shape, tuple(root_logits.shape)), grow, [root_logits, root_token])
-    return DraftTree(*(column.clone() for column in columns), height=depth)
+    return _copied_tree(drafter.replay(("grow", shape, tuple(root_logits.shape)), grow, [root_logits, root_token]), height=depth)
+
+
+def _grown_columns(tree: DraftTree) -> list[Tensor]:
+    """A grown tree's columns as a replayed growth's outputs, in three tensors so that they
+    come out of the graph in three copies rather than one a column: the integer columns
+    (tokens, parents, depths, child ids and, for a forest, each node's image) flat in one,
+    then the mask and the log-probs."""
+    integers = [tree.tokens, tree.parents, tree.depths, *([] if tree.images is None else [tree.images]), tree.child_ids.flatten()]
+    return [torch.cat(integers), tree.mask, tree.logprobs]
+
+
+def _copied_tree(outputs: Sequence[Tensor], height: int, sizes: tuple[int, ...] = ()) -> DraftTree:
+    """The tree (a forest, with its trees' ``sizes``) whose columns a replayed growth left
+    in ``outputs`` (:func:`_grown_columns`), copied out of the graph's buffers: the step
+    keeps its tree."""
+    integers, mask, logprobs = (t.clone() for t in outputs)
+    n, node_columns = mask.shape[0], 4 if sizes else 3
+    tokens, parents, depths, *images, child_ids = integers.split([n] * node_columns + [integers.numel() - n * node_columns])
+    return DraftTree(tokens, parents, depths, mask, logprobs, child_ids.view(n, -1), height=height, images=images[0] if images else None, sizes=sizes)
 
 
 class ReplayingBatch(Protocol):
@@ -119,12 +133,11 @@ def grow_forest(batch: ReplayingBatch, sampling: Sampling, root_logits: Tensor, 
         return forest(root_logits, root_tokens)
 
     def grow(root_logits: Tensor, root_tokens: Tensor) -> list[Tensor]:
-        grown = forest(root_logits, root_tokens)
-        return [getattr(grown, column) for column in (*TREE_COLUMNS, "images")]
+        return _grown_columns(forest(root_logits, root_tokens))
 
-    columns = [column.clone() for column in batch.replay(("grow", shape, tuple(root_logits.shape)), grow, [root_logits, root_tokens])]
+    outputs = batch.replay(("grow", shape, tuple(root_logits.shape)), grow, [root_logits, root_tokens])
     count = root_tokens.shape[0]  # where a host read stalls every tree keeps its ``nodes`` best (none dropped): one size
-    return DraftTree(*columns[:-1], height=depth, images=columns[-1], sizes=(columns[0].shape[0] // count,) * count)
+    return _copied_tree(outputs, depth, sizes=(outputs[1].shape[0] // count,) * count)
 
 
 class ReplayingTarget(Target, Protocol):

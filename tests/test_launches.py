@@ -17,8 +17,10 @@ from specimg.models.llamagen import build_target
 from specimg.models.vq import build_tokenizer
 from specimg.graphs import GraphSet
 from specimg.lane import Lane
-from specimg.stepgraphs import TREE_COLUMNS
 from specimg.testing.launches import LaunchCounter, NotCapturable, emulated_captures, graph_path
+
+TREE_COLUMNS = ("tokens", "parents", "depths", "mask", "logprobs", "child_ids")
+"""The tensors of a top-k tree (no draft distributions): what a replayed growth makes."""
 
 TINY = dict(dim=64, n_layer=2, n_head=4, vocab_size=64, block_size=16, multiple_of=32, num_classes=10, initializer_range=0.1)
 
