@@ -60,12 +60,13 @@ def walk_forest(
     """Sample-and-match (with ``generators``, one per tree) or greedy (None) on every tree
     of a forest (:meth:`DraftTree.forest`, its roots at ``roots``; or one tree, root 0).
 
-    Where a host read stalls, one device program for every tree (:func:`_walk_on_device`;
+    Where a host read stalls, one device program for every tree (:func:`_walk_on_device`),
     replayed from ``graphs`` where given; with ``target_dist``, p where ``dist`` is a relaxed
-    q_R, it also measures each path's spent budget, ``Walked.spent``); else on the host, each tree drawing only at the nodes its walk reaches, the candidates
-    read once for all.  Both make the same draws and leave each generator as drawing alone
-    would.  Paths and tokens come back per tree, in that tree's own node ids, with their
-    device tensors (``walked``) made in one copy."""
+    q_R, it also measures the budget each path spent (``Walked.spent``).  Else on the host,
+    each tree drawing only at the nodes its walk reaches, the candidates read once for
+    all.  Both make the same draws and leave each generator as drawing alone would.  Paths
+    and tokens come back per tree, in that tree's own node ids, with their device tensors
+    (``walked``) made in one copy."""
     if not stalls.host_reads_stall(dist.device) or (generators is not None and None in generators):
         return _walk_on_host(forest, roots, dist, generators)
     spent = None if target_dist is None or target_dist is dist else (dist, target_dist)

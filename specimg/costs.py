@@ -42,7 +42,7 @@ from specimg.errors import SpecimgError
 from specimg.models.base import BatchTrees, Condition, Drafter, Target, draft_features
 from specimg.profile import MAX_DEPTH, MAX_TOPK, AcceptanceProfile
 from specimg.sampling import probabilities
-from specimg.stepgraphs import ReplayingDrafter, ReplayingTarget, ar_step_replayed, fixed_growth, grow_replayed, replays, score_replayed
+from specimg.stepgraphs import ReplayingDrafter, ReplayingTarget, ar_step_replayed, fixed_growth, grow_replayed, replays, score_replayed, scores_replay
 from specimg.tree import DraftSession, DraftTree, build_dynamic, stack_trees
 
 VERIFY_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
@@ -364,7 +364,7 @@ def measure(target: Target, drafter: Drafter, sampling: Sampling, condition: Con
     start = timed(lambda _: drafter.start(last.expand(-1, _START_TOKENS, -1), news), setup=lambda: drafter.prefill(condition, sampling.cfg))
     setup, rest = _step_overhead(target, sampling, condition, device)
     overhead = timed(rest, setup=setup)
-    base, levels = [], []
+    base, levels, grows_replayed = [], [], replays(drafter)
     for width in LEVEL_WIDTHS:
 
         def fresh_root() -> torch.Tensor:  # a reset drafter: its node budget must not run out
@@ -373,7 +373,7 @@ def measure(target: Target, drafter: Drafter, sampling: Sampling, condition: Con
 
         def draft(root: torch.Tensor, depth: int) -> DraftTree:  # as the engine grows it: one replayed graph where it can
             shape = (depth, width, 1 + depth * width * width, False)
-            if replays(drafter) and fixed_growth(shape, sampling):
+            if grows_replayed and fixed_growth(shape, sampling):
                 return grow_replayed(cast(ReplayingDrafter, drafter), sampling, root, token, shape)
             session = DraftSession(drafter, sampling, root, 0, filtered=False)
             return build_dynamic(session, 0, depth, width, shape[2])
@@ -395,8 +395,10 @@ def _verify_times(target: Target, sampling: Sampling, trees: Mapping[int, DraftT
     token = torch.zeros(1, dtype=torch.long, device=device)
     on_device = {n: attrs.evolve(tree, **{f: getattr(tree, f).to(device) for f in ("tokens", "depths", "mask")}) for n, tree in trees.items()}
 
+    ar_replays, score_replays = replays(target), scores_replay(target, sampling)
+
     def ar_step() -> None:  # no commit, so the prefix stays put; the commit's cost is in the overhead
-        if replays(target):
+        if ar_replays:
             probs = ar_step_replayed(cast(ReplayingTarget, target), sampling, token, True)
         else:
             probs = probabilities(target.forward_tree(token, token, torch.ones(1, 1, dtype=torch.bool, device=device)).logits, sampling)[0]
@@ -404,7 +406,7 @@ def _verify_times(target: Target, sampling: Sampling, trees: Mapping[int, DraftT
 
     def verify(n: int) -> Tensor:
         tree = on_device[n]
-        if replays(target) and sampling.cfg_interval < 0:
+        if score_replays:
             return score_replayed(cast(ReplayingTarget, target), sampling, tree).probs
         return probabilities(target.forward_tree(tree.tokens, tree.depths, tree.mask).logits, sampling)
 

@@ -29,7 +29,7 @@ from specimg.sampling import cfg_active_at, probabilities
 from specimg.stackhooks import MemberHook, StackHooks
 from specimg.stats import ImageStats, RunStats
 from specimg.step import Acceptance, Scores, Walked, scores_of
-from specimg.stepgraphs import ReplayingBatch, ReplayingTarget, ar_step_replayed, fixed_growth, grow_forest, replay_on_tree, replays, score_replayed
+from specimg.stepgraphs import ReplayingBatch, ReplayingTarget, ar_step_replayed, fixed_growth, grow_forest, replay_on_tree, replays, score_replayed, scores_replay
 from specimg.tree import BatchSession, DraftTree, build_dynamic_batch, dynamic_shape, stack_trees
 
 OnImage = Callable[[int, Tensor, ImageStats], None]
@@ -701,10 +701,10 @@ class Engine:
     def score(self, tree: DraftTree, token_index: int) -> Scores:
         """The target's scores on one image's tree by the stack's score hook, else by the
         core's own, which replays with the sampling's processing as one graph per tree
-        size where the step's programs replay, the target replays programs and guidance
-        never stops (:func:`~specimg.stepgraphs.score_replayed`)."""
+        size where the step's programs replay and the target's can
+        (:func:`~specimg.stepgraphs.scores_replay`)."""
         assert self.hooks is not None
-        if self.hooks.score.owner is None and self._step_graphs(tree) is not None and self._target_replays and self.sampling.cfg_interval < 0:
+        if self.hooks.score.owner is None and self._step_graphs(tree) is not None and scores_replay(self.target, self.sampling):
             return score_replayed(cast(ReplayingTarget, self.target), self.sampling, tree)
         return self.hooks.score(target=self.target, tree=tree, sampling=self.sampling, token_index=token_index)
 

@@ -146,11 +146,18 @@ class ReplayingTarget(Target, Protocol):
     def replay(self, key: Hashable, program: Callable[..., Sequence[Tensor]], inputs: Sequence[Tensor]) -> Sequence[Tensor]: ...
 
 
+def scores_replay(target: Target, sampling: Sampling) -> bool:
+    """Whether the core's score of a top-k tree replays with its distributions
+    (:func:`score_replayed`): the target replays programs and guidance never stops (no
+    token index to track)."""
+    return replays(target) and sampling.cfg_interval < 0
+
+
 def score_replayed(target: ReplayingTarget, sampling: Sampling, tree: DraftTree) -> Scores:
     """The core's scores of a tree (the target's forward, then guidance, filter and softmax),
-    replayed as one graph per tree size.  Guidance never stops here (no token index to
-    track).  The scores are copied out of the graph's buffers: the step keeps them."""
-    assert sampling.cfg_interval < 0, "a replayed score tracks no guidance interval"
+    replayed as one graph per tree size (where :func:`scores_replay`).  The scores are
+    copied out of the graph's buffers: the step keeps them."""
+    assert scores_replay(target, sampling), "a replayed score needs a replaying target and tracks no guidance interval"
 
     def score(tokens: Tensor, depths: Tensor, mask: Tensor) -> list[Tensor]:
         logits, hidden, layers = target.forward_tree(tokens, depths, mask)

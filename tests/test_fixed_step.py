@@ -217,7 +217,8 @@ def test_a_forward_replayed_with_its_distributions_decodes_the_eager_distributio
                                 tree=specimg.TreeConfig(kind="dynamic", depth=3, topk=3, total_tokens=12))
         replayed = engine.generate([1, 4], seed=0)
         assert any(key[0] == "program" for key in target.graphs._graphs)
-        with mock.patch.object(specimg.Engine, "_target_replays", property(lambda self: False)):
+        with mock.patch.object(specimg.Engine, "_target_replays", property(lambda self: False)), \
+                mock.patch("specimg.engine.scores_replay", lambda target, sampling: False):
             eager = engine.generate([1, 4], seed=0)
         assert torch.equal(replayed.tokens, eager.tokens), method
 

@@ -98,7 +98,7 @@ def test_a_tree_is_scored_in_one_replay_with_its_distributions(kind):
     too), where the distributions alone cost 7 launches eagerly; the same tokens."""
     tree = specimg.TreeConfig(kind="dynamic", depth=3, topk=3, total_tokens=10)
     counts, replayed, engine = _graph_path_counts("naive", tree, kind=kind)
-    with mock.patch.object(Engine, "_target_replays", property(lambda self: False)):
+    with mock.patch("specimg.engine.scores_replay", lambda target, sampling: False):
         eager_counts, eager, _ = _graph_path_counts("naive", tree, kind=kind)
     assert counts["verify"] <= 8 < eager_counts["verify"], (counts, eager_counts)
     assert any(key[1][0] == "score" for key in engine.target.graphs._graphs if key[0] == "program")
