@@ -161,7 +161,8 @@ class Lane:
         the walk where it did) is booked."""
         walked = result.walked or walk_on_device(tree, result)
         if dist is not scores.probs:
-            self.spent.append(relax.tvd(dist[walked.path], scores.probs[walked.path]).sum() if walked.spent is None else walked.spent)
+            spent = walked.spent if walked.spent is not None else relax.tvd(dist[walked.path], scores.probs[walked.path]).sum()
+            self.spent.append(spent)
         return walked
 
     def advance(self, tree: DraftTree, scores: Scores, dist: Tensor, result: Acceptance, walked: Walked) -> None:

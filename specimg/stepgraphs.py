@@ -91,14 +91,15 @@ def _grown_columns(tree: DraftTree) -> list[Tensor]:
     return [torch.cat(integers), tree.mask, tree.logprobs]
 
 
-def _copied_tree(outputs: Sequence[Tensor], height: int, sizes: tuple[int, ...] = ()) -> DraftTree:
-    """The tree (a forest, with its trees' ``sizes``) whose columns a replayed growth left
-    in ``outputs`` (:func:`_grown_columns`), copied out of the graph's buffers: the step
-    keeps its tree."""
+def _copied_tree(outputs: Sequence[Tensor], height: int, trees: int = 0) -> DraftTree:
+    """The tree (a forest of ``trees`` trees of one size) whose columns a replayed growth
+    left in ``outputs`` (:func:`_grown_columns`), copied out of the graph's buffers: the
+    step keeps its tree."""
     integers, mask, logprobs = (t.clone() for t in outputs)
-    n, node_columns = mask.shape[0], 4 if sizes else 3
+    n, node_columns = mask.shape[0], 4 if trees else 3
     tokens, parents, depths, *images, child_ids = integers.split([n] * node_columns + [integers.numel() - n * node_columns])
-    return DraftTree(tokens, parents, depths, mask, logprobs, child_ids.view(n, -1), height=height, images=images[0] if images else None, sizes=sizes)
+    return DraftTree(tokens, parents, depths, mask, logprobs, child_ids.view(n, -1), height=height,
+                     images=images[0] if images else None, sizes=(n // trees,) * trees if trees else ())
 
 
 class ReplayingBatch(Protocol):
@@ -136,8 +137,7 @@ def grow_forest(batch: ReplayingBatch, sampling: Sampling, root_logits: Tensor, 
         return _grown_columns(forest(root_logits, root_tokens))
 
     outputs = batch.replay(("grow", shape, tuple(root_logits.shape)), grow, [root_logits, root_tokens])
-    count = root_tokens.shape[0]  # where a host read stalls every tree keeps its ``nodes`` best (none dropped): one size
-    return _copied_tree(outputs, depth, sizes=(outputs[1].shape[0] // count,) * count)
+    return _copied_tree(outputs, depth, trees=root_tokens.shape[0])  # where a host read stalls every tree keeps its ``nodes`` best (none dropped): one size
 
 
 class ReplayingTarget(Target, Protocol):

@@ -236,9 +236,11 @@ def test_the_cost_model_times_the_programs_the_graph_path_replays():
     target = build_target("GPT-B", seed=0, **{**TINY, "block_size": 64})
     drafter = build_drafter(target, seed=1)
     counter = LaunchCounter()
-    with graph_path(counter, target, drafter), counter, mock.patch.object(costs, "_REPEATS", 2):
+    with graph_path(counter, target, drafter), counter, mock.patch.object(costs, "_REPEATS", 2), \
+            mock.patch.object(costs, "walk_forest", wraps=costs.walk_forest) as walk:
         model = costs.measure(target, drafter, specimg.Sampling(cfg_scale=3.0), 1)
     programs = {key[1][0] for key in target.graphs._graphs if key[0] == "program"}
     grown = {key[1][1] for key in drafter.graphs._graphs if key[0] == "program" and key[1][0] == "grow"}
     assert programs == {"score", "ar"} and {depth for depth, *_ in grown} == {1, 3}, (programs, grown)
+    assert walk.call_args_list and all(isinstance(call.args[4], GraphSet) for call in walk.call_args_list)
     assert model.ar_ms > 0 and all(ms > 0 for _, ms in (*model.verify_ms, *model.draft_base_ms, *model.draft_level_ms)) and model.overhead_ms > 0
