@@ -89,6 +89,22 @@ class FixedSteps:
             raise SpecimgError(f"CUDA graphs need the model on a CUDA device, not {device.type}")
         self.step_mode = mode
 
+    def current_graphs(self) -> GraphSet:
+        """Its graphs, as the step about to run may use them (a subclass clears them first
+        where a tensor they read was made anew)."""
+        return self.graphs
+
+    def replay_program(
+        self, key: tuple[Hashable, ...], program: Callable[..., Sequence[Tensor]], inputs: Sequence[Tensor],
+        host: tuple[Callable[[], Hashable], Callable[[Hashable], None]],
+    ) -> Sequence[Tensor]:
+        """``program``, which calls this model's step forwards, replayed as one CUDA graph per
+        ``key`` on the graph path (:meth:`GraphSet.run_program`, ``host`` the state it moves):
+        inside the capture the forwards record their kernels, not their own graphs."""
+        if self.step_mode != "graphs":
+            raise RuntimeError("replay needs the graph step mode (Engine(cuda_graphs='on'))")
+        return self.current_graphs().run_program(key, program, inputs, host)
+
 
 class GraphSet:
     """CUDA graphs of one function, one per key, sharing one memory pool.  ``run`` returns

@@ -244,9 +244,7 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
         tree), replayed as one CUDA graph per ``key`` on the graph path: its forwards'
         kernels recorded in it, not their own graphs.  Every run starts from the nodes fed
         since the start, as the first did, and leaves the count of fed nodes as it did."""
-        if self.step_mode != "graphs":
-            raise RuntimeError("replay needs the graph step mode (Engine(cuda_graphs='on'))")
-        return self.graphs.run_program(("program", key, self._rows), program, inputs, (lambda: self._count, lambda count: setattr(self, "_count", count)))
+        return self.replay_program(("program", key, self._rows), program, inputs, (lambda: self._count, lambda count: setattr(self, "_count", count)))
 
     def _start_fixed(self, hidden: Tensor, tokens: Tensor) -> Tensor:
         m = tokens.shape[0]
@@ -546,10 +544,8 @@ class DraftBatch:
         of every image's tree), replayed as one CUDA graph per ``key`` on the graph path (as
         :meth:`TreeDrafter.replay` for one image).  Every run starts from the counts of fed
         nodes the first did, and leaves them as it did."""
-        if self.step_mode != "graphs":
-            raise RuntimeError("replay needs the graph step mode (Engine(cuda_graphs='on'))")
         host = (lambda: tuple(self.counts), lambda counts: setattr(self, "counts", list(counts)))
-        return self.drafter.current_graphs().run_program(("batch", self._identity, "program", key), program, inputs, host)
+        return self.drafter.replay_program(("batch", self._identity, "program", key), program, inputs, host)
 
     def _forward(self, states: Tensor, tokens: Tensor, slots: Tensor, positions: Tensor, seen: Tensor) -> Tensor:
         """The draft layer over every image's pairs: states [rows * B, w, D], tokens, slots,

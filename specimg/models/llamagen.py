@@ -509,11 +509,9 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         kernels recorded in it, not its own graph, with the program's work around them.
         Every run leaves the pending tree's size as the first did (``commit`` checks it);
         a replay does not check the tree against the cache's room, which its caller has."""
-        if self.step_mode != "graphs":
-            raise RuntimeError("replay needs the graph step mode (Engine(cuda_graphs='on'))")
         self._pending = 0  # a forward replaces any pending tree: every run starts from none, one graph per key
-        return self.graphs.run_program(("program", key, self._rows, self.exposed), program, inputs,
-                                       (lambda: self._pending, lambda pending: setattr(self, "_pending", pending)))
+        return self.replay_program(("program", key, self._rows, self.exposed), program, inputs,
+                                   (lambda: self._pending, lambda pending: setattr(self, "_pending", pending)))
 
     def _forward_fixed(self, tokens: Tensor, depths: Tensor, mask: Tensor) -> TargetOutput:
         """``forward_tree`` at a fixed shape: the nodes padded to a bucket (a padded node
