@@ -42,7 +42,10 @@ from specimg.errors import SpecimgError
 from specimg.models.base import BatchTrees, Condition, Drafter, Target, draft_features
 from specimg.profile import MAX_DEPTH, MAX_TOPK, AcceptanceProfile
 from specimg.sampling import probabilities
-from specimg.stepgraphs import ReplayingDrafter, ReplayingTarget, ar_step_replayed, fixed_growth, grow_replayed, replays, score_replayed, scores_replay
+from specimg.stepgraphs import (
+    ReplayingBatchTarget, ReplayingDrafter, ReplayingTarget, ar_step_replayed, batch_scores_replay, batch_scores_replayed, fixed_growth,
+    grow_replayed, replays, score_replayed, scores_replay,
+)
 from specimg.tree import DraftSession, DraftTree, build_dynamic, stack_trees
 
 VERIFY_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
@@ -415,7 +418,8 @@ def _verify_times(target: Target, sampling: Sampling, trees: Mapping[int, DraftT
 
 def _batch_verify_times(target: Target, sampling: Sampling, condition: Condition, trees: Mapping[int, DraftTree], timed: Timer, batch: int) -> tuple[float, list[tuple[int, float]]]:
     """``_verify_times`` as an image's share of one forward over ``batch`` images, each
-    with the same tree, after half an image of batched AR steps."""
+    with the same tree, after half an image of batched AR steps; where the target replays
+    a batch's programs, the verify replays with its distributions, as the engine's does."""
     if not isinstance(target, BatchTrees):
         raise SpecimgError(f"a cost model at batch size {batch} needs a target that verifies a batch of trees")
     device = device_of(target)
@@ -424,8 +428,12 @@ def _batch_verify_times(target: Target, sampling: Sampling, condition: Condition
     for _ in range(target.num_tokens // 2):
         target.forward_batch(roots)
     stacked = {n: tuple(t.to(device) for t in stack_trees([tree] * batch)) for n, tree in trees.items()}
+    nodes = {n: torch.arange(batch * n, device=device) for n in trees}
+    score_replays = batch_scores_replay(target, sampling)
 
     def verify(n: int) -> Tensor:  # the logits of every image's nodes, processed
+        if score_replays:
+            return batch_scores_replayed(cast(ReplayingBatchTarget, target), sampling, stacked[n], nodes[n]).probs
         return probabilities(target.forward_trees(*stacked[n]).logits.flatten(1, 2), sampling)
 
     def ar_step() -> None:

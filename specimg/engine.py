@@ -29,7 +29,10 @@ from specimg.sampling import cfg_active_at, probabilities
 from specimg.stackhooks import MemberHook, StackHooks
 from specimg.stats import ImageStats, RunStats
 from specimg.step import Acceptance, Scores, Walked, scores_of
-from specimg.stepgraphs import ReplayingBatch, ReplayingTarget, ar_step_replayed, fixed_growth, grow_forest, replay_on_tree, replays, score_replayed, scores_replay
+from specimg.stepgraphs import (
+    ReplayingBatch, ReplayingBatchTarget, ReplayingTarget, ar_step_replayed, batch_scores_replay, batch_scores_replayed, fixed_growth,
+    grow_forest, replay_on_tree, replays, score_replayed, scores_replay,
+)
 from specimg.tree import BatchSession, DraftTree, build_dynamic_batch, dynamic_shape, stack_trees
 
 OnImage = Callable[[int, Tensor, ImageStats], None]
@@ -375,23 +378,25 @@ class Engine:
         else:
             proposed, forest = together
         trees = [proposed[i] if i in proposed else lane.root_tree() for i, lane in enumerate(lanes)]
+        drafted = list(proposed.values())
+        if drafted and forest is None:
+            forest = DraftTree.forest(drafted)
         with Lane.shared("verify", [lanes[i] for i in running]):
-            out = target.forward_trees(*(forest.stacked() if forest is not None and len(proposed) == len(lanes) else stack_trees(trees)))
+            stacked = forest.stacked() if forest is not None and len(proposed) == len(lanes) else stack_trees(trees)
+            scores, roots = self._verify_batch(stacked, trees, lanes, list(proposed), riding)
         paths = [torch.zeros(0, dtype=torch.long, device=self.device)] * len(lanes)  # a finished image commits nothing
-        for i in riding:
+        for i, root in zip(riding, roots.probs):
             lane = lanes[i]
-            root = TargetOutput(*(t if t is None else t[:, i, :1] for t in out))
             with lane.timed("verify"):
-                lane.tokens.append(self._draw(scores_of(root, trees[i], sampling, len(lane.tokens)).probs[0], lane.generator))
+                lane.tokens.append(self._draw(root, lane.generator))
             lane.stats.target_forwards += 1
             paths[i] = torch.zeros(1, dtype=torch.long, device=self.device)  # the root alone
             if lane.progress:
                 lane.progress(1)
         steps = {}
-        if proposed:
-            drafted = list(proposed.values())
-            forest = forest if forest is not None else DraftTree.forest(drafted)
-            steps = self._relax_and_accept(out, list(proposed), [lanes[i] for i in proposed], forest, drafted)
+        if drafted:
+            assert forest is not None
+            steps = self._relax_and_accept(scores, list(proposed), [lanes[i] for i in proposed], forest, drafted)
         for i, step in steps.items():
             paths[i] = step[-1].path
         with Lane.shared("commit", [lanes[i] for i in running]):
@@ -461,21 +466,38 @@ class Engine:
         root_tokens = stalls.on_device([lanes[place].tokens[-1] if place in lanes else 0 for place in range(batch.size)], self.device)
         return grow_forest(batch, self.sampling, root_logits, root_tokens, shape)
 
+    def _verify_batch(
+        self, stacked: tuple[Tensor, Tensor, Tensor], trees: Sequence[DraftTree], lanes: Sequence[Lane], places: Sequence[int], riding: Sequence[int]
+    ) -> tuple[Scores, Scores]:
+        """Every place's tree (``trees``, ``stacked``: tokens, depths [B, n], masks [B, n, n]) verified
+        in one forward: the scores of the trees drafted at ``places`` (their forest's nodes,
+        tree after tree), and of the roots of the places ``riding``.  Where the target
+        replays a batch's programs, the forward and the distributions are one graph
+        (:func:`~specimg.stepgraphs.batch_scores_replayed`)."""
+        target, sampling, device, width = cast(BatchTrees, self.target), self.sampling, self.device, stacked[0].shape[1]
+        owners = [place for place in places for _ in range(trees[place].size)] + list(riding)  # each node's place, riding roots last
+        nodes = stalls.on_device([place * width + node for place in places for node in range(trees[place].size)] + [place * width for place in riding], device)
+        if batch_scores_replay(target, sampling):
+            scores = batch_scores_replayed(cast(ReplayingBatchTarget, target), sampling, stacked, nodes)
+        else:
+            out = target.forward_trees(*stacked)
+            logits, hidden, *layers = (t.flatten(1, 2)[:, nodes] for t in out if t is not None)
+            predicted = stalls.on_device([len(lanes[place].tokens) for place in owners], device)  # the image token each node's root predicts
+            probs = probabilities(logits, sampling, cfg_active_at(stacked[1].flatten()[nodes], sampling, predicted))
+            scores = Scores(probs, hidden, logits, *layers)
+        drafted, roots = scores.split([len(owners) - len(riding), len(riding)])
+        return drafted, roots
+
     def _relax_and_accept(
-        self, out: TargetOutput, places: Sequence[int], lanes: Sequence[Lane], forest: DraftTree, trees: Sequence[DraftTree]
+        self, scores: Scores, places: Sequence[int], lanes: Sequence[Lane], forest: DraftTree, trees: Sequence[DraftTree]
     ) -> dict[int, tuple[DraftTree, Scores, Tensor, Acceptance, Walked]]:
-        """The batch's drafted ``trees`` (of ``lanes`` at ``places``, verified in ``out``)
-        as their ``forest``: their scores and q_R in one pass each, then every lane's
-        acceptance of its own rows, all in one call under the core's own rule
+        """The batch's drafted ``trees`` (of ``lanes`` at ``places``) as their ``forest``,
+        its ``scores`` from the verify: its q_R in one pass, then every lane's acceptance
+        of its own rows, all in one call under the core's own rule
         (:func:`specimg.accept.accept_forest`: one device program on a device) where the
         stack's ``accept`` passes on every tree, else lane by lane.  Per place: what its
         lane's ``advance`` takes."""
-        device, bucket, sizes = self.device, out.logits.shape[2], forest.sizes
-        starts = [a for a, _ in forest.spans]
-        with Lane.shared("verify", lanes):
-            nodes = stalls.on_device([place * bucket + node for place, size in zip(places, sizes) for node in range(size)], device)
-            predicted = stalls.on_device([len(lane.tokens) for lane in lanes], device)  # the image token each root predicts
-            scores = scores_of(TargetOutput(*(t if t is None else t.flatten(1, 2)[:, nodes] for t in out)), forest, self.sampling, predicted[forest.images])
+        sizes, starts = forest.sizes, [a for a, _ in forest.spans]
         with Lane.shared("relax", lanes):
             dist = self.relax(forest, scores)
         own = scores.split(sizes)  # each image's scores, and its q_R (p itself where nothing relaxed)

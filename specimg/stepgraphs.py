@@ -20,7 +20,7 @@ from torch import Tensor
 
 from specimg.config import Sampling
 from specimg.graphs import GraphSet, StepMode
-from specimg.models.base import Drafter, Target
+from specimg.models.base import BatchTrees, Drafter, Target
 from specimg.sampling import probabilities
 from specimg.step import Scores
 from specimg.tree import BatchSession, DraftSession, DraftTree, build_dynamic, build_dynamic_batch
@@ -45,10 +45,10 @@ def replay_on_tree(graphs: GraphSet, name: str, program: TreeProgram, tree: Draf
     return graphs.run(key, run, inputs)
 
 
-def replays(model: object) -> bool:
+def replays(model: object, method: str = "replay") -> bool:
     """Whether ``model`` (a target, a drafter) steps as CUDA graphs and replays a program
-    around its step forwards as one graph (its ``replay``)."""
-    return getattr(model, "step_mode", "eager") == "graphs" and hasattr(model, "replay")
+    around its step forwards as one graph (its ``replay``; a batch's: ``replay_batch``)."""
+    return getattr(model, "step_mode", "eager") == "graphs" and hasattr(model, method)
 
 
 def fixed_growth(shape: tuple[int, int, int, bool], sampling: Sampling) -> bool:
@@ -164,6 +164,35 @@ def score_replayed(target: ReplayingTarget, sampling: Sampling, tree: DraftTree)
         return [probabilities(logits, sampling), hidden, logits, *([] if layers is None else [layers])]
 
     probs, hidden, logits, *layers = (t.clone() for t in target.replay(("score", tree.size), score, [tree.tokens, tree.depths, tree.mask]))
+    return Scores(probs, hidden, logits, *layers)
+
+
+class ReplayingBatchTarget(BatchTrees, Protocol):
+    """A batch target that replays a program around its trees' forward as one graph (``LlamaGenTarget.replay_batch``)."""
+
+    def replay_batch(self, key: Hashable, program: Callable[..., Sequence[Tensor]], inputs: Sequence[Tensor]) -> Sequence[Tensor]: ...
+
+
+def batch_scores_replay(target: Target, sampling: Sampling) -> bool:
+    """Whether the core's scores of a batch's trees replay with their distributions
+    (:func:`batch_scores_replayed`): :func:`scores_replay`, for a batch."""
+    return replays(target, "replay_batch") and sampling.cfg_interval < 0
+
+
+def batch_scores_replayed(target: ReplayingBatchTarget, sampling: Sampling, stacked: tuple[Tensor, Tensor, Tensor], nodes: Tensor) -> Scores:
+    """The core's scores of the ``nodes`` [N] (flat ids, image i's node j at i * n + j) of
+    a batch's trees (``stacked``: tokens, depths [B, n] and masks [B, n, n], as
+    :func:`~specimg.tree.stack_trees` gives them): the target's forward, the nodes picked,
+    then guidance, filter and softmax, replayed as one graph per tree size and node count
+    (where :func:`batch_scores_replay`).  The scores are copied out of the graph's buffers."""
+    assert batch_scores_replay(target, sampling), "a replayed score needs a replaying target and tracks no guidance interval"
+
+    def score(tokens: Tensor, depths: Tensor, mask: Tensor, nodes: Tensor) -> list[Tensor]:
+        logits, hidden, *layers = (t.flatten(1, 2)[:, nodes] for t in target.forward_trees(tokens, depths, mask) if t is not None)
+        return [probabilities(logits, sampling), hidden, logits, *layers]
+
+    key = ("scores", tuple(stacked[0].shape), nodes.shape[0])
+    probs, hidden, logits, *layers = (t.clone() for t in target.replay_batch(key, score, [*stacked, nodes]))
     return Scores(probs, hidden, logits, *layers)
 
 

@@ -433,6 +433,22 @@ def test_fixed_shape_batched_ar_steps_are_the_eager_ones(kind: str):
     target.set_step_mode("eager")
 
 
+def test_a_batch_keeps_its_device_lengths_in_one_tensor_while_its_store_lives():
+    """A replayed batch program reads the images' lengths where they live: a new batch of
+    the same shape keeps the tensor (and the graphs), its values brought up to date in
+    place after eager steps; a batch of another size makes a new one and drops the graphs."""
+    target = build_target("GPT-B", seed=2, **TINY)
+    target.prefill_batch([1, 5], True, tree_nodes=4)
+    starts = target._batch.starts
+    target.forward_batch(torch.tensor([3, 4]))  # eager: the lengths move on the host alone
+    assert target._batch.device_lengths() is starts and starts.tolist() == target._batch.lengths == [2, 2]
+    target.graphs._graphs["kept"] = None
+    target.prefill_batch([9, 2], True, tree_nodes=4)
+    assert target._batch.device_lengths() is starts and starts.tolist() == [1, 1] and "kept" in target.graphs._graphs
+    target.prefill_batch([9, 2, 4], True, tree_nodes=4)
+    assert target._batch.starts is not starts and len(target.graphs) == 0
+
+
 def test_a_speculative_batch_at_fixed_shapes_draws_the_eager_images():
     """The batch's tree forwards and drafting at the fixed shapes CUDA graphs replay (the
     engine's step mode on a GPU: the drafter's start padded, every place's forest grown as

@@ -106,6 +106,22 @@ def test_a_tree_is_scored_in_one_replay_with_its_distributions(kind):
     assert [image.accepted for image in replayed.stats.images] == [image.accepted for image in eager.stats.images]
 
 
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_a_batch_of_trees_is_scored_in_one_replay_with_its_distributions(kind):
+    """A batch's verify, the target's forward over every image's tree, the picking of
+    their nodes and the distributions, replays as one graph per tree size and node count:
+    the trees' columns and the nodes' ids copied in, the replay, the scores copied out
+    (some 20 launches eagerly); the same tokens."""
+    tree = specimg.TreeConfig(kind="dynamic", depth=3, topk=3, total_tokens=10)
+    counts, replayed, engine = _graph_path_counts("naive", tree, images=3, kind=kind)
+    with mock.patch("specimg.engine.batch_scores_replay", lambda target, sampling: False):
+        eager_counts, eager, _ = _graph_path_counts("naive", tree, images=3, kind=kind)
+    assert counts["verify"] <= 12 < 18 < eager_counts["verify"], (counts, eager_counts)
+    assert any(key[0] == "batch program" and key[1][0] == "scores" for key in engine.target.graphs._graphs)
+    assert torch.equal(replayed.tokens, eager.tokens)
+    assert [image.accepted for image in replayed.stats.images] == [image.accepted for image in eager.stats.images]
+
+
 @pytest.mark.parametrize("method", ["naive", "gsd"])
 @pytest.mark.parametrize("images", [1, 3])
 def test_the_acceptance_walk_replays_as_one_graph_after_its_draws(images, method):
@@ -244,3 +260,17 @@ def test_the_cost_model_times_the_programs_the_graph_path_replays():
     assert programs == {"score", "ar"} and {depth for depth, *_ in grown} == {1, 3}, (programs, grown)
     assert walk.call_args_list and all(isinstance(call.args[4], GraphSet) for call in walk.call_args_list)
     assert model.ar_ms > 0 and all(ms > 0 for _, ms in (*model.verify_ms, *model.draft_base_ms, *model.draft_level_ms)) and model.overhead_ms > 0
+
+
+def test_the_cost_model_of_a_batch_times_its_verify_replayed():
+    """At a batch size above 1 the cost model times the batch's verify as the engine runs
+    it on the graph path: the forward over every image's tree and the distributions as one
+    replayed program per tree size."""
+    target = build_target("GPT-B", seed=0, **{**TINY, "block_size": 64})
+    drafter = build_drafter(target, seed=1)
+    counter = LaunchCounter()
+    with graph_path(counter, target, drafter), counter, mock.patch.object(costs, "_REPEATS", 2):
+        model = costs.measure(target, drafter, specimg.Sampling(cfg_scale=3.0), 1, batch=3)
+    scored = {key[1][1][1] for key in target.graphs._graphs if key[0] == "batch program" and key[1][0] == "scores"}
+    assert scored == {n for n, _ in model.verify_ms}, (scored, model.verify_ms)
+    assert model.ar_ms > 0 and all(ms > 0 for _, ms in model.verify_ms)

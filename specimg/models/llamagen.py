@@ -373,22 +373,25 @@ class BatchCache:
     differ), ``valid`` [rows * B, slots] the slots a query may see (t2i: padded caption
     slots off), ``pending`` the nodes of the last ``forward_trees``.  Tree steps and
     fixed-shape AR steps keep the lengths on the device too (``starts``), so that a step
-    copies nothing from the host."""
+    copies nothing from the host: one tensor for as long as the store lives, so that a
+    graph may read it in place."""
 
     store: Tensor  # [layers, 2 (k, v), rows * B, heads, slots, head_dim]: one tensor, so a commit moves every layer's entries at once
     valid: Tensor | None
     rows: int
     lengths: list[int]
+    starts: Tensor  # ``lengths`` on the device [B]
     pending: int = 0
-    starts: Tensor | None = None  # ``lengths`` on the device; None after eager AR steps: copied at the next step that reads it
+    stale: bool = True  # ``starts`` behind ``lengths`` (after eager AR steps): copied in place at the next step that reads it
     caches: list[KVSlot] = attrs.field(init=False)  # per layer, views of ``store``
 
     def __attrs_post_init__(self) -> None:
         self.caches = [(k, v) for k, v in self.store]
 
-    def device_lengths(self, device: torch.device) -> Tensor:
-        if self.starts is None:
-            self.starts = torch.tensor(self.lengths, device=device)
+    def device_lengths(self) -> Tensor:
+        if self.stale:
+            self.starts.copy_(torch.tensor(self.lengths))
+            self.stale = False
         return self.starts
 
     @property
@@ -513,6 +516,19 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         return self.replay_program(("program", key, self._rows, self.exposed), program, inputs,
                                    (lambda: self._pending, lambda pending: setattr(self, "_pending", pending)))
 
+    def replay_batch(self, key: Hashable, program: Callable[..., Sequence[Tensor]], inputs: Sequence[Tensor]) -> Sequence[Tensor]:
+        """:meth:`replay` for the batch: ``program`` calls ``forward_trees`` once (the core's
+        scoring of a batch's trees), replayed as one CUDA graph per ``key`` and room left in
+        the cache (which can bound a tree's bucket near its end).  Its kernels read the
+        batch's lengths where they live (``BatchCache.starts``), and the host state it
+        moves is that of the batch of the moment: a new ``prefill_batch`` keeps the graphs."""
+        batch = self._batch_cache("replay_batch")
+        batch.device_lengths()  # up to date before a run reads it in place
+        batch.pending = 0  # a forward replaces any pending trees: every run starts from none, one graph per key
+        room = min(self.max_tree_nodes, batch.capacity - max(batch.lengths))
+        host = (lambda: self._batch_cache("replay_batch").pending, lambda pending: setattr(self._batch_cache("replay_batch"), "pending", pending))
+        return self.replay_program(("batch program", key, room, batch.rows, len(batch.lengths), self.exposed), program, inputs, host)
+
     def _forward_fixed(self, tokens: Tensor, depths: Tensor, mask: Tensor) -> TargetOutput:
         """``forward_tree`` at a fixed shape: the nodes padded to a bucket (a padded node
         sees only itself and nobody sees it, so it changes no real node's output), run
@@ -615,14 +631,14 @@ class LlamaGenTarget(FixedSteps, nn.Module):
             valid[:, :cls] = torch.stack([m for _, m in embedded]).repeat(rows, 1)
         shape = (len(self.layers), 2, rows * n, c.kv_heads, slots, c.head_dim)
         old = self._batch
-        if old is not None and old.store.shape == shape and not cache_is_stale(old.store, w):
-            store = old.store  # the same storage: graphs captured on it stay valid (stale slots are never seen)
+        if old is not None and old.store.shape == shape and old.starts.shape[0] == n and not cache_is_stale(old.store, w):
+            store, starts = old.store, old.starts  # the same storage: graphs captured on it stay valid (stale slots are never seen)
             if valid is not None:
                 valid = old.valid.copy_(valid) if old.valid is not None else valid
         else:
-            store = w.new_zeros(shape)
+            store, starts = w.new_zeros(shape), torch.zeros(n, dtype=torch.long, device=w.device)
             self.graphs.clear()  # they read the old batch storage
-        self._batch = BatchCache(store, valid, rows, [0] * n)
+        self._batch = BatchCache(store, valid, rows, [0] * n, starts)
         return self._batch_last(prefix, None if valid is None else self.condition_mask(valid[:, :cls])[:, None])
 
     @torch.no_grad()
@@ -644,7 +660,7 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         directly or replayed as a CUDA graph per (rows, images)."""
         batch = self._batch
         assert batch is not None
-        starts = batch.device_lengths(tokens.device)
+        starts = batch.device_lengths()
         if self.step_mode == "graphs":
             (logits,) = self.graphs.run(("batch", batch.rows, tokens.shape[0], self.exposed), self._batch_ar_step, (tokens, starts))
             logits = logits.clone()
@@ -680,7 +696,7 @@ class LlamaGenTarget(FixedSteps, nn.Module):
             raise ValueError(f"trees of {n} nodes overflow the batch cache ({batch.capacity - max(batch.lengths)} slots left)")
         device = self.tok_embeddings.weight.device
         tokens, depths, mask = (t.to(device) for t in (tokens, depths, mask))
-        start = batch.device_lengths(device)
+        start = batch.device_lengths()
         batch.pending = n
         if self.step_mode == "eager":
             return TargetOutput(*self._trees_step(tokens, depths, mask, start, max(batch.lengths) + n))
@@ -729,7 +745,7 @@ class LlamaGenTarget(FixedSteps, nn.Module):
             raise ValueError(f"cannot commit {max(counts)} nodes of {batch.pending}-node trees")
         device, m = self.tok_embeddings.weight.device, max(counts)
         if m > 1:  # a path's root is already in place (its slot is the image's length): only its later nodes move
-            start = batch.device_lengths(device)
+            start = batch.device_lengths()
             nodes = torch.nn.utils.rnn.pad_sequence([p[1:].to(device) for p in paths], batch_first=True, padding_value=-1)
             dest = start[:, None] + torch.arange(1, m, device=device)
             source = torch.where(nodes >= 0, start[:, None] + nodes, dest)  # past a path: stays put
@@ -738,7 +754,7 @@ class LlamaGenTarget(FixedSteps, nn.Module):
             index = source.expand(*store.shape[:2], -1, store.shape[3], -1, store.shape[5])
             store.scatter_(4, dest.expand_as(index), store.gather(4, index))
         if m:
-            batch.device_lengths(device).add_(on_device(counts, device) if len(set(counts)) > 1 else m)
+            batch.device_lengths().add_(on_device(counts, device) if len(set(counts)) > 1 else m)
         batch.lengths = [n + k for n, k in zip(batch.lengths, counts)]
         batch.pending = 0
 
@@ -757,8 +773,7 @@ class LlamaGenTarget(FixedSteps, nn.Module):
             batch.valid[rows] = True
             batch.valid[rows, :cls] = caption_mask
         batch.lengths[image] = cls
-        if batch.starts is not None:
-            batch.starts[image] = cls
+        batch.starts[image] = cls
         return self._head(h[:, -1:], None if fused is None else fused[:, -1:])
 
     def _batch_cache(self, caller: str) -> BatchCache:
@@ -773,7 +788,7 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         assert batch is not None
         start, width = batch.lengths[0], x.shape[1]
         h, fused = self._run(x, self.rope[start : start + width], mask, start, batch.caches)
-        batch.lengths, batch.starts = [start + width] * len(batch.lengths), None
+        batch.lengths, batch.stale = [start + width] * len(batch.lengths), True
         out = self._head(h[:, -1], None if fused is None else fused[:, -1])
         return TargetOutput(*(t if t is None else t.view(batch.rows, -1, t.shape[-1]) for t in out))
 
