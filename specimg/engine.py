@@ -21,7 +21,7 @@ from specimg.graphs import CudaGraphs, GraphSet, capture_seconds, step_mode
 from specimg.lane import Lane
 from specimg.lockstep import BatchDrafting, LaneDrafter, Lockstep
 from specimg.methods import AR, Stack
-from specimg.models.base import BatchSteps, BatchTrees, Condition, Drafter, Target, TargetOutput, placed
+from specimg.models.base import BatchSteps, BatchTrees, Condition, Drafter, Target, TargetOutput, draft_features, placed
 from specimg.planner import TreePlanner
 from specimg.profile import AcceptanceProfile
 from specimg.plugins import PluginManager, get_plugin_manager
@@ -401,8 +401,17 @@ class Engine:
             paths[i] = step[-1].path
         with Lane.shared("commit", [lanes[i] for i in running]):
             target.commit_trees(paths)
-        for i, step in steps.items():
-            lanes[i].advance(*step)
+            features = self._path_features(scores, forest, [step[3] for step in steps.values()]) if steps else []
+        for (i, step), hidden in zip(steps.items(), features):
+            lanes[i].advance(*step, hidden=hidden)
+
+    def _path_features(self, scores: Scores, forest: DraftTree, results: Sequence[Acceptance]) -> list[Tensor | None]:
+        """The drafter's features at each tree's accepted path (``results``, tree after tree
+        in the ``forest`` that ``scores`` score), picked for every tree in one gather."""
+        if self.drafter is None:
+            return [None] * len(results)
+        nodes = stalls.on_device([start + node for (start, _), result in zip(forest.spans, results) for node in result.path], self.device)
+        return list(draft_features(self.drafter, scores)[:, nodes].split([len(result.path) for result in results], dim=1))
 
     def _draft_together(self, lanes: Mapping[int, Lane], batch: BatchDrafting) -> tuple[dict[int, DraftTree], DraftTree | None] | None:
         """Every drafting lane's tree, grown together where the core grows EAGLE-2 trees

@@ -9,7 +9,8 @@ can be captured once per shape as a CUDA graph and replayed each step: one launc
 :class:`GraphSet` keeps one graph per key (the caller's shape: rows, bucket, ...), captured
 on first use from the call's real inputs.  Capture runs the function twice on a side stream
 before recording it, so everything the function writes (KV-cache slots) must be written
-the same way by a rerun with the same inputs, as a step forward's cache writes are.
+the same way by a rerun with the same inputs, as a step forward's cache writes are; a
+function that moves state for good (a commit) is captured without those runs.
 """
 
 from __future__ import annotations
@@ -126,12 +127,15 @@ class GraphSet:
         self._host_after.clear()
         self._pool = None
 
-    def run(self, key: Hashable, fn: Callable[..., Sequence[Tensor]], inputs: Sequence[Tensor]) -> Sequence[Tensor]:
+    def run(self, key: Hashable, fn: Callable[..., Sequence[Tensor]], inputs: Sequence[Tensor], warmups: int = WARMUP_RUNS) -> Sequence[Tensor]:
+        """``fn(*inputs)``, replayed from the key's graph (captured on first use after
+        ``warmups`` runs: 0 for a function that a rerun would not leave as one run does,
+        such as a commit that moves cache entries and lengths for good)."""
         if capturing():  # inside another graph's capture: that graph records this call's kernels
             return fn(*inputs)
         entry = self._graphs.get(key)
         if entry is None:
-            entry = self._graphs[key] = self._capture(fn, inputs)  # replayed once: this call
+            entry = self._graphs[key] = self._capture(fn, inputs, warmups)  # replayed once: this call
             return entry[2]
         graph, static, outputs = entry
         for buffer, value in zip(static, inputs):
@@ -162,13 +166,13 @@ class GraphSet:
         put(self._host_after[entry])
         return outputs
 
-    def _capture(self, fn: Callable[..., Sequence[Tensor]], inputs: Sequence[Tensor]) -> tuple[torch.cuda.CUDAGraph, Sequence[Tensor], Sequence[Tensor]]:
+    def _capture(self, fn: Callable[..., Sequence[Tensor]], inputs: Sequence[Tensor], warmups: int) -> tuple[torch.cuda.CUDAGraph, Sequence[Tensor], Sequence[Tensor]]:
         begin = time.perf_counter()
         static = [x.clone() for x in inputs]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(WARMUP_RUNS):
+            for _ in range(warmups):
                 fn(*static)
         torch.cuda.current_stream().wait_stream(side)
         if self._pool is None:

@@ -165,14 +165,15 @@ class Lane:
             self.spent.append(spent)
         return walked
 
-    def advance(self, tree: DraftTree, scores: Scores, dist: Tensor, result: Acceptance, walked: Walked) -> None:
-        """After the target committed the walked path: the drafter's next features, the new
-        tokens, the planner's lesson and the step's statistics."""
+    def advance(self, tree: DraftTree, scores: Scores, dist: Tensor, result: Acceptance, walked: Walked, hidden: Tensor | None = None) -> None:
+        """After the target committed the walked path: the drafter's next features (picked
+        here, unless a batch picked every lane's at once: ``hidden``), the new tokens, the
+        planner's lesson and the step's statistics."""
         engine, stats = self.engine, self.stats
         with self.timed("commit"):
             path, self.new_ids, new_tokens = walked.path, walked.new_tokens, walked.token_list
             if self.drafter is not None:
-                self.hidden = draft_features(self.drafter, scores)[:, path]
+                self.hidden = hidden if hidden is not None else draft_features(self.drafter, scores)[:, path]
             self.tokens.extend(new_tokens)
             self.previous = Step(tree, scores, result)
         if self.planner:

@@ -122,6 +122,31 @@ def test_a_batch_of_trees_is_scored_in_one_replay_with_its_distributions(kind):
     assert [image.accepted for image in replayed.stats.images] == [image.accepted for image in eager.stats.images]
 
 
+@pytest.mark.parametrize("method", ["ar", "cascade+lantern"])
+@pytest.mark.parametrize("images", [1, 3])
+def test_the_images_decoded_while_the_graphs_are_captured_are_the_static_steps(images, method):
+    """The first decode on the graph path captures every program it replays, each run as
+    a capture runs it (warm-up runs, then the capture); a program that moves state for
+    good (a batch's commit) must still move it once.  Its images are those of the same
+    steps at fixed shapes without graphs."""
+    tree = specimg.TreeConfig(kind="dynamic", depth=3, topk=3, total_tokens=10)
+    target = build_target("GPT-B", seed=0, **TINY)
+    drafter = build_drafter(target, seed=1)
+    tokenizer = build_tokenizer(seed=2, codebook_size=TINY["vocab_size"], codebook_embed_dim=8)
+
+    def generate() -> torch.Tensor:
+        engine = specimg.Engine(target, None if method == "ar" else drafter, method, sampling=specimg.Sampling(cfg_scale=3.0), tree=tree, tokenizer=tokenizer,
+                                batch_size=images, cuda_graphs="auto")
+        return engine.generate(list(range(images)), seed=5).tokens
+
+    with graph_path(LaunchCounter(), target, drafter):
+        captured = generate()
+        for model in (target, drafter):
+            model.step_mode = "static"
+        static = generate()
+    assert torch.equal(captured, static)
+
+
 @pytest.mark.parametrize("method", ["naive", "gsd"])
 @pytest.mark.parametrize("images", [1, 3])
 def test_the_acceptance_walk_replays_as_one_graph_after_its_draws(images, method):

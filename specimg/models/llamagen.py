@@ -744,19 +744,33 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         if max(counts) > batch.pending:
             raise ValueError(f"cannot commit {max(counts)} nodes of {batch.pending}-node trees")
         device, m = self.tok_embeddings.weight.device, max(counts)
-        if m > 1:  # a path's root is already in place (its slot is the image's length): only its later nodes move
-            start = batch.device_lengths()
+        if m:  # a path's root is already in place (its slot is the image's length): only its later nodes move
             nodes = torch.nn.utils.rnn.pad_sequence([p[1:].to(device) for p in paths], batch_first=True, padding_value=-1)
-            dest = start[:, None] + torch.arange(1, m, device=device)
+            added = on_device(counts, device)
+            batch.device_lengths()  # up to date before the step reads it in place
+            if self.step_mode == "graphs":
+                self.graphs.run(("commit", batch.rows, len(counts), m), self._commit_step, (nodes, added), warmups=0)  # a rerun would move entries twice
+            else:
+                self._commit_step(nodes, added)
+        batch.lengths = [n + k for n, k in zip(batch.lengths, counts)]
+        batch.pending = 0
+
+    def _commit_step(self, nodes: Tensor, counts: Tensor) -> tuple[()]:
+        """``commit_trees`` on device tensors only (what a CUDA graph captures, one per
+        longest path): image i's accepted nodes after its root, ``nodes[i]`` (-1 past its
+        path), moved to the slots after its length, which then grows by ``counts[i]``."""
+        batch = self._batch
+        assert batch is not None
+        start, later = batch.starts, nodes.shape[1]
+        if later:
+            dest = start[:, None] + torch.arange(1, later + 1, device=nodes.device)
             source = torch.where(nodes >= 0, start[:, None] + nodes, dest)  # past a path: stays put
             dest, source = (t.repeat(batch.rows, 1)[None, None, :, None, :, None] for t in (dest, source))
             store = batch.store
             index = source.expand(*store.shape[:2], -1, store.shape[3], -1, store.shape[5])
             store.scatter_(4, dest.expand_as(index), store.gather(4, index))
-        if m:
-            batch.device_lengths().add_(on_device(counts, device) if len(set(counts)) > 1 else m)
-        batch.lengths = [n + k for n, k in zip(batch.lengths, counts)]
-        batch.pending = 0
+        start.add_(counts)
+        return ()
 
     @torch.no_grad()
     def refill(self, image: int, condition: Condition) -> TargetOutput:

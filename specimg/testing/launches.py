@@ -117,11 +117,11 @@ class _Replay:
     the function on the graph's own input buffers, uncounted but for the one launch, and
     leaves its results in the graph's own outputs."""
 
-    def __init__(self, counter: LaunchCounter, fn: Callable[..., Any], inputs: Any):
+    def __init__(self, counter: LaunchCounter, fn: Callable[..., Any], inputs: Any, warmups: int):
         self.counter, self.fn = counter, fn
         with counter.muted():
             self.static = [x.clone() for x in inputs]
-            for _ in range(graphs.WARMUP_RUNS):
+            for _ in range(warmups):
                 fn(*self.static)
         with self._replaying():
             self.outputs = fn(*self.static)
@@ -151,8 +151,8 @@ def emulated_captures(counter: LaunchCounter) -> Iterator[None]:
     graph's own inputs, so a result that is not a function of them alone shows, and a
     call no graph can replay raises :class:`NotCapturable` while ``counter`` is active."""
 
-    def capture(self: graphs.GraphSet, fn: Callable[..., Any], inputs: Any) -> tuple[_Replay, Any, Any]:
-        graph = _Replay(counter, fn, inputs)
+    def capture(self: graphs.GraphSet, fn: Callable[..., Any], inputs: Any, warmups: int) -> tuple[_Replay, Any, Any]:
+        graph = _Replay(counter, fn, inputs, warmups)
         return graph, graph.static, graph.outputs
 
     with mock.patch.object(graphs.GraphSet, "_capture", capture), mock.patch.object(graphs, "capturing", lambda: counter.replaying):
