@@ -159,8 +159,8 @@ class DraftTree:
         assert self.images is not None, "not a forest"
         sizes, spans = list(self.sizes), self.spans
         offset = self._tree_starts()
-        parents = torch.where(self.parents >= 0, self.parents - offset, -1)
-        child_ids = torch.where(self.child_ids >= 0, self.child_ids - offset[:, None], -1)
+        parents = (self.parents - offset).clamp_(min=-1)  # a node's ids are its tree's (at least its start); -1 stays -1
+        child_ids = (self.child_ids - offset[:, None]).clamp_(min=-1)
         columns = (self.tokens, parents, self.depths, self.mask, self.logprobs, child_ids)
         draft_probs = [None] * len(sizes) if self.draft_probs is None else self.draft_probs.split(sizes)
         return [
@@ -170,8 +170,11 @@ class DraftTree:
 
     def _tree_starts(self) -> Tensor:
         """A forest's node ids of each node's tree's first node [n]: each tree's least node
-        id, found on the device (no host data, so a CUDA graph can replay it)."""
+        id, found on the device (no host data, so a CUDA graph can replay it), or from the
+        size where every tree has one."""
         assert self.images is not None
+        if len(set(self.sizes)) == 1:  # trees of one size (grown at one shape): tree i starts at i * size
+            return self.images * self.sizes[0]
         nodes = torch.arange(self.size, device=self.tokens.device)
         first = nodes.new_full((len(self.sizes),), self.size).scatter_reduce_(0, self.images, nodes, "amin")
         return first[self.images]
