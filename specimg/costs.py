@@ -41,10 +41,10 @@ from specimg.methods import AR, Stack
 from specimg.errors import SpecimgError
 from specimg.models.base import BatchTrees, Condition, Drafter, Target, draft_features
 from specimg.profile import MAX_DEPTH, MAX_TOPK, AcceptanceProfile
-from specimg.sampling import probabilities
+from specimg.sampling import draw, draw_rows, probabilities
 from specimg.stepgraphs import (
-    ReplayingBatchTarget, ReplayingDrafter, ReplayingTarget, ar_step_replayed, batch_scores_replay, batch_scores_replayed, fixed_growth,
-    grow_replayed, replays, score_replayed, scores_replay,
+    ReplayingBatchTarget, ReplayingDrafter, ReplayingTarget, ar_step_replayed, batch_ar_step_replayed, batch_scores_replay, batch_scores_replayed,
+    fixed_growth, grow_replayed, replays, score_replayed, scores_replay,
 )
 from specimg.tree import DraftSession, DraftTree, build_dynamic, stack_trees
 
@@ -405,7 +405,7 @@ def _verify_times(target: Target, sampling: Sampling, trees: Mapping[int, DraftT
             probs = ar_step_replayed(cast(ReplayingTarget, target), sampling, token, True)
         else:
             probs = probabilities(target.forward_tree(token, token, torch.ones(1, 1, dtype=torch.bool, device=device)).logits, sampling)[0]
-        torch.multinomial(probs, 1)
+        draw(probs, None)
 
     def verify(n: int) -> Tensor:
         tree = on_device[n]
@@ -429,16 +429,16 @@ def _batch_verify_times(target: Target, sampling: Sampling, condition: Condition
         target.forward_batch(roots)
     stacked = {n: tuple(t.to(device) for t in stack_trees([tree] * batch)) for n, tree in trees.items()}
     nodes = {n: torch.arange(batch * n, device=device) for n in trees}
-    score_replays = batch_scores_replay(target, sampling)
+    ar_replays, score_replays = replays(target, "replay_batch"), batch_scores_replay(target, sampling)
 
     def verify(n: int) -> Tensor:  # the logits of every image's nodes, processed
         if score_replays:
             return batch_scores_replayed(cast(ReplayingBatchTarget, target), sampling, stacked[n], nodes[n]).probs
         return probabilities(target.forward_trees(*stacked[n]).logits.flatten(1, 2), sampling)
 
-    def ar_step() -> None:
-        for row in verify(1):  # one draw per image, as a batch draws its AR tokens
-            torch.multinomial(row, 1)
+    def ar_step() -> None:  # one draw per image, as a batch draws its AR tokens
+        probs = batch_ar_step_replayed(cast(ReplayingBatchTarget, target), sampling, roots, True) if ar_replays else verify(1)
+        draw_rows(probs, [None] * batch)
 
     return _in_rounds(ar_step, verify, list(trees), timed, share=batch)
 

@@ -25,12 +25,12 @@ from specimg.models.base import BatchSteps, BatchTrees, Condition, Drafter, Targ
 from specimg.planner import TreePlanner
 from specimg.profile import AcceptanceProfile
 from specimg.plugins import PluginManager, get_plugin_manager
-from specimg.sampling import cfg_active_at, probabilities
+from specimg.sampling import cfg_active_at, draw, draw_rows, probabilities
 from specimg.stackhooks import MemberHook, StackHooks
 from specimg.stats import ImageStats, RunStats
 from specimg.step import Acceptance, Scores, Walked, scores_of
 from specimg.stepgraphs import (
-    ReplayingBatch, ReplayingBatchTarget, ReplayingTarget, ar_step_replayed, batch_scores_replay, batch_scores_replayed, fixed_growth,
+    ReplayingBatch, ReplayingBatchTarget, ReplayingTarget, ar_step_replayed, batch_ar_step_replayed, batch_scores_replay, batch_scores_replayed, fixed_growth,
     grow_forest, replay_on_tree, replays, score_replayed, scores_replay,
 )
 from specimg.tree import BatchSession, DraftTree, build_dynamic_batch, dynamic_shape, stack_trees
@@ -285,14 +285,19 @@ class Engine:
         target, sampling, n = self.target, self.sampling, len(conditions)
         assert isinstance(target, BatchSteps)
         generators = [torch.Generator(self.device).manual_seed(s) for s in seeds]
+        replayed, roots = replays(target, "replay_batch"), [torch.zeros(1, dtype=torch.long, device=self.device)] * n
         start = time.perf_counter()
         with torch.inference_mode():
             drawn = [self._sample_rows(probabilities(target.prefill_batch(conditions, sampling.cfg).logits, sampling), generators)]
             for index in range(1, target.num_tokens):
                 if progress:
                     progress(n)
-                logits = target.forward_batch(drawn[-1])
-                drawn.append(self._sample_rows(probabilities(logits, sampling, cfg_active_at(index, sampling)), generators))
+                if replayed:  # the forward and the distributions as one graph, then the roots committed
+                    probs = batch_ar_step_replayed(cast(ReplayingBatchTarget, target), sampling, drawn[-1], cast(bool, cfg_active_at(index, sampling)))
+                    cast(BatchTrees, target).commit_trees(roots)
+                else:
+                    probs = probabilities(target.forward_batch(drawn[-1]), sampling, cfg_active_at(index, sampling))
+                drawn.append(self._sample_rows(probs, generators))
             tokens = torch.stack(drawn, dim=1).cpu()  # the one read: the tokens stay on the device until here
         if progress:
             progress(n)
@@ -536,10 +541,12 @@ class Engine:
         image draws with its own generator and its tokens stay on the device until the
         end.  An image that is finished rides along and commits nothing.  Images at one
         length (all sent to AR from their first step) take the batched AR step, which
-        needs no per-image slots or mask."""
+        needs no per-image slots or mask; where the target replays a batch's programs, the
+        step and its distributions replay as one graph (where guidance is one flag for all)."""
         target, sampling, device = cast(BatchTrees, self.target), self.sampling, self.device
         remaining = [target.num_tokens - len(lane.tokens) for lane in lanes]
         level = len({len(lane.tokens) for lane in lanes}) == 1  # then they also finish together: level to the end
+        replayed = replays(target, "replay_batch") and (level or sampling.cfg_interval < 0)
         last = stalls.on_device([lane.tokens[-1] for lane in lanes], device)  # each image's root
         first = len(lanes[0].tokens) if level else stalls.on_device([len(lane.tokens) for lane in lanes], device)  # the token each draws first (one index where level: no tensor a step)
         depths, mask = torch.zeros(len(lanes), 1, dtype=torch.long, device=device), torch.ones(len(lanes), 1, 1, dtype=torch.bool, device=device)
@@ -548,14 +555,18 @@ class Engine:
         start = time.perf_counter()
         for step in range(steps):
             running = [i for i, left in enumerate(remaining) if left > step]
-            logits = target.forward_batch(last) if level else target.forward_trees(last[:, None], depths, mask).logits[:, :, 0]
-            probs = probabilities(logits, sampling, cfg_active_at(first + step, sampling))  # every image's; the finished ones' go unused
+            cfg_active = cfg_active_at(first + step, sampling)
+            if replayed:
+                probs = batch_ar_step_replayed(cast(ReplayingBatchTarget, target), sampling, last, cast(bool, cfg_active))
+            else:
+                logits = target.forward_batch(last) if level else target.forward_trees(last[:, None], depths, mask).logits[:, :, 0]
+                probs = probabilities(logits, sampling, cfg_active)  # every image's; the finished ones' go unused
             if len(running) == len(lanes):
                 last = self._sample_rows(probs, [lane.generator for lane in lanes])
             else:
                 at = stalls.on_device(running, device)
                 last = last.index_copy(0, at, self._sample_rows(probs[at], [lanes[i].generator for i in running]))
-            if not level:
+            if replayed or not level:
                 target.commit_trees([root if left > step else nothing for left in remaining])
             drawn.append(last)
             if progress:
@@ -569,11 +580,11 @@ class Engine:
                 lane.stats.target_forwards += count
                 lane.stats.seconds["verify"] += share
 
-    def _sample_rows(self, probs: Tensor | Sequence[Tensor], generators: Sequence[torch.Generator]) -> Tensor:
-        """One token per row of ``probs`` ([B, V], or B rows [V]), row i drawn with ``generators[i]``: [B]."""
+    def _sample_rows(self, probs: Tensor, generators: Sequence[torch.Generator]) -> Tensor:
+        """One token per row of ``probs`` [B, V], row i drawn with ``generators[i]``: [B]."""
         if self.sampling.greedy:
-            return (probs if isinstance(probs, Tensor) else torch.stack(list(probs))).argmax(dim=-1)
-        return torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, generators)])
+            return probs.argmax(dim=-1)
+        return draw_rows(probs, generators)
 
     @property
     def drafter_free(self) -> bool:
@@ -622,7 +633,7 @@ class Engine:
         """A token [1] drawn from ``probs`` [V], left on the device."""
         if self.sampling.greedy:
             return probs.argmax(dim=-1, keepdim=True)
-        return torch.multinomial(probs, 1, generator=generator)
+        return draw(probs, generator)
 
     def _draw(self, probs: Tensor, generator: torch.Generator) -> int:
         return int(self._sample(probs, generator))

@@ -1,10 +1,13 @@
-"""Logits to probabilities the way LlamaGen samples: CFG, temperature, top-k, top-p.
+"""Logits to probabilities the way LlamaGen samples (CFG, temperature, top-k, top-p), and
+tokens drawn from them as ``torch.multinomial`` draws them.
 
 Everything is float32.  Greedy decoding (temperature 0) still needs a distribution for the
 relaxations to work on: it is the temperature-1 distribution after the same filters.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -64,3 +67,22 @@ def cfg_active_at(token_index: Tensor | int, sampling: Sampling, offset: Tensor 
     if sampling.cfg_interval < 0:
         return True
     return token_index + offset - 1 <= sampling.cfg_interval
+
+
+def draw(probs: Tensor, generator: torch.Generator | None) -> Tensor:
+    """A token [1] from ``probs`` [V], drawn as ``torch.multinomial(probs, 1)`` draws it:
+    one Exp(1) variate per token from ``generator``, the argmax of probs / variate (the
+    same draws, the same generator state).  Without multinomial's checks of the
+    distribution, which cost a GPU as many kernels again; ``probs`` is a softmax."""
+    variates = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / variates).argmax(dim=-1, keepdim=True)
+
+
+def draw_rows(probs: Tensor, generators: Sequence[torch.Generator | None]) -> Tensor:
+    """One token per row of ``probs`` [B, V], row i drawn as :func:`draw` draws it with
+    ``generators[i]``: [B].  Each row's variates come from its own generator; the
+    division and the argmax run once for every row."""
+    variates = torch.empty_like(probs)
+    for row, generator in zip(variates, generators, strict=True):
+        row.exponential_(generator=generator)
+    return (probs / variates).argmax(dim=-1)

@@ -170,7 +170,7 @@ def score_replayed(target: ReplayingTarget, sampling: Sampling, tree: DraftTree)
 class ReplayingBatchTarget(BatchTrees, Protocol):
     """A batch target that replays a program around its trees' forward as one graph (``LlamaGenTarget.replay_batch``)."""
 
-    def replay_batch(self, key: Hashable, program: Callable[..., Sequence[Tensor]], inputs: Sequence[Tensor]) -> Sequence[Tensor]: ...
+    def replay_batch(self, key: Hashable, nodes: int, program: Callable[..., Sequence[Tensor]], inputs: Sequence[Tensor]) -> Sequence[Tensor]: ...
 
 
 def batch_scores_replay(target: Target, sampling: Sampling) -> bool:
@@ -192,8 +192,22 @@ def batch_scores_replayed(target: ReplayingBatchTarget, sampling: Sampling, stac
         return [probabilities(logits, sampling), hidden, logits, *layers]
 
     key = ("scores", tuple(stacked[0].shape), nodes.shape[0])
-    probs, hidden, logits, *layers = (t.clone() for t in target.replay_batch(key, score, [*stacked, nodes]))
+    probs, hidden, logits, *layers = (t.clone() for t in target.replay_batch(key, stacked[0].shape[1], score, [*stacked, nodes]))
     return Scores(probs, hidden, logits, *layers)
+
+
+def batch_ar_step_replayed(target: ReplayingBatchTarget, sampling: Sampling, last: Tensor, cfg_active: bool) -> Tensor:
+    """A batch's AR step, every image's last token [B] verified as a one-node tree and the
+    distributions [B, V] made from its logits, replayed as one graph per guidance state.
+    The caller commits the roots.  The distributions are the graph's own output, which its
+    next replay overwrites: the batch draws from them first."""
+
+    def step(last: Tensor) -> list[Tensor]:
+        root = torch.zeros_like(last)[:, None]  # depth 0, seeing itself
+        logits = target.forward_trees(last[:, None], root, torch.ones(*root.shape, 1, dtype=torch.bool, device=last.device)).logits
+        return [probabilities(logits[:, :, 0], sampling, cfg_active)]
+
+    return target.replay_batch(("ar", cfg_active), 1, step, [last])[0]
 
 
 def ar_step_replayed(target: ReplayingTarget, sampling: Sampling, last: Tensor, cfg_active: bool) -> Tensor:

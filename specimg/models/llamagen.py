@@ -516,18 +516,17 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         return self.replay_program(("program", key, self._rows, self.exposed), program, inputs,
                                    (lambda: self._pending, lambda pending: setattr(self, "_pending", pending)))
 
-    def replay_batch(self, key: Hashable, program: Callable[..., Sequence[Tensor]], inputs: Sequence[Tensor]) -> Sequence[Tensor]:
-        """:meth:`replay` for the batch: ``program`` calls ``forward_trees`` once (the core's
-        scoring of a batch's trees), replayed as one CUDA graph per ``key`` and room left in
-        the cache (which can bound a tree's bucket near its end).  Its kernels read the
+    def replay_batch(self, key: Hashable, nodes: int, program: Callable[..., Sequence[Tensor]], inputs: Sequence[Tensor]) -> Sequence[Tensor]:
+        """:meth:`replay` for the batch: ``program`` calls ``forward_trees`` once on trees of
+        ``nodes`` nodes (the core's scoring of a batch's trees, a batch's AR step), replayed
+        as one CUDA graph per ``key`` and the bucket those trees take.  Its kernels read the
         batch's lengths where they live (``BatchCache.starts``), and the host state it
         moves is that of the batch of the moment: a new ``prefill_batch`` keeps the graphs."""
         batch = self._batch_cache("replay_batch")
         batch.device_lengths()  # up to date before a run reads it in place
         batch.pending = 0  # a forward replaces any pending trees: every run starts from none, one graph per key
-        room = min(self.max_tree_nodes, batch.capacity - max(batch.lengths))
         host = (lambda: self._batch_cache("replay_batch").pending, lambda pending: setattr(self._batch_cache("replay_batch"), "pending", pending))
-        return self.replay_program(("batch program", key, room, batch.rows, len(batch.lengths), self.exposed), program, inputs, host)
+        return self.replay_program(("batch program", key, self._trees_bucket(nodes), batch.rows, len(batch.lengths), self.exposed), program, inputs, host)
 
     def _forward_fixed(self, tokens: Tensor, depths: Tensor, mask: Tensor) -> TargetOutput:
         """``forward_tree`` at a fixed shape: the nodes padded to a bucket (a padded node
@@ -700,7 +699,7 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         batch.pending = n
         if self.step_mode == "eager":
             return TargetOutput(*self._trees_step(tokens, depths, mask, start, max(batch.lengths) + n))
-        size = bucket(n, min(self.max_tree_nodes, batch.capacity - max(batch.lengths)))
+        size = self._trees_bucket(n)
         tree = torch.eye(size, dtype=torch.bool, device=device).repeat(b, 1, 1)
         tree[:, :n, :n] = mask
         inputs = (F.pad(tokens, (0, size - n)), F.pad(depths, (0, size - n)), tree, start)
@@ -709,6 +708,11 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         else:
             outputs = [out[:, :, :n] for out in self._trees_fixed(*inputs)]
         return TargetOutput(*outputs)
+
+    def _trees_bucket(self, n: int) -> int:
+        """The bucket trees of ``n`` nodes take in the batch cache (the room left bounds it near the end)."""
+        batch = self._batch_cache("forward_trees")
+        return bucket(n, min(self.max_tree_nodes, batch.capacity - max(batch.lengths)))
 
     def _trees_fixed(self, tokens: Tensor, depths: Tensor, mask: Tensor, start: Tensor) -> tuple[Tensor, ...]:
         """``forward_trees`` at a fixed shape (what a CUDA graph captures): trees padded to a
