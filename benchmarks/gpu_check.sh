@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The checks a first run on a CUDA machine owes the graph path, as one script with a time
-# limit per section (about 9 minutes in all), so that a short device lease covers it:
+# limit per section (about 10 minutes in all), so that a short device lease covers it:
 #   1. the CUDA tests: graphs replay the static forwards exactly, graphed naive is graphed
 #      AR, the replayed growth (one image's tree, a batch's forest), relaxation, walk and
 #      forward-with-distributions (AR's step, a tree's score) decode the eager programs'
-#      tokens, the host-device waits a step;
+#      tokens, a batch's graphs (verify, AR step, commit) decode its static steps' images
+#      while capturing and replaying, the engine's draw is torch.multinomial's on CUDA,
+#      the host-device waits a step;
 #   2. benchmarks/gpu.py --quick: AR eager and graphed, the verify curve, batches, the
 #      fixed-tree runs, the oracle and the demo's default bench (its JSON into the output
 #      folder);
@@ -31,6 +33,6 @@ section() {  # name, seconds, command...
     echo "== $name: exit $rc after $((SECONDS - start)) s"
 }
 
-section cuda-tests 120 python -m pytest -q -rs tests/test_fixed_step.py tests/test_device_walk.py
+section cuda-tests 150 python -m pytest -q -rs tests/test_fixed_step.py tests/test_device_walk.py tests/test_draws.py
 section gpu-quick 330 python benchmarks/gpu.py --quick --out "$out/gpu.json"
 section relax-overhead 90 python benchmarks/relax_overhead.py --device cuda --repeats 5

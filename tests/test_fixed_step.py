@@ -276,6 +276,29 @@ def test_a_batch_forest_grown_in_one_replayed_graph_is_the_eager_growths() -> No
 
 
 @cuda
+def test_a_graphed_batch_decodes_its_static_steps_images_while_capturing_and_replaying() -> None:
+    """A batch on the graph path (its verify with the distributions, its AR step, its commit
+    and its growth each a CUDA graph, the commit captured without warm-up runs) decodes the
+    images of the same fixed-shape steps run directly, on its first run, which captures,
+    and on its second, which replays."""
+    target = build_target("GPT-B", seed=0, **{**TINY, "block_size": 64}).cuda()
+    drafter = build_drafter(target, seed=1)
+    tokenizer = build_tokenizer(seed=2, codebook_size=TINY["vocab_size"], codebook_embed_dim=8)
+    for method in ("ar", "naive", "cascade+lantern"):
+        engine = specimg.Engine(target, None if method == "ar" else drafter, method, sampling=specimg.Sampling(cfg_scale=3.0), tokenizer=tokenizer,
+                                cuda_graphs="on", batch_size=3, tree=specimg.TreeConfig(kind="dynamic", depth=3, topk=3, total_tokens=12))
+        target.graphs.clear()
+        graphed = [engine.generate([1, 2, 3, 4], seed=0).tokens for _ in range(2)]  # captures, then replays
+        assert any(key[0] == "commit" for key in target.graphs._graphs), method
+        for model in (target, drafter):
+            model.step_mode = "static"
+        static = engine.generate([1, 2, 3, 4], seed=0).tokens
+        for model in (target, drafter):
+            model.step_mode = "graphs"
+        assert all(torch.equal(tokens, static) for tokens in graphed), method
+
+
+@cuda
 def test_graphed_ar_steps_never_wait_for_the_device() -> None:
     """AR on the graph path waits for the device a few times an image (the condition's and
     the first token's transfers, the first draw, the image's one copy to the host), and
