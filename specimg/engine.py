@@ -28,7 +28,7 @@ from specimg.plugins import PluginManager, get_plugin_manager
 from specimg.sampling import cfg_active_at, draw, draw_rows, probabilities
 from specimg.stackhooks import MemberHook, StackHooks
 from specimg.stats import ImageStats, RunStats
-from specimg.step import Acceptance, Scores, Walked, scores_of
+from specimg.step import Acceptance, Scores, Walked
 from specimg.stepgraphs import (
     ReplayingBatch, ReplayingBatchTarget, ReplayingTarget, ar_step_replayed, batch_ar_step_replayed, batch_scores_replay, batch_scores_replayed, fixed_growth,
     grow_forest, replay_on_tree, replays, score_replayed, scores_replay,

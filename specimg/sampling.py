@@ -73,7 +73,7 @@ def draw(probs: Tensor, generator: torch.Generator | None) -> Tensor:
     """A token [1] from ``probs`` [V], drawn as ``torch.multinomial(probs, 1)`` draws it:
     one Exp(1) variate per token from ``generator``, the argmax of probs / variate (the
     same draws, the same generator state).  Without multinomial's checks of the
-    distribution, which cost a GPU as many kernels again; ``probs`` is a softmax."""
+    distribution, which cost a GPU nine kernels more: ``probs`` is a softmax's."""
     variates = torch.empty_like(probs).exponential_(generator=generator)
     return (probs / variates).argmax(dim=-1, keepdim=True)
 
