@@ -14,6 +14,7 @@ from specimg import costs
 from specimg.engine import Engine
 from specimg.models.eagle import DraftBatch, build_drafter
 from specimg.models.llamagen import build_target
+from specimg.models.text_encoder import HashTextEncoder, captions_for_target
 from specimg.models.vq import build_tokenizer
 from specimg.graphs import GraphSet
 from specimg.lane import Lane
@@ -131,22 +132,25 @@ def test_a_batch_of_trees_is_scored_in_one_replay_with_its_distributions(kind):
     assert [image.accepted for image in replayed.stats.images] == [image.accepted for image in eager.stats.images]
 
 
+@pytest.mark.parametrize("kind", ["c2i", "t2i"])
 @pytest.mark.parametrize("method", ["ar", "cascade+lantern"])
 @pytest.mark.parametrize("images", [1, 3])
-def test_the_images_decoded_while_the_graphs_are_captured_are_the_static_steps(images, method):
+def test_the_images_decoded_while_the_graphs_are_captured_are_the_static_steps(images, method, kind):
     """The first decode on the graph path captures every program it replays, each run as
     a capture runs it (warm-up runs, then the capture); a program that moves state for
-    good (a batch's commit) must still move it once.  Its images are those of the same
-    steps at fixed shapes without graphs."""
+    good (a batch's commit) must still move it once.  Its images, class-conditioned or
+    from captions, are those of the same steps at fixed shapes without graphs."""
     tree = specimg.TreeConfig(kind="dynamic", depth=3, topk=3, total_tokens=10)
-    target = build_target("GPT-B", seed=0, **TINY)
+    target = build_target("GPT-B", seed=0, **(dict(TINY, model_type="t2i", cls_token_num=5, caption_dim=12) if kind == "t2i" else TINY))
     drafter = build_drafter(target, seed=1)
     tokenizer = build_tokenizer(seed=2, codebook_size=TINY["vocab_size"], codebook_embed_dim=8)
+    texts = ["a cat", "a long red bus at dawn", "sea"][:images]
+    conditions = captions_for_target(HashTextEncoder(dim=12), texts, 5, 12) if kind == "t2i" else list(range(images))
 
     def generate() -> torch.Tensor:
         engine = specimg.Engine(target, None if method == "ar" else drafter, method, sampling=specimg.Sampling(cfg_scale=3.0), tree=tree, tokenizer=tokenizer,
                                 batch_size=images, cuda_graphs="auto")
-        return engine.generate(list(range(images)), seed=5).tokens
+        return engine.generate(conditions, seed=5).tokens
 
     with graph_path(LaunchCounter(), target, drafter):
         captured = generate()
