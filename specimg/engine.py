@@ -476,7 +476,8 @@ class Engine:
         finished, sent to AR, or drafting another shape, grown before or after) grows a
         scratch tree from a uniform root, so that the program keeps its shape; that tree
         is never used."""
-        root_logits = torch.stack([roots[place] if place in lanes else torch.zeros_like(next(iter(roots.values()))) for place in range(batch.size)], dim=1)
+        scratch = torch.zeros_like(next(iter(roots.values()))) if len(lanes) < batch.size else None  # one uniform root for every other place
+        root_logits = torch.stack([roots[place] if place in lanes else scratch for place in range(batch.size)], dim=1)
         root_tokens = stalls.on_device([lanes[place].tokens[-1] if place in lanes else 0 for place in range(batch.size)], self.device)
         return grow_forest(batch, self.sampling, root_logits, root_tokens, shape)
 

@@ -439,13 +439,14 @@ class DraftBatch:
         tokens = torch.zeros(self.size * width, dtype=torch.long, device=self.device)
         tokens[at[: sum(m)]] = torch.cat([new.to(self.device) for _, new in requests.values()])  # row 0's places: image i's pair j at i * width + j
         inputs = (states.view(self.rows * self.size, width, -1), tokens.view(self.size, width), last)
-        if self.step_mode == "graphs":
-            root, logits = (t.clone() for t in self._graphs_run(("start", width, len(images)), self._start_step, inputs))
+        if self.step_mode == "graphs":  # the root states are read below, before any replay: only the logits are kept
+            root, logits = self._graphs_run(("start", width, len(images)), self._start_step, inputs)
+            logits = logits.clone()
         else:  # eagerly, attention stops at the last slot any image uses
             root, logits = self._start_step(*inputs, used=max(self.lengths) + width if self.step_mode == "eager" else None)
         root, logits = root.view(self.rows, len(images), -1), logits.view(self.rows, len(images), -1)  # [rows, requests, ...]
         self.feat[:, 0].view(self.rows, self.size, -1)[:, placed] = root
-        self.starts[placed] += added
+        self.starts.index_add_(0, placed, added)
         self.fed[placed] = 0
         for i, count in zip(images, m):
             self.lengths[i] += count
