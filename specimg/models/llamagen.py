@@ -390,7 +390,7 @@ class BatchCache:
 
     def device_lengths(self) -> Tensor:
         if self.stale:
-            self.starts.copy_(torch.tensor(self.lengths))
+            self.starts.copy_(on_device(self.lengths, self.starts.device))  # through pinned memory: the host does not wait for the queue
             self.stale = False
         return self.starts
 
