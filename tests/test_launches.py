@@ -301,14 +301,15 @@ def test_the_cost_model_times_the_programs_the_graph_path_replays():
 
 
 def test_the_cost_model_of_a_batch_times_its_verify_replayed():
-    """At a batch size above 1 the cost model times the batch's verify as the engine runs
-    it on the graph path: the forward over every image's tree and the distributions as one
-    replayed program per tree size."""
+    """At a batch size above 1 the cost model times the batch's verify and AR step as the
+    engine runs them on the graph path: the forward over every image's tree (one node
+    each for AR) and the distributions as one replayed program per tree size."""
     target = build_target("GPT-B", seed=0, **{**TINY, "block_size": 64})
     drafter = build_drafter(target, seed=1)
     counter = LaunchCounter()
     with graph_path(counter, target, drafter), counter, mock.patch.object(costs, "_REPEATS", 2):
         model = costs.measure(target, drafter, specimg.Sampling(cfg_scale=3.0), 1, batch=3)
-    scored = {key[1][1][1] for key in target.graphs._graphs if key[0] == "batch program" and key[1][0] == "scores"}
-    assert scored == {n for n, _ in model.verify_ms}, (scored, model.verify_ms)
+    programs = [key[1] for key in target.graphs._graphs if key[0] == "batch program"]
+    scored = {key[1][1] for key in programs if key[0] == "scores"}
+    assert scored == {n for n, _ in model.verify_ms} and ("ar", True) in programs, (programs, model.verify_ms)
     assert model.ar_ms > 0 and all(ms > 0 for _, ms in model.verify_ms)
