@@ -10,17 +10,21 @@ can be captured once per shape as a CUDA graph and replayed each step: one launc
 on first use from the call's real inputs.  Capture runs the function twice on a side stream
 before recording it, so everything the function writes (KV-cache slots) must be written
 the same way by a rerun with the same inputs, as a step forward's cache writes are; a
-function that moves state for good (a commit) is captured without those runs.
+function that moves state for good (a commit) is captured without those runs.  The first
+warm-up run also finds which inputs the function reads (:func:`inputs_read`): a replay
+copies in only those (a relaxation that never reads the logits does not copy them).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from specimg.errors import SpecimgError
 
@@ -75,6 +79,29 @@ def capture_seconds(*models: object) -> float:
     return sum(getattr(getattr(model, "graphs", None), "capture_seconds", 0.0) for model in models)
 
 
+class _Reads(TorchDispatchMode):
+    """The storages that a run's operations take."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        self.storages.update(t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor))
+        return func(*args, **kwargs)
+
+
+def inputs_read(fn: Callable[..., Sequence[Tensor]], inputs: Sequence[Tensor]) -> list[bool]:
+    """Runs ``fn(*inputs)`` once and tells which of its inputs it reads: an operation takes
+    it (or a view of it), or it comes back as an output.  A function a graph can replay
+    reads no value on the host, so what it reads depends on its inputs' shapes alone."""
+    with _Reads() as reads:
+        outputs = fn(*inputs)
+    touched = reads.storages | {t.untyped_storage().data_ptr() for t in pytree.tree_leaves(outputs) if isinstance(t, Tensor)}
+    return [x.untyped_storage().data_ptr() in touched for x in inputs]
+
+
 class FixedSteps:
     """For a torch module whose step forwards have a fixed-shape form: its step mode and its
     graphs (which a subclass must clear whenever a buffer they read is reallocated)."""
@@ -113,7 +140,7 @@ class GraphSet:
     them across calls must copy them."""
 
     def __init__(self) -> None:
-        self._graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, Sequence[Tensor], Sequence[Tensor]]] = {}
+        self._graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, Sequence[Tensor], Sequence[Tensor], list[bool]]] = {}  # graph, inputs, outputs, which inputs it reads
         self._pool: object | None = None
         self._host_after: dict[Hashable, Hashable] = {}  # per program (:meth:`run_program`): the host state its capture's run left
         self.capture_seconds = 0.0
@@ -137,9 +164,10 @@ class GraphSet:
         if entry is None:
             entry = self._graphs[key] = self._capture(fn, inputs, warmups)  # replayed once: this call
             return entry[2]
-        graph, static, outputs = entry
-        for buffer, value in zip(static, inputs):
-            buffer.copy_(value, non_blocking=True)
+        graph, static, outputs, reads = entry
+        for buffer, value, read in zip(static, inputs, reads):
+            if read:
+                buffer.copy_(value, non_blocking=True)
         graph.replay()
         return outputs
 
@@ -166,14 +194,20 @@ class GraphSet:
         put(self._host_after[entry])
         return outputs
 
-    def _capture(self, fn: Callable[..., Sequence[Tensor]], inputs: Sequence[Tensor], warmups: int) -> tuple[torch.cuda.CUDAGraph, Sequence[Tensor], Sequence[Tensor]]:
+    def _capture(
+        self, fn: Callable[..., Sequence[Tensor]], inputs: Sequence[Tensor], warmups: int
+    ) -> tuple[torch.cuda.CUDAGraph, Sequence[Tensor], Sequence[Tensor], list[bool]]:
         begin = time.perf_counter()
         static = [x.clone() for x in inputs]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
+        reads = [True] * len(static)  # without a warm-up run, every input is copied in
         with torch.cuda.stream(side):
-            for _ in range(warmups):
-                fn(*static)
+            for run in range(warmups):
+                if run == 0:
+                    reads = inputs_read(fn, static)
+                else:
+                    fn(*static)
         torch.cuda.current_stream().wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -183,4 +217,4 @@ class GraphSet:
         graph.replay()
         torch.cuda.synchronize()
         self.capture_seconds += time.perf_counter() - begin
-        return graph, static, outputs
+        return graph, static, outputs, reads

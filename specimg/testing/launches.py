@@ -120,16 +120,21 @@ def _host_read(counter: LaunchCounter, name: str) -> Callable[..., Any]:
 class _Replay:
     """A captured graph as the counter sees it (what :class:`~specimg.graphs.GraphSet`
     keeps in place of a ``torch.cuda.CUDAGraph``): made as GraphSet makes one (its warm-up
-    runs outside the capture, uncounted and unchecked, then the capture), a replay reruns
+    runs outside the capture, uncounted and unchecked, the first finding the inputs it
+    reads, then the capture), a replay reruns
     the function on the graph's own input buffers, uncounted but for the one launch, and
     leaves its results in the graph's own outputs."""
 
     def __init__(self, counter: LaunchCounter, fn: Callable[..., Any], inputs: Any, warmups: int):
         self.counter, self.fn = counter, fn
+        self.reads = [True] * len(inputs)
         with counter.muted():
             self.static = [x.clone() for x in inputs]
-            for _ in range(warmups):
-                fn(*self.static)
+            for run in range(warmups):
+                if run == 0:
+                    self.reads = graphs.inputs_read(fn, self.static)
+                else:
+                    fn(*self.static)
         with self._replaying():
             self.outputs = fn(*self.static)
 
@@ -158,9 +163,9 @@ def emulated_captures(counter: LaunchCounter) -> Iterator[None]:
     graph's own inputs, so a result that is not a function of them alone shows, and a
     call no graph can replay raises :class:`NotCapturable` while ``counter`` is active."""
 
-    def capture(self: graphs.GraphSet, fn: Callable[..., Any], inputs: Any, warmups: int) -> tuple[_Replay, Any, Any]:
+    def capture(self: graphs.GraphSet, fn: Callable[..., Any], inputs: Any, warmups: int) -> tuple[_Replay, Any, Any, list[bool]]:
         graph = _Replay(counter, fn, inputs, warmups)
-        return graph, graph.static, graph.outputs
+        return graph, graph.static, graph.outputs, graph.reads
 
     with mock.patch.object(graphs.GraphSet, "_capture", capture), mock.patch.object(graphs, "capturing", lambda: counter.replaying):
         yield
