@@ -390,10 +390,11 @@ class Engine:
             stacked = forest.stacked() if forest is not None and len(proposed) == len(lanes) else stack_trees(trees)
             scores, roots = self._verify_batch(stacked, trees, lanes, list(proposed), riding)
         paths = [torch.zeros(0, dtype=torch.long, device=self.device)] * len(lanes)  # a finished image commits nothing
-        for i, root in zip(riding, roots.probs):
+        with Lane.shared("verify", [lanes[i] for i in riding]):  # every riding image's token drawn from its own generator, read once
+            root_tokens = self._sample_rows(roots.probs, [lanes[i].generator for i in riding]).tolist() if riding else []
+        for i, token in zip(riding, root_tokens):
             lane = lanes[i]
-            with lane.timed("verify"):
-                lane.tokens.append(self._draw(root, lane.generator))
+            lane.tokens.append(token)
             lane.stats.target_forwards += 1
             paths[i] = torch.zeros(1, dtype=torch.long, device=self.device)  # the root alone
             if lane.progress:
