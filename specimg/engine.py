@@ -388,10 +388,10 @@ class Engine:
             forest = DraftTree.forest(drafted)
         with Lane.shared("verify", [lanes[i] for i in running]):
             stacked = forest.stacked() if forest is not None and len(proposed) == len(lanes) else stack_trees(trees)
-            scores, roots = self._verify_batch(stacked, trees, lanes, list(proposed), riding)
+            scores, root_probs = self._verify_batch(stacked, forest.sizes if forest is not None else (), lanes, list(proposed), riding)
         paths = [torch.zeros(0, dtype=torch.long, device=self.device)] * len(lanes)  # a finished image commits nothing
         with Lane.shared("verify", [lanes[i] for i in riding]):  # every riding image's token drawn from its own generator, read once
-            root_tokens = self._sample_rows(roots.probs, [lanes[i].generator for i in riding]).tolist() if riding else []
+            root_tokens = self._sample_rows(root_probs, [lanes[i].generator for i in riding]).tolist() if riding else []
         for i, token in zip(riding, root_tokens):
             lane = lanes[i]
             lane.tokens.append(token)
@@ -483,26 +483,29 @@ class Engine:
         return grow_forest(batch, self.sampling, root_logits, root_tokens, shape)
 
     def _verify_batch(
-        self, stacked: tuple[Tensor, Tensor, Tensor], trees: Sequence[DraftTree], lanes: Sequence[Lane], places: Sequence[int], riding: Sequence[int]
-    ) -> tuple[Scores, Scores]:
-        """Every place's tree (``trees``, ``stacked``: tokens, depths [B, n], masks [B, n, n]) verified
-        in one forward: the scores of the trees drafted at ``places`` (their forest's nodes,
-        tree after tree), and of the roots of the places ``riding``.  Where the target
-        replays a batch's programs, the forward and the distributions are one graph
-        (:func:`~specimg.stepgraphs.batch_scores_replayed`)."""
+        self, stacked: tuple[Tensor, Tensor, Tensor], sizes: Sequence[int], lanes: Sequence[Lane], places: Sequence[int], riding: Sequence[int]
+    ) -> tuple[Scores, Tensor]:
+        """Every place's tree (``stacked``: tokens, depths [B, n], masks [B, n, n]) verified
+        in one forward: the scores of the trees drafted at ``places`` (``sizes`` nodes each:
+        their forest's nodes, tree after tree), and the distributions at the roots of the
+        places ``riding``.  Where the target replays a batch's programs, the forward and the
+        distributions are one graph (:func:`~specimg.stepgraphs.batch_scores_replayed`)."""
         target, sampling, device, width = cast(BatchTrees, self.target), self.sampling, self.device, stacked[0].shape[1]
-        owners = [place for place in places for _ in range(trees[place].size)] + list(riding)  # each node's place, riding roots last
-        nodes = stalls.on_device([place * width + node for place in places for node in range(trees[place].size)] + [place * width for place in riding], device)
+        verified, counts = [*places, *riding], [*sizes, *[1] * len(riding)]  # the drafted trees, then the riding roots
+        nodes = stalls.on_device([place * width + node for place, count in zip(verified, counts) for node in range(count)], device)
         if batch_scores_replay(target, sampling):
             scores = batch_scores_replayed(cast(ReplayingBatchTarget, target), sampling, stacked, nodes)
         else:
             out = target.forward_trees(*stacked)
             logits, hidden, *layers = (t.flatten(1, 2)[:, nodes] for t in out if t is not None)
-            predicted = stalls.on_device([len(lanes[place].tokens) for place in owners], device)  # the image token each node's root predicts
-            probs = probabilities(logits, sampling, cfg_active_at(stacked[1].flatten()[nodes], sampling, predicted))
+            predicted = stalls.on_device([len(lanes[place].tokens) for place in verified], device)  # the image token each tree's root predicts
+            per_node = predicted.repeat_interleave(stalls.on_device(counts, device), output_size=len(nodes))
+            probs = probabilities(logits, sampling, cfg_active_at(stacked[1].flatten()[nodes], sampling, per_node))
             scores = Scores(probs, hidden, logits, *layers)
-        drafted, roots = scores.split([len(owners) - len(riding), len(riding)])
-        return drafted, roots
+        if not riding:
+            return scores, scores.probs[:0]
+        drafted, roots = scores.split([sum(sizes), len(riding)])
+        return drafted, roots.probs
 
     def _relax_and_accept(
         self, scores: Scores, places: Sequence[int], lanes: Sequence[Lane], forest: DraftTree, trees: Sequence[DraftTree]
