@@ -24,4 +24,4 @@ def propose_tree(
 
 @hookimpl(trylast=True)
 def score(target: Target, tree: DraftTree, sampling: Sampling, token_index: int) -> Scores:
-    return scores_of(target.forward_tree(tree.tokens, tree.depths, tree.mask), tree, sampling, token_index)
+    return scores_of(target.forward_tree(tree.tokens, tree.depths, tree.mask), tree.depths, sampling, token_index)

@@ -28,7 +28,7 @@ from specimg.plugins import PluginManager, get_plugin_manager
 from specimg.sampling import cfg_active_at, draw, draw_rows, probabilities
 from specimg.stackhooks import MemberHook, StackHooks
 from specimg.stats import ImageStats, RunStats
-from specimg.step import Acceptance, Scores, Walked
+from specimg.step import Acceptance, Scores, Walked, scores_of
 from specimg.stepgraphs import (
     ReplayingBatch, ReplayingBatchTarget, ReplayingTarget, ar_step_replayed, batch_ar_step_replayed, batch_scores_replay, batch_scores_replayed, fixed_growth,
     grow_forest, replay_on_tree, replays, score_replayed, scores_replay,
@@ -496,12 +496,10 @@ class Engine:
         if batch_scores_replay(target, sampling):
             scores = batch_scores_replayed(cast(ReplayingBatchTarget, target), sampling, stacked, nodes)
         else:
-            out = target.forward_trees(*stacked)
-            logits, hidden, *layers = (t.flatten(1, 2)[:, nodes] for t in out if t is not None)
+            picked = TargetOutput(*(t if t is None else t.flatten(1, 2)[:, nodes] for t in target.forward_trees(*stacked)))
             predicted = stalls.on_device([len(lanes[place].tokens) for place in verified], device)  # the image token each tree's root predicts
             per_node = predicted.repeat_interleave(stalls.on_device(counts, device), output_size=len(nodes))
-            probs = probabilities(logits, sampling, cfg_active_at(stacked[1].flatten()[nodes], sampling, per_node))
-            scores = Scores(probs, hidden, logits, *layers)
+            scores = scores_of(picked, stacked[1].flatten()[nodes], sampling, per_node)
         if not riding:
             return scores, scores.probs[:0]
         drafted, roots = scores.split([sum(sizes), len(riding)])

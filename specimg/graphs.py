@@ -102,6 +102,17 @@ def inputs_read(fn: Callable[..., Sequence[Tensor]], inputs: Sequence[Tensor]) -
     return [x.untyped_storage().data_ptr() in touched for x in inputs]
 
 
+def warm_up(fn: Callable[..., Sequence[Tensor]], inputs: Sequence[Tensor], runs: int) -> list[bool]:
+    """``runs`` runs of ``fn(*inputs)`` before a capture, the first finding which inputs it
+    reads (:func:`inputs_read`); every input counts as read where none runs."""
+    if not runs:
+        return [True] * len(inputs)
+    reads = inputs_read(fn, inputs)
+    for _ in range(runs - 1):
+        fn(*inputs)
+    return reads
+
+
 class FixedSteps:
     """For a torch module whose step forwards have a fixed-shape form: its step mode and its
     graphs (which a subclass must clear whenever a buffer they read is reallocated)."""
@@ -201,13 +212,8 @@ class GraphSet:
         static = [x.clone() for x in inputs]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        reads = [True] * len(static)  # without a warm-up run, every input is copied in
         with torch.cuda.stream(side):
-            for run in range(warmups):
-                if run == 0:
-                    reads = inputs_read(fn, static)
-                else:
-                    fn(*static)
+            reads = warm_up(fn, static, warmups)
         torch.cuda.current_stream().wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()

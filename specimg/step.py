@@ -33,11 +33,12 @@ class Scores(NamedTuple):
         return [Scores(*parts) for parts in zip(*fields, layers)]
 
 
-def scores_of(out: TargetOutput, tree: DraftTree, sampling: Sampling, token_index: int | Tensor) -> Scores:
-    """The scores of a tree from the target's outputs on it (``forward_tree``'s, or one
-    image's slice of ``forward_trees``), its root predicting image token ``token_index``
-    (for a forest, per node: the index its own tree's root predicts)."""
-    probs = probabilities(out.logits, sampling, cfg_active_at(tree.depths, sampling, token_index))
+def scores_of(out: TargetOutput, depths: Tensor, sampling: Sampling, token_index: int | Tensor) -> Scores:
+    """The scores of a tree's nodes (at ``depths``) from the target's outputs on them
+    (``forward_tree``'s, or the nodes picked out of ``forward_trees``), its root predicting
+    image token ``token_index`` (for several trees' nodes, per node: the index its own
+    tree's root predicts)."""
+    probs = probabilities(out.logits, sampling, cfg_active_at(depths, sampling, token_index))
     return Scores(probs=probs, hidden=out.hidden, logits=out.logits, layers=out.layers)
 
 

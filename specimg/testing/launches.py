@@ -127,14 +127,9 @@ class _Replay:
 
     def __init__(self, counter: LaunchCounter, fn: Callable[..., Any], inputs: Any, warmups: int):
         self.counter, self.fn = counter, fn
-        self.reads = [True] * len(inputs)
         with counter.muted():
             self.static = [x.clone() for x in inputs]
-            for run in range(warmups):
-                if run == 0:
-                    self.reads = graphs.inputs_read(fn, self.static)
-                else:
-                    fn(*self.static)
+            self.reads = graphs.warm_up(fn, self.static, warmups)
         with self._replaying():
             self.outputs = fn(*self.static)
 
