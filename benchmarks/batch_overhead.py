@@ -16,17 +16,21 @@ EAGLE-2 trees instead, so that every step drafts, relaxes and accepts.
 
 ``--split`` decodes each timed batch a second time (same seeds, so the same steps) with
 every torch operation outside the forwards timed (a TorchFunctionMode around each call),
-and splits "outside" into the operations' time and the rest: the Python of the loop,
-which is what must not grow with the batch.  The operations' time grows with the rows
-they touch (top-k over the vocabulary, the draws) and is arithmetic a GPU runs
-asynchronously; their count per step is what a GPU pays in launches.  A third pass counts
-the Python function calls made outside the forwards (a profile hook on the main thread):
-unlike the Python time, which is the difference of two noisy figures, their number is the
-same on every run, so it shows whether a step's Python grows with the batch.
+and splits that pass's time outside the forwards into the operations' time and the rest:
+the Python of the loop, which is what must not grow with the batch.  The mode's own cost
+per operation it times and per attribute read it passes on (``.shape``) is measured
+first (a loop of cheap operations with the mode, less the same loop without it) and
+taken off the Python.  Operations and Python come from one pass, so the operations'
+run-to-run spread (hundreds of microseconds at B = 8) cancels.  The operations' time
+grows with the rows they touch (top-k over the vocabulary, the draws) and is arithmetic
+a GPU runs asynchronously; their count per step is what a GPU pays in launches.  A third
+pass counts the Python function calls made outside the forwards (a profile hook on the
+main thread): their number is the same on every run, so it shows whether a step's
+Python grows with the batch where the time is too noisy to say.
 
 On a shared machine other work only ever adds time, so the closing table takes, per
 method and batch size, the least of the rounds (each figure on its own), and gives the
-Python time per step of each batch size over that of the smallest.
+Python time and calls per step of each batch size over those of the smallest.
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ class Clock:
 
     def reset(self) -> None:
         self.forwards = self.ops_time = 0.0
-        self.ops = 0
+        self.ops = self.reads = 0
 
 
 class OpClock(TorchFunctionMode):
@@ -74,13 +78,46 @@ class OpClock(TorchFunctionMode):
         self.clock = clock
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if self.clock.depth or getattr(func, "__name__", "") == "__get__":  # inside a forward, or reading an attribute (.shape)
+        if self.clock.depth:
+            return func(*args, **(kwargs or {}))
+        if getattr(func, "__name__", "") == "__get__":  # reading an attribute (.shape): no operation
+            self.clock.reads += 1
             return func(*args, **(kwargs or {}))
         start = time.perf_counter()
         out = func(*args, **(kwargs or {}))
         self.clock.ops_time += time.perf_counter() - start
         self.clock.ops += 1
         return out
+
+
+def mode_overhead(repeats: int = 20000, trials: int = 5) -> tuple[float, float]:
+    """What an :class:`OpClock` adds (s) per operation it times and per attribute read it
+    passes on: the least over ``trials`` of a loop with the mode less the same loop
+    without it."""
+    x = torch.zeros(8)
+
+    def operations() -> None:
+        for _ in range(repeats):
+            x.add(1)
+
+    def reads() -> None:
+        for _ in range(repeats):
+            x.shape  # noqa: B018 -- the read is what is timed
+
+    def added(loop: Any) -> float:
+        best = float("inf")
+        for _ in range(trials):
+            start = time.perf_counter()
+            loop()
+            plain = time.perf_counter() - start
+            with OpClock(Clock()):
+                start = time.perf_counter()
+                loop()
+                moded = time.perf_counter() - start
+            best = min(best, moded - plain)
+        return best / repeats
+
+    return added(operations), added(reads)
 
 
 class CallCount:
@@ -136,6 +173,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     models, sampling = load_demo(), demo_sampling()
+    per_op, per_read = mode_overhead() if args.split else (0.0, 0.0)
+    if args.split:
+        print(f"The timing mode's own cost, taken off the Python: {1e6 * per_op:.2f} us per operation, {1e6 * per_read:.2f} us per attribute read\n")
     labels = [i % 10 for i in range(max(args.batch_sizes))]
     clock = Clock()
     time_forwards(clock)
@@ -154,18 +194,23 @@ def main() -> None:
                 start = time.perf_counter()
                 result = engine.generate(labels[:size], seed=0)
                 wall, forwards = time.perf_counter() - start, clock.forwards
-                if args.split:  # the same batch again (same seeds, same steps), its operations timed
-                    with OpClock(clock):
-                        engine.generate(labels[:size], seed=0)
-                    with CallCount(clock) as counted:
-                        engine.generate(labels[:size], seed=0)
                 steps = max(s.target_forwards for s in result.stats.images)
                 outside = 1e6 * (wall - forwards) / steps
-                ops = 1e6 * clock.ops_time / steps
-                split = f" {ops:.0f} us | {clock.ops / steps:.0f} | {outside - ops:.0f} us |" if args.split else ""
-                least = best.setdefault((method, size), {"outside": outside, "ops": ops, "count": clock.ops / steps,
-                                                         "calls": counted.calls / steps if args.split else 0.0})
-                least.update(outside=min(least["outside"], outside), ops=min(least["ops"], ops))
+                ops = python = calls = 0.0
+                if args.split:  # the same batch again (same seeds, same steps), its operations timed, then its calls counted
+                    clock.reset()
+                    start = time.perf_counter()
+                    with OpClock(clock):
+                        engine.generate(labels[:size], seed=0)
+                    timed = time.perf_counter() - start - clock.forwards
+                    mode = clock.ops * per_op + clock.reads * per_read
+                    ops, python = 1e6 * clock.ops_time / steps, 1e6 * (timed - clock.ops_time - mode) / steps
+                    with CallCount(clock) as counted:
+                        engine.generate(labels[:size], seed=0)
+                    calls = counted.calls / steps
+                split = f" {ops:.0f} us | {clock.ops / steps:.0f} | {python:.0f} us |" if args.split else ""
+                least = best.setdefault((method, size), {"outside": outside, "ops": ops, "count": clock.ops / steps, "python": python, "calls": calls})
+                least.update(outside=min(least["outside"], outside), ops=min(least["ops"], ops), python=min(least["python"], python))
                 if (method, size) not in alone:
                     one = Engine(models.target, drafter, method, sampling=sampling, tree=args.tree, tokenizer=models.tokenizer, cost_model=engine.cost_model)
                     alone[method, size] = torch.cat([one.generate([label], seed=i).tokens for i, label in enumerate(labels[:size])])
@@ -176,18 +221,17 @@ def main() -> None:
 
 def summary(best: dict[tuple[str, int], dict[str, float]], sizes: list[int], rounds: int, split: bool) -> None:
     """The least of the rounds per method and batch size; with ``split``, the Python time a
-    step (outside less the operations) and the Python calls a step, each over the smallest
-    batch size's."""
+    step (the split pass's time outside the forwards less its operations and the mode's
+    own cost) and the Python calls a step, each over the smallest batch size's."""
     print(f"\nLeast of {rounds} rounds, per step:\n")
     low = min(sizes)
     print("| method | batch size | outside |" + (f" torch ops | ops | Python | over B = {low} | Python calls | over B = {low} |" if split else ""))
     print("|---|---:|---:|" + ("---:|" * 6 if split else ""))
     for (method, size), least in best.items():
-        python = least["outside"] - least["ops"]
         row = f"| {method} | {size} | {least['outside']:.0f} us |"
         if split:
             base = best[method, low]
-            row += (f" {least['ops']:.0f} us | {least['count']:.0f} | {python:.0f} us | {python / (base['outside'] - base['ops']):.2f}x |"
+            row += (f" {least['ops']:.0f} us | {least['count']:.0f} | {least['python']:.0f} us | {least['python'] / base['python']:.2f}x |"
                     f" {least['calls']:.0f} | {least['calls'] / base['calls']:.2f}x |")
         print(row)
 

@@ -340,18 +340,22 @@ class Engine:
             lanes = [lane(place, TargetOutput(*(t if t is None else t[:, place : place + 1] for t in prefill))) for place in range(size)]
             live = set(range(size))  # places whose image is not handed over yet
             while live:
+                running = []  # the places with an unfinished image
                 for place in sorted(live):
-                    if lanes[place].done:
-                        finished = lanes[place]
-                        finished.close()
-                        finished.stats.wall = (time.perf_counter() - finished.started) / size
-                        done(decoding[place], torch.tensor(finished.tokens), finished.stats)
-                        live.discard(place)
-                        if waiting:
-                            decoding[place] = waiting.popleft()
-                            lanes[place] = lane(place, target.refill(place, conditions[decoding[place]]))
-                            live.add(place)
-                running = [place for place in sorted(live) if not lanes[place].done]
+                    if not lanes[place].done:
+                        running.append(place)
+                        continue
+                    finished = lanes[place]
+                    finished.close()
+                    finished.stats.wall = (time.perf_counter() - finished.started) / size
+                    done(decoding[place], torch.tensor(finished.tokens), finished.stats)
+                    live.discard(place)
+                    if waiting:
+                        decoding[place] = waiting.popleft()
+                        lanes[place] = lane(place, target.refill(place, conditions[decoding[place]]))
+                        live.add(place)
+                        if not lanes[place].done:  # (an image of one token is done with its first)
+                            running.append(place)
                 if not running:
                     continue
                 riding = [place for place in running if lanes[place].goes_ar]  # sent to AR by their planners
@@ -408,8 +412,10 @@ class Engine:
         with Lane.shared("commit", [lanes[i] for i in running]):
             target.commit_trees(paths)
             features = self._path_features(scores, forest, [step[3] for step in steps.values()]) if steps else []
-        for (i, step), hidden in zip(steps.items(), features):
-            lanes[i].advance(*step, hidden=hidden)
+            for (i, (tree, own, _, result, walked)), hidden in zip(steps.items(), features):
+                lanes[i].advance(tree, own, result, walked, hidden)
+        for i, (tree, _, dist, result, walked) in steps.items():
+            lanes[i].learn(tree, dist, result, walked)
 
     def _path_features(self, scores: Scores, forest: DraftTree, results: Sequence[Acceptance]) -> list[Tensor | None]:
         """The drafter's features at each tree's accepted path (``results``, tree after tree
@@ -428,7 +434,7 @@ class Engine:
         None otherwise: the lanes then propose side by side (:mod:`specimg.lockstep`)."""
         assert self.hooks is not None
         shapes = {i: dynamic_shape(lane.tree_config, lane.max_depth) for i, lane in lanes.items()}
-        if not lanes or self.hooks.propose.owner is not None or any(shape is None for shape in shapes.values()):
+        if not lanes or self.hooks.propose.owner is not None or None in shapes.values():
             return None
         with Lane.shared("draft", list(lanes.values())):
             roots = batch.start({i: (lane.hidden, lane.new_ids) for i, lane in lanes.items()})
@@ -512,8 +518,8 @@ class Engine:
         its ``scores`` from the verify: its q_R in one pass, then every lane's acceptance
         of its own rows, all in one call under the core's own rule
         (:func:`specimg.accept.accept_forest`: one device program on a device) where the
-        stack's ``accept`` passes on every tree, else lane by lane.  Per place: what its
-        lane's ``advance`` takes."""
+        stack's ``accept`` passes on every tree, else lane by lane.  Per place: its tree,
+        scores, q_R, acceptance and walk."""
         sizes, starts = forest.sizes, [a for a, _ in forest.spans]
         with Lane.shared("relax", lanes):
             dist = self.relax(forest, scores)
@@ -521,8 +527,8 @@ class Engine:
         dists = [mine.probs for mine in own] if dist is scores.probs else list(dist.split(sizes))
         assert self.hooks is not None
         with Lane.shared("accept", lanes):
-            methods = [self._method_accept(*step, lane.generator) for lane, step in zip(lanes, zip(trees, dists, own))]
-            if all(result is None for result in methods):  # the core's own rule: every lane at once
+            methods = [] if self.hooks.accept.owner is None else [self._method_accept(*step, lane.generator) for lane, step in zip(lanes, zip(trees, dists, own))]
+            if all(result is None for result in methods):  # the core's own rule (no member's, or it passed on every tree): every lane at once
                 results = acceptance.accept_forest(forest, starts, dist, scores.probs, self.sampling, self.exact, [lane.generator for lane in lanes],
                                                    self._step_graphs(forest))
                 walks = [result.walked for result in results]
@@ -794,5 +800,6 @@ class Engine:
             dist, result, walked = lane.accept(tree, scores)
             with lane.timed("commit"):
                 self.target.commit(walked.path)
-            lane.advance(tree, scores, dist, result, walked)
+                lane.advance(tree, scores, result, walked)
+            lane.learn(tree, dist, result, walked)
         lane.close()

@@ -165,27 +165,29 @@ class Lane:
             self.spent.append(spent)
         return walked
 
-    def advance(self, tree: DraftTree, scores: Scores, dist: Tensor, result: Acceptance, walked: Walked, hidden: Tensor | None = None) -> None:
+    def advance(self, tree: DraftTree, scores: Scores, result: Acceptance, walked: Walked, hidden: Tensor | None = None) -> None:
         """After the target committed the walked path: the drafter's next features (picked
-        here, unless a batch picked every lane's at once: ``hidden``), the new tokens, the
-        planner's lesson and the step's statistics."""
-        engine, stats = self.engine, self.stats
-        with self.timed("commit"):
-            path, self.new_ids, new_tokens = walked.path, walked.new_tokens, walked.token_list
-            if self.drafter is not None:
-                self.hidden = hidden if hidden is not None else draft_features(self.drafter, scores)[:, path]
-            self.tokens.extend(new_tokens)
-            self.previous = Step(tree, scores, result)
+        here, unless a batch picked every lane's at once: ``hidden``), the new tokens and
+        the step the next proposal sees.  Untimed: the caller books it with its commit."""
+        self.new_ids, new_tokens = walked.new_tokens, walked.token_list
+        if self.drafter is not None:
+            self.hidden = hidden if hidden is not None else draft_features(self.drafter, scores)[:, walked.path]
+        self.tokens.extend(new_tokens)
+        self.previous = Step(tree, scores, result)
+
+    def learn(self, tree: DraftTree, dist: Tensor, result: Acceptance, walked: Walked) -> None:
+        """After :meth:`advance`: the planner's lesson from the step, and its statistics."""
+        stats = self.stats
         if self.planner:
-            self._plan_step(self.planner, tree, dist, path)
-        if engine.on_step:
-            engine.on_step(tree, dist, result.path)
+            self._plan_step(self.planner, tree, dist, walked.path)
+        if self.engine.on_step:
+            self.engine.on_step(tree, dist, result.path)
         stats.target_forwards += 1
         stats.tree_sizes.append(tree.size)
         stats.accepted.append(len(result.path) - 1)
         if self.progress:
-            self.progress(len(new_tokens))
-        if self.goes_ar and not self.done:
+            self.progress(len(walked.token_list))
+        if self.planner and self.goes_ar and not self.done:
             self._book_ar_rest()
 
     def _plan_step(self, planner: TreePlanner, tree: DraftTree, dist: Tensor, path: Tensor) -> None:

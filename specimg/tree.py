@@ -196,7 +196,7 @@ class DraftTree:
         columns where every tree has one size (the diagonal blocks of its ancestor mask)."""
         assert self.images is not None, "not a forest"
         count, n = len(self.sizes), self.sizes[0]
-        if all(size == n for size in self.sizes):
+        if len(set(self.sizes)) == 1:
             mask = self.mask.view(count, n, count, n).diagonal(dim1=0, dim2=2).permute(2, 0, 1)  # [i, j, b] = mask[b, i, b, j]
             return self.tokens.view(count, n), self.depths.view(count, n), mask
         return stack_trees(self.trees())
