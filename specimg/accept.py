@@ -75,31 +75,31 @@ def walk_forest(
 
 def _walk_on_host(forest: DraftTree, roots: Sequence[int], dist: Tensor, generators: Sequence[torch.Generator | None] | None) -> list[Acceptance]:
     """Each tree's walk on the host: descend to the child whose token is the node's draw
-    (greedy: its argmax); emit the first draw that is no child."""
+    (greedy: its argmax); emit the first draw that is no child.  Every draw is emitted,
+    so a walk's new tokens are its draws."""
     tokens, ids = (t.tolist() for t in forest.candidates())
     best = dist.argmax(dim=-1).tolist() if generators is None else []
     walks = []
     for walker, root in enumerate(roots):
-        path, node = [root], root
+        path, drawn, node = [0], [], root
         while True:
             choice = best[node] if generators is None else int(torch.multinomial(dist[node], 1, generator=generators[walker]))
+            drawn.append(choice)
             if choice not in tokens[node]:
                 break
             node = ids[node][tokens[node].index(choice)]
-            path.append(node)
-        walks.append((path, choice))
-    return _copied(forest, walks)
+            path.append(node - root)
+        walks.append((path, drawn))
+    return _copied(walks, forest.tokens.device)
 
 
-def _copied(forest: DraftTree, walks: Sequence[tuple[list[int], int]]) -> list[Acceptance]:
-    """The acceptances of walks made on the host (each path in forest ids from its root,
-    and its next token), with every path's device tensors (``walked``) made in one copy."""
-    node_tokens = forest.tokens.tolist()
-    new_tokens = [[node_tokens[node] for node in path[1:]] + [choice] for path, choice in walks]
-    paths = [[node - path[0] for node in path] for path, _ in walks]
-    parts = stalls.on_device([value for path, new in zip(paths, new_tokens) for value in (*path, *new)], forest.tokens.device).split(
-        [length for path in paths for length in (len(path), len(path))])
-    return [Acceptance(path, new[-1], Walked(parts[2 * i], parts[2 * i + 1], new)) for i, (path, new) in enumerate(zip(paths, new_tokens))]
+def _copied(walks: Sequence[tuple[list[int], list[int]]], device: torch.device) -> list[Acceptance]:
+    """The acceptances of walks made on the host (each its path in its tree's ids, root 0,
+    and its new tokens: the path's after the root, then the next token), with every path's
+    device tensors (``walked``) made in one copy."""
+    parts = stalls.on_device([value for path, new in walks for value in (*path, *new)], device).split(
+        [length for path, new in walks for length in (len(path), len(new))])
+    return [Acceptance(path, new[-1], Walked(parts[2 * i], parts[2 * i + 1], new)) for i, (path, new) in enumerate(walks)]
 
 
 def _walk_on_device(
@@ -328,7 +328,9 @@ def reject_forest(
         return _walk_on_device(forest, roots, generators, _rejecting(forest, target_dist), graphs)  # type: ignore[arg-type]
     trees, dists = ([forest], [target_dist]) if forest.images is None else (forest.trees(), target_dist.split(list(forest.sizes)))
     results = [_reject_on_host(tree, dist, generator) for tree, dist, generator in zip(trees, dists, generators)]
-    return _copied(forest, [([root + node for node in result.path], result.next_token) for root, result in zip(roots, results)])
+    node_tokens = forest.tokens.tolist()
+    return _copied([(result.path, [node_tokens[root + node] for node in result.path[1:]] + [result.next_token]) for root, result in zip(roots, results)],
+                   forest.tokens.device)
 
 
 def accept_forest(
