@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import attrs
 import pytest
 import torch
@@ -10,8 +12,8 @@ from specimg import Engine, MethodSpec, Sampling, TreeConfig, accept, costs, hoo
 from specimg.engine import ar_tokens
 from specimg.costs import CostModel
 from specimg.errors import SpecimgError
-from specimg.models.eagle import build_drafter
-from specimg.models.llamagen import build_target
+from specimg.models.eagle import DraftBatch, TreeDrafter, build_drafter
+from specimg.models.llamagen import LlamaGenTarget, build_target
 from specimg.models.loading import TINY_VQ
 from specimg.models.vq import build_tokenizer
 from specimg.models.text_encoder import HashTextEncoder, captions_for_target
@@ -246,6 +248,47 @@ def test_auto_trees_in_a_batch_plan_per_image_and_may_go_ar():
         assert torch.equal(batched.tokens, torch.cat([a.tokens for a in lanes_alone(engine, [1, 2, 3, 4], range(8, 12))]))
         assert [s.trees[-1][3] == 1 for s in batched.stats.images] == [goes_ar] * 4
         assert all(s.tokens == 64 and len(s.tree_sizes) == s.target_forwards - 1 for s in batched.stats.images)
+
+
+FORWARDS = {LlamaGenTarget: ("prefill", "forward_tree", "commit", "prefill_batch", "forward_trees", "commit_trees", "refill"),
+            TreeDrafter: ("prefill", "start", "expand"), DraftBatch: ("start", "expand")}
+
+
+def python_calls_a_step(engine: Engine, labels: list[int]) -> float:
+    """The Python function calls the engine makes outside the models' forwards, per target
+    forward of its batch (a profile hook: the count is the same on every run)."""
+    forwards = {getattr(cls, name).__code__ for cls, names in FORWARDS.items() for name in names}
+    calls, depth = 0, 0
+
+    def count(frame, event, arg):
+        nonlocal calls, depth
+        if frame.f_code in forwards:
+            depth += {"call": 1, "return": -1}.get(event, 0)
+        elif event == "call" and not depth:
+            calls += 1
+
+    sys.setprofile(count)
+    try:
+        result = engine.generate(labels, seed=0)
+    finally:
+        sys.setprofile(None)
+    return calls / max(image.target_forwards for image in result.stats.images)
+
+
+@pytest.mark.parametrize("method", ["naive", "cascade+lantern"])
+def test_a_batch_steps_python_grows_less_than_its_images(method: str):
+    """A step of eight images makes at most twice the Python calls of a step of one: what a
+    batch adds per image is a small share of a step, not a step's worth (counted, not timed;
+    64 tokens an image, so most steps draft full trees)."""
+    target = build_target("GPT-B", seed=0, **dict(TINY, block_size=64))
+    drafter, tokenizer = build_drafter(target, seed=1), build_tokenizer(seed=2, **dict(TINY_VQ, codebook_size=TINY["vocab_size"]))
+    calls = {}
+    for size in (1, 8):
+        engine = Engine(target, drafter, method, sampling=Sampling(cfg_scale=4.0, top_k=20), tree=TreeConfig(depth=2, topk=3, total_tokens=6),
+                        tokenizer=tokenizer, batch_size=size)
+        engine.generate(list(range(size)), seed=1)  # warm: the cost model, the batch's drafters and threads
+        calls[size] = python_calls_a_step(engine, list(range(size)))
+    assert calls[8] <= 2 * calls[1], calls
 
 
 def test_a_batch_plans_with_the_cost_model_measured_at_its_size():
