@@ -292,11 +292,9 @@ class Engine:
             for index in range(1, target.num_tokens):
                 if progress:
                     progress(n)
-                if replayed:  # the forward and the distributions as one graph, then the roots committed
-                    probs = batch_ar_step_replayed(cast(ReplayingBatchTarget, target), sampling, drawn[-1], cast(bool, cfg_active_at(index, sampling)))
+                probs = self._ar_step_probs(drawn[-1], cfg_active_at(index, sampling), replayed)
+                if replayed:  # the graph committed nothing: the roots are committed after it
                     cast(BatchTrees, target).commit_trees(roots)
-                else:
-                    probs = probabilities(target.forward_batch(drawn[-1]), sampling, cfg_active_at(index, sampling))
                 drawn.append(self._sample_rows(probs, generators))
             tokens = torch.stack(drawn, dim=1).cpu()  # the one read: the tokens stay on the device until here
         if progress:
@@ -558,18 +556,13 @@ class Engine:
         replayed = replays(target, "replay_batch") and (level or sampling.cfg_interval < 0)
         last = stalls.on_device([lane.tokens[-1] for lane in lanes], device)  # each image's root
         first = len(lanes[0].tokens) if level else stalls.on_device([len(lane.tokens) for lane in lanes], device)  # the token each draws first (one index where level: no tensor a step)
-        depths, mask = torch.zeros(len(lanes), 1, dtype=torch.long, device=device), torch.ones(len(lanes), 1, 1, dtype=torch.bool, device=device)
+        ragged = None if level else (torch.zeros(len(lanes), 1, dtype=torch.long, device=device), torch.ones(len(lanes), 1, 1, dtype=torch.bool, device=device))  # one-node trees
         root, nothing = torch.zeros(1, dtype=torch.long, device=device), torch.zeros(0, dtype=torch.long, device=device)
         drawn: list[Tensor] = []  # per step, every image's last token (a finished image's stays as it was)
         start = time.perf_counter()
         for step in range(steps):
             running = [i for i, left in enumerate(remaining) if left > step]
-            cfg_active = cfg_active_at(first + step, sampling)
-            if replayed:
-                probs = batch_ar_step_replayed(cast(ReplayingBatchTarget, target), sampling, last, cast(bool, cfg_active))
-            else:
-                logits = target.forward_batch(last) if level else target.forward_trees(last[:, None], depths, mask).logits[:, :, 0]
-                probs = probabilities(logits, sampling, cfg_active)  # every image's; the finished ones' go unused
+            probs = self._ar_step_probs(last, cfg_active_at(first + step, sampling), replayed, ragged)  # the finished images' go unused
             if len(running) == len(lanes):
                 last = self._sample_rows(probs, [lane.generator for lane in lanes])
             else:
@@ -588,6 +581,21 @@ class Engine:
                 lane.tokens.extend(mine[:count])
                 lane.stats.target_forwards += count
                 lane.stats.seconds["verify"] += share
+
+    def _ar_step_probs(self, last: Tensor, cfg_active: bool | Tensor, replayed: bool, ragged: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """Every image's distribution of its next token after its ``last`` [B]: the batch's
+        AR step and its distributions as one graph where ``replayed`` (its roots committed
+        after it), else the batched AR step (which commits as it goes) for images at one
+        length, or for images at ``ragged`` lengths each last token as a one-node tree
+        (its depths and mask: the roots committed after it)."""
+        target, sampling = self.target, self.sampling
+        if replayed:
+            return batch_ar_step_replayed(cast(ReplayingBatchTarget, target), sampling, last, cast(bool, cfg_active))
+        if ragged is None:
+            logits = cast(BatchSteps, target).forward_batch(last)
+        else:
+            logits = cast(BatchTrees, target).forward_trees(last[:, None], *ragged).logits[:, :, 0]
+        return probabilities(logits, sampling, cfg_active)
 
     def _sample_rows(self, probs: Tensor, generators: Sequence[torch.Generator]) -> Tensor:
         """One token per row of ``probs`` [B, V], row i drawn with ``generators[i]``: [B]."""
