@@ -187,7 +187,7 @@ class Lane:
         stats.accepted.append(len(result.path) - 1)
         if self.progress:
             self.progress(len(walked.token_list))
-        if self.planner and self.goes_ar and not self.done:
+        if self.goes_ar and not self.done:
             self._book_ar_rest()
 
     def _plan_step(self, planner: TreePlanner, tree: DraftTree, dist: Tensor, path: Tensor) -> None:
