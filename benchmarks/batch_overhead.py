@@ -36,7 +36,6 @@ Python time and calls per step of each batch size over those of the smallest.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from typing import Any
 
@@ -46,14 +45,7 @@ from torch.overrides import TorchFunctionMode
 from specimg.config import TreeConfig
 from specimg.engine import Engine
 from specimg.models.demo import demo_sampling, load_demo
-from specimg.models.eagle import DraftBatch, TreeDrafter
-from specimg.models.llamagen import LlamaGenTarget
-
-FORWARDS = {
-    LlamaGenTarget: ("prefill", "forward_tree", "commit", "prefill_batch", "forward_batch", "forward_trees", "commit_trees"),
-    TreeDrafter: ("prefill", "start", "expand"),
-    DraftBatch: ("start", "expand"),
-}
+from specimg.testing.calls import MODEL_FORWARDS, CallCount
 
 
 class Clock:
@@ -120,28 +112,10 @@ def mode_overhead(repeats: int = 20000, trials: int = 5) -> tuple[float, float]:
     return added(operations), added(reads)
 
 
-class CallCount:
-    """Python function calls made outside the models' forwards while on."""
-
-    def __init__(self, clock: Clock) -> None:
-        self.clock, self.calls = clock, 0
-
-    def __enter__(self) -> CallCount:
-        sys.setprofile(self._event)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        sys.setprofile(None)
-
-    def _event(self, frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and not self.clock.depth:
-            self.calls += 1
-
-
 def time_forwards(clock: Clock) -> None:
     """Add the time of every model forward to ``clock.forwards`` (patched on the classes,
     so the drafter replicas of a batch are timed too)."""
-    for cls, names in FORWARDS.items():
+    for cls, names in MODEL_FORWARDS.items():
         for name in names:
             forward = getattr(cls, name)
 
@@ -205,7 +179,7 @@ def main() -> None:
                     timed = time.perf_counter() - start - clock.forwards
                     mode = clock.ops * per_op + clock.reads * per_read
                     ops, python = 1e6 * clock.ops_time / steps, 1e6 * (timed - clock.ops_time - mode) / steps
-                    with CallCount(clock) as counted:
+                    with CallCount() as counted:
                         engine.generate(labels[:size], seed=0)
                     calls = counted.calls / steps
                 split = f" {ops:.0f} us | {clock.ops / steps:.0f} | {python:.0f} us |" if args.split else ""

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 import attrs
 import pytest
 import torch
@@ -12,13 +10,14 @@ from specimg import Engine, MethodSpec, Sampling, TreeConfig, accept, costs, hoo
 from specimg.engine import ar_tokens
 from specimg.costs import CostModel
 from specimg.errors import SpecimgError
-from specimg.models.eagle import DraftBatch, TreeDrafter, build_drafter
-from specimg.models.llamagen import LlamaGenTarget, build_target
+from specimg.models.eagle import build_drafter
+from specimg.models.llamagen import build_target
 from specimg.models.loading import TINY_VQ
 from specimg.models.vq import build_tokenizer
 from specimg.models.text_encoder import HashTextEncoder, captions_for_target
 from specimg.plugins import PluginManager
 from specimg.testing import statistics
+from specimg.testing.calls import CallCount
 from specimg.testing.syncs import counting_host_reads
 from specimg_plugins import cascade
 from specimg_plugins.cascade import CascadeOptions
@@ -250,29 +249,12 @@ def test_auto_trees_in_a_batch_plan_per_image_and_may_go_ar():
         assert all(s.tokens == 64 and len(s.tree_sizes) == s.target_forwards - 1 for s in batched.stats.images)
 
 
-FORWARDS = {LlamaGenTarget: ("prefill", "forward_tree", "commit", "prefill_batch", "forward_trees", "commit_trees", "refill"),
-            TreeDrafter: ("prefill", "start", "expand"), DraftBatch: ("start", "expand")}
-
-
 def python_calls_a_step(engine: Engine, labels: list[int]) -> float:
     """The Python function calls the engine makes outside the models' forwards, per target
-    forward of its batch (a profile hook: the count is the same on every run)."""
-    forwards = {getattr(cls, name).__code__ for cls, names in FORWARDS.items() for name in names}
-    calls, depth = 0, 0
-
-    def count(frame, event, arg):
-        nonlocal calls, depth
-        if frame.f_code in forwards:
-            depth += {"call": 1, "return": -1}.get(event, 0)
-        elif event == "call" and not depth:
-            calls += 1
-
-    sys.setprofile(count)
-    try:
+    forward of its batch."""
+    with CallCount() as counted:
         result = engine.generate(labels, seed=0)
-    finally:
-        sys.setprofile(None)
-    return calls / max(image.target_forwards for image in result.stats.images)
+    return counted.calls / max(image.target_forwards for image in result.stats.images)
 
 
 @pytest.mark.parametrize("method", ["naive", "cascade+lantern"])
