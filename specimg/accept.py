@@ -77,7 +77,7 @@ def _walk_on_host(forest: DraftTree, roots: Sequence[int], dist: Tensor, generat
     """Each tree's walk on the host: descend to the child whose token is the node's draw
     (greedy: its argmax); emit the first draw that is no child.  Every draw is emitted,
     so a walk's new tokens are its draws."""
-    tokens, ids = (t.tolist() for t in forest.candidates())
+    tokens, ids = [t.tolist() for t in forest.candidates()]
     best = dist.argmax(dim=-1).tolist() if generators is None else []
     walks = []
     for walker, root in enumerate(roots):
@@ -97,7 +97,7 @@ def _copied(walks: Sequence[tuple[list[int], list[int]]], device: torch.device) 
     """The acceptances of walks made on the host (each its path in its tree's ids, root 0,
     and its new tokens: the path's after the root, then the next token), with every path's
     device tensors (``walked``) made in one copy."""
-    parts = stalls.on_device([value for path, new in walks for value in (*path, *new)], device).split(
+    parts = stalls.on_device([value for path, new in walks for value in (*path, *new)], device).split_with_sizes(
         [length for path, new in walks for length in (len(path), len(new))])
     return [Acceptance(path, new[-1], Walked(parts[2 * i], parts[2 * i + 1], new)) for i, (path, new) in enumerate(walks)]
 

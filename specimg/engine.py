@@ -18,7 +18,7 @@ from specimg import costs, relax, stalls
 from specimg.config import Sampling, TreeConfig
 from specimg.errors import SpecimgError
 from specimg.graphs import CudaGraphs, GraphSet, capture_seconds, step_mode
-from specimg.lane import Lane
+from specimg.lane import Booking, Lane
 from specimg.lockstep import BatchDrafting, LaneDrafter, Lockstep
 from specimg.methods import AR, Stack
 from specimg.models.base import BatchSteps, BatchTrees, Condition, Drafter, Target, TargetOutput, draft_features, placed
@@ -388,11 +388,11 @@ class Engine:
         drafted = list(proposed.values())
         if drafted and forest is None:
             forest = DraftTree.forest(drafted)
-        with Lane.shared("verify", [lanes[i] for i in running]):
+        with Booking("verify", [lanes[i] for i in running]):
             stacked = forest.stacked() if forest is not None and len(proposed) == len(lanes) else stack_trees(trees)
             scores, root_probs = self._verify_batch(stacked, forest.sizes if forest is not None else (), lanes, list(proposed), riding)
         paths = [torch.zeros(0, dtype=torch.long, device=self.device)] * len(lanes)  # a finished image commits nothing
-        with Lane.shared("verify", [lanes[i] for i in riding]):  # every riding image's token drawn from its own generator, read once
+        with Booking("verify", [lanes[i] for i in riding]):  # every riding image's token drawn from its own generator, read once
             root_tokens = self._sample_rows(root_probs, [lanes[i].generator for i in riding]).tolist() if riding else []
         for i, token in zip(riding, root_tokens):
             lane = lanes[i]
@@ -407,7 +407,7 @@ class Engine:
             steps = self._relax_and_accept(scores, list(proposed), [lanes[i] for i in proposed], forest, drafted)
         for i, step in steps.items():
             paths[i] = step[-1].path
-        with Lane.shared("commit", [lanes[i] for i in running]):
+        with Booking("commit", [lanes[i] for i in running]):
             target.commit_trees(paths)
             features = self._path_features(scores, forest, [step[3] for step in steps.values()]) if steps else []
             for (i, (tree, own, _, result, walked)), hidden in zip(steps.items(), features):
@@ -421,7 +421,7 @@ class Engine:
         if self.drafter is None:
             return [None] * len(results)
         nodes = stalls.on_device([start + node for (start, _), result in zip(forest.spans, results) for node in result.path], self.device)
-        return list(draft_features(self.drafter, scores)[:, nodes].split([len(result.path) for result in results], dim=1))
+        return list(draft_features(self.drafter, scores)[:, nodes].split_with_sizes([len(result.path) for result in results], 1))
 
     def _draft_together(self, lanes: Mapping[int, Lane], batch: BatchDrafting) -> tuple[dict[int, DraftTree], DraftTree | None] | None:
         """Every drafting lane's tree, grown together where the core grows EAGLE-2 trees
@@ -434,7 +434,7 @@ class Engine:
         shapes = {i: dynamic_shape(lane.tree_config, lane.max_depth) for i, lane in lanes.items()}
         if not lanes or self.hooks.propose.owner is not None or None in shapes.values():
             return None
-        with Lane.shared("draft", list(lanes.values())):
+        with Booking("draft", list(lanes.values())):
             roots = batch.start({i: (lane.hidden, lane.new_ids) for i, lane in lanes.items()})
             trees: dict[int, DraftTree] = {}
             forest = None
@@ -500,9 +500,9 @@ class Engine:
         if batch_scores_replay(target, sampling):
             scores = batch_scores_replayed(cast(ReplayingBatchTarget, target), sampling, stacked, nodes)
         else:
-            picked = TargetOutput(*(t if t is None else t.flatten(1, 2)[:, nodes] for t in target.forward_trees(*stacked)))
+            picked = TargetOutput(*[t if t is None else t.flatten(1, 2)[:, nodes] for t in target.forward_trees(*stacked)])
             predicted = stalls.on_device([len(lanes[place].tokens) for place in verified], device)  # the image token each tree's root predicts
-            per_node = predicted.repeat_interleave(stalls.on_device(counts, device), output_size=len(nodes))
+            per_node = predicted.repeat_interleave(stalls.on_device(counts, device), output_size=sum(counts))
             scores = scores_of(picked, stacked[1].flatten()[nodes], sampling, per_node)
         if not riding:
             return scores, scores.probs[:0]
@@ -519,12 +519,12 @@ class Engine:
         stack's ``accept`` passes on every tree, else lane by lane.  Per place: its tree,
         scores, q_R, acceptance and walk."""
         sizes, starts = forest.sizes, [a for a, _ in forest.spans]
-        with Lane.shared("relax", lanes):
+        with Booking("relax", lanes):
             dist = self.relax(forest, scores)
         own = scores.split(sizes)  # each image's scores, and its q_R (p itself where nothing relaxed)
-        dists = [mine.probs for mine in own] if dist is scores.probs else list(dist.split(sizes))
+        dists = [mine.probs for mine in own] if dist is scores.probs else list(dist.split_with_sizes(sizes))
         assert self.hooks is not None
-        with Lane.shared("accept", lanes):
+        with Booking("accept", lanes):
             methods = [] if self.hooks.accept.owner is None else [self._method_accept(*step, lane.generator) for lane, step in zip(lanes, zip(trees, dists, own))]
             if all(result is None for result in methods):  # the core's own rule (no member's, or it passed on every tree): every lane at once
                 results = acceptance.accept_forest(forest, starts, dist, scores.probs, self.sampling, self.exact, [lane.generator for lane in lanes],
@@ -533,7 +533,7 @@ class Engine:
                 if dist is not scores.probs:
                     spent = [walk.spent for walk in walks]  # measured by a device walk
                     if None in spent:
-                        spent = list(relax.spent_per_path(dist, scores.probs, [[first + node for node in result.path] for first, result in zip(starts, results)]))
+                        spent = list(relax.spent_per_path(dist, scores.probs, starts, [result.path for result in results]))
                     for lane, mine in zip(lanes, spent):
                         lane.spent.append(mine)
             else:

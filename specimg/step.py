@@ -27,9 +27,10 @@ class Scores(NamedTuple):
 
     def split(self, sizes: Sequence[int]) -> list[Scores]:
         """The scores of consecutive runs of ``sizes`` nodes (each image's tree in a forest's),
-        one split per field."""
-        fields = [self.probs.split(sizes), *(t.split(sizes, dim=1) for t in self[1:3])]
-        layers = [None] * len(sizes) if self.layers is None else self.layers.split(sizes, dim=1)
+        one split per field.  (``split_with_sizes``, as in the batch step's other splits:
+        ``Tensor.split`` is a Python wrapper around it, two calls a split.)"""
+        fields = [self.probs.split_with_sizes(sizes), self.hidden.split_with_sizes(sizes, 1), self.logits.split_with_sizes(sizes, 1)]
+        layers = [None] * len(sizes) if self.layers is None else self.layers.split_with_sizes(sizes, 1)
         return [Scores(*parts) for parts in zip(*fields, layers)]
 
 

@@ -162,10 +162,10 @@ class DraftTree:
         parents = (self.parents - offset).clamp_(min=-1)  # a node's ids are its tree's (at least its start); -1 stays -1
         child_ids = (self.child_ids - offset[:, None]).clamp_(min=-1)
         columns = (self.tokens, parents, self.depths, self.mask, self.logprobs, child_ids)
-        draft_probs = [None] * len(sizes) if self.draft_probs is None else self.draft_probs.split(sizes)
+        draft_probs = [None] * len(sizes) if self.draft_probs is None else self.draft_probs.split_with_sizes(sizes)
         return [
             DraftTree(tokens, parents, depths, mask[:, a:b], logprobs, child_ids, self.height, probs, self.sampled)
-            for (a, b), tokens, parents, depths, mask, logprobs, child_ids, probs in zip(spans, *(c.split(sizes) for c in columns), draft_probs)
+            for (a, b), tokens, parents, depths, mask, logprobs, child_ids, probs in zip(spans, *[c.split_with_sizes(sizes) for c in columns], draft_probs)
         ]
 
     def _tree_starts(self) -> Tensor:
@@ -349,7 +349,7 @@ class _Growth:
     def columns(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """tokens, parents, logq, scores and depths [G, size] of every node so far (joined once per level)."""
         if self._columns is None or self._columns[0].shape[1] != self.size:
-            tokens, parents, logq, scores = (torch.cat(c, dim=1) for c in zip(*self.levels))
+            tokens, parents, logq, scores = [torch.cat(c, dim=1) for c in zip(*self.levels)]
             depths = torch.cat([torch.full_like(part[1], level) for level, part in enumerate(self.levels)], dim=1)
             self._columns = (tokens, parents, logq, scores, depths)
         return self._columns

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 from unittest import mock
 
@@ -173,18 +173,18 @@ def graph_path(counter: LaunchCounter, *models: Any) -> Iterator[None]:
     (:func:`emulated_captures`; its replays' input copies counted as they run); host reads
     in their device forms; the engine's phases booked to ``counter``.  Engines built inside
     with the default ``cuda_graphs="auto"`` leave the models' step modes as this sets them."""
-    original_shared = lane.Lane.shared
+    enter, leave, outer = lane.Booking.__enter__, lane.Booking.__exit__, []
 
-    @contextlib.contextmanager
-    def shared(phase: str, lanes: Sequence[lane.Lane]) -> Iterator[None]:
-        outer, counter.phase = counter.phase, phase
-        try:
-            with original_shared(phase, lanes):
-                yield
-        finally:
-            counter.phase = outer
+    def entered(booking: lane.Booking) -> None:
+        outer.append(counter.phase)
+        counter.phase = booking.phase
+        enter(booking)
 
-    with emulated_captures(counter), mock.patch.object(lane.Lane, "shared", staticmethod(shared)), \
+    def left(booking: lane.Booking, *exc: object) -> None:
+        leave(booking, *exc)
+        counter.phase = outer.pop()
+
+    with emulated_captures(counter), mock.patch.object(lane.Booking, "__enter__", entered), mock.patch.object(lane.Booking, "__exit__", left), \
             mock.patch.object(stalls, "host_reads_stall", lambda device: True):
         for model in models:
             model.set_step_mode("static")
