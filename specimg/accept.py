@@ -15,6 +15,7 @@ in it, so only its law is the host form's.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -97,9 +98,9 @@ def _copied(walks: Sequence[tuple[list[int], list[int]]], device: torch.device) 
     """The acceptances of walks made on the host (each its path in its tree's ids, root 0,
     and its new tokens: the path's after the root, then the next token), with every path's
     device tensors (``walked``) made in one copy."""
-    parts = stalls.on_device([value for path, new in walks for value in (*path, *new)], device).split_with_sizes(
-        [length for path, new in walks for length in (len(path), len(new))])
-    return [Acceptance(path, new[-1], Walked(parts[2 * i], parts[2 * i + 1], new)) for i, (path, new) in enumerate(walks)]
+    parts = stalls.on_device(list(itertools.chain.from_iterable(path + new for path, new in walks)), device).split_with_sizes(
+        list(itertools.chain.from_iterable((len(path), len(new)) for path, new in walks)))
+    return [Acceptance(path, new[-1], Walked(path_there, new_there, new)) for (path, new), path_there, new_there in zip(walks, parts[::2], parts[1::2])]
 
 
 def _walk_on_device(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
+import operator
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -496,7 +498,8 @@ class Engine:
         distributions are one graph (:func:`~specimg.stepgraphs.batch_scores_replayed`)."""
         target, sampling, device, width = cast(BatchTrees, self.target), self.sampling, self.device, stacked[0].shape[1]
         verified, counts = [*places, *riding], [*sizes, *[1] * len(riding)]  # the drafted trees, then the riding roots
-        nodes = stalls.on_device([place * width + node for place, count in zip(verified, counts) for node in range(count)], device)
+        starts = [place * width for place in verified]
+        nodes = stalls.on_device(list(itertools.chain.from_iterable(map(range, starts, map(operator.add, starts, counts)))), device)  # each tree's first count places
         if batch_scores_replay(target, sampling):
             scores = batch_scores_replayed(cast(ReplayingBatchTarget, target), sampling, stacked, nodes)
         else:
