@@ -23,10 +23,12 @@ first (a loop of cheap operations with the mode, less the same loop without it) 
 taken off the Python.  Operations and Python come from one pass, so the operations'
 run-to-run spread (hundreds of microseconds at B = 8) cancels.  The operations' time
 grows with the rows they touch (top-k over the vocabulary, the draws) and is arithmetic
-a GPU runs asynchronously; their count per step is what a GPU pays in launches.  A third
-pass counts the Python function calls made outside the forwards (a profile hook on the
-main thread): their number is the same on every run, so it shows whether a step's
-Python grows with the batch where the time is too noisy to say.
+a GPU runs asynchronously; their count per step is what a GPU pays in launches.  Two
+more passes count the Python run outside the forwards on the main thread: its function
+calls (a profile hook) and its bytecode instructions (a trace hook), the same on every
+run, so they show whether a step's Python grows with the batch where the time is too
+noisy to say.  Calls weigh every call alike; instructions also count the loops over a
+batch's rows that make no call.
 
 On a shared machine other work only ever adds time, so the closing table takes, per
 method and batch size, the least of the rounds (each figure on its own), and gives the
@@ -45,7 +47,7 @@ from torch.overrides import TorchFunctionMode
 from specimg.config import TreeConfig
 from specimg.engine import Engine
 from specimg.models.demo import demo_sampling, load_demo
-from specimg.testing.calls import MODEL_FORWARDS, CallCount
+from specimg.testing.calls import MODEL_FORWARDS, BytecodeCount, CallCount
 
 
 class Clock:
@@ -170,8 +172,8 @@ def main() -> None:
                 wall, forwards = time.perf_counter() - start, clock.forwards
                 steps = max(s.target_forwards for s in result.stats.images)
                 outside = 1e6 * (wall - forwards) / steps
-                ops = python = calls = 0.0
-                if args.split:  # the same batch again (same seeds, same steps), its operations timed, then its calls counted
+                ops = python = calls = instructions = 0.0
+                if args.split:  # the same batch again (same seeds, same steps), its operations timed, then its calls and instructions counted
                     clock.reset()
                     start = time.perf_counter()
                     with OpClock(clock):
@@ -182,8 +184,11 @@ def main() -> None:
                     with CallCount() as counted:
                         engine.generate(labels[:size], seed=0)
                     calls = counted.calls / steps
+                    with BytecodeCount() as traced:
+                        engine.generate(labels[:size], seed=0)
+                    instructions = traced.instructions / steps
                 split = f" {ops:.0f} us | {clock.ops / steps:.0f} | {python:.0f} us |" if args.split else ""
-                least = best.setdefault((method, size), {"outside": outside, "ops": ops, "count": clock.ops / steps, "python": python, "calls": calls})
+                least = best.setdefault((method, size), {"outside": outside, "ops": ops, "count": clock.ops / steps, "python": python, "calls": calls, "instructions": instructions})
                 least.update(outside=min(least["outside"], outside), ops=min(least["ops"], ops), python=min(least["python"], python))
                 if (method, size) not in alone:
                     one = Engine(models.target, drafter, method, sampling=sampling, tree=args.tree, tokenizer=models.tokenizer, cost_model=engine.cost_model)
@@ -196,17 +201,18 @@ def main() -> None:
 def summary(best: dict[tuple[str, int], dict[str, float]], sizes: list[int], rounds: int, split: bool) -> None:
     """The least of the rounds per method and batch size; with ``split``, the Python time a
     step (the split pass's time outside the forwards less its operations and the mode's
-    own cost) and the Python calls a step, each over the smallest batch size's."""
+    own cost), and the Python calls and bytecode instructions a step, each over the
+    smallest batch size's."""
     print(f"\nLeast of {rounds} rounds, per step:\n")
     low = min(sizes)
-    print("| method | batch size | outside |" + (f" torch ops | ops | Python | over B = {low} | Python calls | over B = {low} |" if split else ""))
-    print("|---|---:|---:|" + ("---:|" * 6 if split else ""))
+    print("| method | batch size | outside |" + (f" torch ops | ops | Python | over B = {low} | Python calls | over B = {low} | instructions | over B = {low} |" if split else ""))
+    print("|---|---:|---:|" + ("---:|" * 8 if split else ""))
     for (method, size), least in best.items():
         row = f"| {method} | {size} | {least['outside']:.0f} us |"
         if split:
             base = best[method, low]
             row += (f" {least['ops']:.0f} us | {least['count']:.0f} | {least['python']:.0f} us | {least['python'] / base['python']:.2f}x |"
-                    f" {least['calls']:.0f} | {least['calls'] / base['calls']:.2f}x |")
+                    f" {least['calls']:.0f} | {least['calls'] / base['calls']:.2f}x | {least['instructions']:.0f} | {least['instructions'] / base['instructions']:.2f}x |")
         print(row)
 
 

@@ -386,12 +386,15 @@ class Engine:
             proposed, forest = lockstep.run(proposing) if lockstep else {i: propose() for i, propose in proposing.items()}, None
         else:
             proposed, forest = together
-        trees = [proposed[i] if i in proposed else lane.root_tree() for i, lane in enumerate(lanes)]
         drafted = list(proposed.values())
         if drafted and forest is None:
             forest = DraftTree.forest(drafted)
-        with Booking("verify", [lanes[i] for i in running]):
-            stacked = forest.stacked() if forest is not None and len(proposed) == len(lanes) else stack_trees(trees)
+        stepping = [lanes[i] for i in running]
+        with Booking("verify", stepping):
+            if forest is not None and len(proposed) == len(lanes):
+                stacked = forest.stacked()
+            else:  # a finished or riding image's place verifies its root
+                stacked = stack_trees([proposed[i] if i in proposed else lane.root_tree() for i, lane in enumerate(lanes)])
             scores, root_probs = self._verify_batch(stacked, forest.sizes if forest is not None else (), lanes, list(proposed), riding)
         paths = [torch.zeros(0, dtype=torch.long, device=self.device)] * len(lanes)  # a finished image commits nothing
         with Booking("verify", [lanes[i] for i in riding]):  # every riding image's token drawn from its own generator, read once
@@ -409,7 +412,7 @@ class Engine:
             steps = self._relax_and_accept(scores, list(proposed), [lanes[i] for i in proposed], forest, drafted)
         for i, step in steps.items():
             paths[i] = step[-1].path
-        with Booking("commit", [lanes[i] for i in running]):
+        with Booking("commit", stepping):
             target.commit_trees(paths)
             features = self._path_features(scores, forest, [step[3] for step in steps.values()]) if steps else []
             for (i, (tree, own, _, result, walked)), hidden in zip(steps.items(), features):

@@ -1,13 +1,16 @@
-"""Counting the Python function calls a decode makes outside the models' forwards.
+"""Counting the Python a decode runs outside the models' forwards: its function calls, and
+its bytecode instructions.
 
-A step's Python time on a shared CPU is the difference of noisy figures; the number of
-calls it makes is the same on every run, so it shows whether a batch step's Python grows
-with its images (tests/test_batch.py, benchmarks/batch_overhead.py)."""
+A step's Python time on a shared CPU is the difference of noisy figures; these counts are
+the same on every run, so they show whether a batch step's Python grows with its images
+(tests/test_batch.py, benchmarks/batch_overhead.py).  Calls weigh a one-line property as
+much as a long loop; instructions weigh what each runs, and a loop over a batch's rows
+shows up in them where it makes no call."""
 
 from __future__ import annotations
 
 import sys
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any
 
 from specimg.models.eagle import DraftBatch, TreeDrafter
@@ -21,6 +24,12 @@ MODEL_FORWARDS = {
 """The models' methods that run their forwards (the target's and the drafter's, alone and batched)."""
 
 
+def _forward_codes() -> set[CodeType]:
+    """The code of :data:`MODEL_FORWARDS` as the classes hold it now (a wrapper patched over
+    a method is what is stepped over)."""
+    return {getattr(cls, name).__code__ for cls, names in MODEL_FORWARDS.items() for name in names}
+
+
 class CallCount:
     """The Python function calls made on this thread outside :data:`MODEL_FORWARDS` while
     on (a profile hook).  The methods are looked up when it is made, so a wrapper patched
@@ -28,7 +37,7 @@ class CallCount:
 
     def __init__(self) -> None:
         self.calls, self._depth = 0, 0
-        self._forwards = {getattr(cls, name).__code__ for cls, names in MODEL_FORWARDS.items() for name in names}
+        self._forwards = _forward_codes()
 
     def __enter__(self) -> CallCount:
         sys.setprofile(self._event)
@@ -42,3 +51,41 @@ class CallCount:
             self._depth += {"call": 1, "return": -1}.get(event, 0)
         elif event == "call" and not self._depth:
             self.calls += 1
+
+
+class BytecodeCount:
+    """The bytecode instructions run on this thread outside :data:`MODEL_FORWARDS` while on
+    (a trace hook with opcode events: every instruction is a call into it, so a decode runs
+    some ten times slower; for counting, not timing)."""
+
+    def __init__(self) -> None:
+        self.instructions, self._depth = 0, 0
+        self._forwards = _forward_codes()
+
+    def __enter__(self) -> BytecodeCount:
+        sys.settrace(self._entered)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.settrace(None)
+
+    def _entered(self, frame: FrameType, event: str, arg: Any) -> Any:
+        """A frame starts (or a generator resumes): trace its instructions, unless it is a
+        forward or runs inside one."""
+        if frame.f_code in self._forwards:
+            self._depth += 1
+            return self._forward
+        if self._depth:
+            return None
+        frame.f_trace_opcodes = True
+        return self._instruction
+
+    def _forward(self, frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "return":
+            self._depth -= 1
+        return self._forward
+
+    def _instruction(self, frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "opcode":
+            self.instructions += 1
+        return self._instruction
