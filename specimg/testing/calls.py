@@ -10,8 +10,9 @@ shows up in them where it makes no call."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from types import CodeType, FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 from specimg.models.eagle import DraftBatch, TreeDrafter
 from specimg.models.llamagen import LlamaGenTarget
@@ -30,46 +31,59 @@ def _forward_codes() -> set[CodeType]:
     return {getattr(cls, name).__code__ for cls, names in MODEL_FORWARDS.items() for name in names}
 
 
-class CallCount:
-    """The Python function calls made on this thread outside :data:`MODEL_FORWARDS` while
-    on (a profile hook).  The methods are looked up when it is made, so a wrapper patched
-    over them (a benchmark's timer) is what it steps over."""
+C = TypeVar("C", bound="_Counter")
+
+
+class _Counter:
+    """A count over the Python this thread runs outside :data:`MODEL_FORWARDS` while on
+    (``with``): ``_install`` (``sys.setprofile`` or ``sys.settrace``) sets ``_hook``.
+    The methods are looked up when it is made, so a wrapper patched over them (a
+    benchmark's timer) is what it steps over."""
+
+    _install: Callable[[Any], None]
 
     def __init__(self) -> None:
-        self.calls, self._depth = 0, 0
+        self._depth = 0  # how deep in the forwards the thread is
         self._forwards = _forward_codes()
 
-    def __enter__(self) -> CallCount:
-        sys.setprofile(self._event)
+    def __enter__(self: C) -> C:
+        type(self)._install(self._hook)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        sys.setprofile(None)
+        type(self)._install(None)
 
-    def _event(self, frame: FrameType, event: str, arg: Any) -> None:
+    def _hook(self, frame: FrameType, event: str, arg: Any) -> Any:
+        raise NotImplementedError
+
+
+class CallCount(_Counter):
+    """The Python function calls (a profile hook)."""
+
+    _install = staticmethod(sys.setprofile)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def _hook(self, frame: FrameType, event: str, arg: Any) -> None:
         if frame.f_code in self._forwards:
             self._depth += {"call": 1, "return": -1}.get(event, 0)
         elif event == "call" and not self._depth:
             self.calls += 1
 
 
-class BytecodeCount:
-    """The bytecode instructions run on this thread outside :data:`MODEL_FORWARDS` while on
-    (a trace hook with opcode events: every instruction is a call into it, so a decode runs
-    some ten times slower; for counting, not timing)."""
+class BytecodeCount(_Counter):
+    """The bytecode instructions (a trace hook with opcode events: every instruction is a
+    call into it, so a decode runs some ten times slower; for counting, not timing)."""
+
+    _install = staticmethod(sys.settrace)
 
     def __init__(self) -> None:
-        self.instructions, self._depth = 0, 0
-        self._forwards = _forward_codes()
+        super().__init__()
+        self.instructions = 0
 
-    def __enter__(self) -> BytecodeCount:
-        sys.settrace(self._entered)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        sys.settrace(None)
-
-    def _entered(self, frame: FrameType, event: str, arg: Any) -> Any:
+    def _hook(self, frame: FrameType, event: str, arg: Any) -> Any:
         """A frame starts (or a generator resumes): trace its instructions, unless it is a
         forward or runs inside one."""
         if frame.f_code in self._forwards:
