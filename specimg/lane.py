@@ -70,9 +70,9 @@ class Lane:
         self.new_ids = torch.tensor(tokens[-1:], device=device)
         self.spent: list[Tensor] = []  # per step, TVD(q_R, p) over the walked path's nodes (summed when the image closes)
         self.started = time.perf_counter()
+        # Whether the planner found no tree that pays: the rest of the image is AR (the planner
+        # learns nothing more, so this holds to the end).  Set again by each lesson.
         self.goes_ar = planner is not None and planner.plan.is_ar
-        """Whether the planner found no tree that pays: the rest of the image is AR (the
-        planner learns nothing more, so this holds to the end)."""
         if self.goes_ar:  # the measured acceptance says no tree pays: AR from the first step
             self._book_ar_rest()
 
