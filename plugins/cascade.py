@@ -58,7 +58,6 @@ def register_methods(register: Callable[[MethodSpec], None]) -> None:
         "cascade", CascadeOptions, "CASCADE: candidates take the mass of tokens whose tree states match theirs", paper={},
         departures="the paper gives no thresholds for VQ image models; tau_pos and tau_seq 0.5 were calibrated on the demo",
         batch=True,
-        graphs=True,
     ))
 
 

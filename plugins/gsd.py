@@ -72,7 +72,6 @@ def register_methods(register: Callable[[MethodSpec], None]) -> None:
             "group test has no budget and verifies sjd's chains only, so it is the default beside sjd (sjd+gsd)"
         ),
         batch=True,
-        graphs=True,
     ))
 
 

@@ -81,11 +81,6 @@ class LanternOptions:
         """Whether every node stays within its budget in TVD (the released rule has none)."""
         return self.mode == "specimg"
 
-    @property
-    def capturable(self) -> bool:
-        """Whether a CUDA graph may replay the relaxation: the released rule reads the host."""
-        return self.mode == "specimg"
-
 
 @hookimpl
 def register_methods(register: Callable[[MethodSpec], None]) -> None:
@@ -96,7 +91,6 @@ def register_methods(register: Callable[[MethodSpec], None]) -> None:
             "move more than delta; specimg's default shares one delta per node, in the decoder's normalised codebook"
         ),
         batch=True,
-        graphs=True,
     ))
 
 

@@ -102,11 +102,6 @@ class LanternPPOptions:
         """Whether every node stays within delta in TVD (the released rule has no budget)."""
         return self.mode == "specimg"
 
-    @property
-    def capturable(self) -> bool:
-        """Whether a CUDA graph may replay the relaxation: the released rule reads the host."""
-        return self.mode == "specimg"
-
 
 @hookimpl
 def register_methods(register: Callable[[MethodSpec], None]) -> None:
@@ -114,7 +109,6 @@ def register_methods(register: Callable[[MethodSpec], None]) -> None:
         "lantern++", LanternPPOptions, "LANTERN++: static draft tree, codebook neighbours, cap lam * p", paper={"mode": "paper"},
         departures="the paper has the cap lam * p alone; specimg's default adds a TVD budget of delta 0.1 per node",
         batch=True,
-        graphs=True,
     ))
 
 

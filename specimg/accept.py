@@ -14,7 +14,6 @@ in it, so only its law is the host form's.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import operator
 from collections.abc import Callable, Sequence
@@ -25,7 +24,7 @@ from torch import Tensor
 
 from specimg import relax, stalls
 from specimg.config import Sampling
-from specimg.graphs import GraphSet
+from specimg.compiled import run
 from specimg.step import Acceptance, Walked
 from specimg.tree import DraftTree
 
@@ -41,7 +40,7 @@ class DeviceRule(NamedTuple):
     walker draws at every level (``draws``: per kind, in drawing order, the ``Tensor``
     method that draws it in place, its size and dtype) and ``levels``, which makes the
     level function from the tensors alone: a rule keeps no tensor of its own, so its
-    program replays as a graph on any step's tensors."""
+    program compiles once per shape and runs on any step's tensors."""
 
     name: str
     tensors: tuple[Tensor, ...]
@@ -56,14 +55,14 @@ def rejects_recursively(sampling: Sampling, exact: bool, tree: DraftTree) -> boo
 
 
 def walk_forest(
-    forest: DraftTree, roots: Sequence[int], dist: Tensor, generators: Sequence[torch.Generator | None] | None, graphs: GraphSet | None = None,
+    forest: DraftTree, roots: Sequence[int], dist: Tensor, generators: Sequence[torch.Generator | None] | None, compiled: bool = False,
     target_dist: Tensor | None = None,
 ) -> list[Acceptance]:
     """Sample-and-match (with ``generators``, one per tree) or greedy (None) on every tree
     of a forest (:meth:`DraftTree.forest`, its roots at ``roots``; or one tree, root 0).
 
     Where a host read stalls, one device program for every tree (:func:`_walk_on_device`),
-    replayed from ``graphs`` where given; with ``target_dist``, p where ``dist`` is a relaxed
+    compiled where ``compiled``; with ``target_dist``, p where ``dist`` is a relaxed
     q_R, it also measures the budget each path spent (``Walked.spent``).  Else on the host,
     each tree drawing only at the nodes its walk reaches, the candidates read once for
     all.  Both make the same draws and leave each generator as drawing alone would.  Paths
@@ -72,7 +71,7 @@ def walk_forest(
     if not stalls.host_reads_stall(dist.device) or (generators is not None and None in generators):
         return _walk_on_host(forest, roots, dist, generators)
     spent = None if target_dist is None or target_dist is dist else (dist, target_dist)
-    return _walk_on_device(forest, roots, generators, _matching(forest, dist, generators is not None), graphs, spent)  # type: ignore[arg-type]
+    return _walk_on_device(forest, roots, generators, _matching(forest, dist, generators is not None), compiled, spent)  # type: ignore[arg-type]
 
 
 def _walk_on_host(forest: DraftTree, roots: Sequence[int], dist: Tensor, generators: Sequence[torch.Generator | None] | None) -> list[Acceptance]:
@@ -106,13 +105,13 @@ def _copied(paths: Sequence[list[int]], news: Sequence[list[int]], device: torch
 
 
 def _walk_on_device(
-    forest: DraftTree, roots: Sequence[int], generators: Sequence[torch.Generator] | None, rule: DeviceRule, graphs: GraphSet | None = None,
+    forest: DraftTree, roots: Sequence[int], generators: Sequence[torch.Generator] | None, rule: DeviceRule, compiled: bool = False,
     spent: tuple[Tensor, Tensor] | None = None,
 ) -> list[Acceptance]:
     """Every tree's walk as one device program of ``forest.height + 1`` levels, whatever
     the outcome.  Each walker's draws for every level are made first, from its own
     generator (:func:`_draw`); the program of levels then takes them as it takes the
-    step's tensors, so that ``graphs`` can replay it as one graph per shape (the
+    step's tensors, so that it compiles as one program per shape where ``compiled`` (the
     generators stay outside it).  The host reads the outcome once for every tree (the
     generators' states are host-side copies on CUDA: no wait), the levels after a walk
     stopped are ignored, and every tree's generator is set back to its state after the
@@ -122,12 +121,7 @@ def _walk_on_device(
     start = stalls.on_device(list(roots), device)
     draws, states = _draw(rule.draws, generators or (), depth, device)
     inputs = [start, *rule.tensors, *draws, *(spent or ())]
-    program = functools.partial(_levels, rule.levels, len(rule.tensors), len(draws), depth)
-    if graphs is None:
-        packed, *measured = program(*inputs)
-    else:
-        key = ("walk", rule.name, depth, tuple((tuple(t.shape), t.dtype) for t in inputs))
-        packed, *measured = (t.clone() for t in graphs.run(key, program, inputs))  # the graph's outputs: its next replay overwrites them
+    packed, *measured = (t.clone() for t in run(_levels, rule.levels, len(rule.tensors), len(draws), depth, *inputs, compiled=compiled))  # on CUDA a program's next run overwrites its outputs
     outcome = packed.tolist()  # the one host read
     results = []
     for walker, saved in enumerate(states or [None] * walkers):
@@ -315,7 +309,7 @@ def recursive_rejection(tree: DraftTree, target_dist: Tensor, generator: torch.G
 
 
 def reject_forest(
-    forest: DraftTree, roots: Sequence[int], target_dist: Tensor, generators: Sequence[torch.Generator | None], graphs: GraphSet | None = None
+    forest: DraftTree, roots: Sequence[int], target_dist: Tensor, generators: Sequence[torch.Generator | None], compiled: bool = False
 ) -> list[Acceptance]:
     """:func:`recursive_rejection` on every tree of a forest (its roots at ``roots``; or one
     tree, root 0), tree g drawing from ``generators[g]``.
@@ -328,7 +322,7 @@ def reject_forest(
     if forest.draft_probs is None:
         raise ValueError("recursive rejection needs the draft distributions of a sampled tree")
     if stalls.host_reads_stall(target_dist.device) and None not in generators:
-        return _walk_on_device(forest, roots, generators, _rejecting(forest, target_dist), graphs)  # type: ignore[arg-type]
+        return _walk_on_device(forest, roots, generators, _rejecting(forest, target_dist), compiled)  # type: ignore[arg-type]
     trees, dists = ([forest], [target_dist]) if forest.images is None else (forest.trees(), target_dist.split(list(forest.sizes)))
     results = [_reject_on_host(tree, dist, generator) for tree, dist, generator in zip(trees, dists, generators)]
     node_tokens = forest.tokens.tolist()
@@ -338,16 +332,16 @@ def reject_forest(
 
 def accept_forest(
     forest: DraftTree, roots: Sequence[int], dist: Tensor, target_dist: Tensor, sampling: Sampling, exact: bool,
-    generators: Sequence[torch.Generator | None], graphs: GraphSet | None = None,
+    generators: Sequence[torch.Generator | None], compiled: bool = False,
 ) -> list[Acceptance]:
     """The core's rule on every tree of a forest (or one tree, root 0): recursive rejection
     against ``target_dist`` where it applies (:func:`rejects_recursively`), else
     sample-and-match on ``dist`` (greedy at temperature 0), whose device walk measures the
-    budget each path spent where ``dist`` is not ``target_dist``; the device walk replayed
-    from ``graphs`` where given."""
+    budget each path spent where ``dist`` is not ``target_dist``; the device walk compiled
+    where ``compiled``."""
     if rejects_recursively(sampling, exact, forest):
-        return reject_forest(forest, roots, target_dist, generators, graphs)
-    return walk_forest(forest, roots, dist, None if sampling.greedy else generators, graphs, target_dist)
+        return reject_forest(forest, roots, target_dist, generators, compiled)
+    return walk_forest(forest, roots, dist, None if sampling.greedy else generators, compiled, target_dist)
 
 
 def _reject_on_host(tree: DraftTree, target_dist: Tensor, generator: torch.Generator | None) -> Acceptance:

@@ -25,7 +25,7 @@ import statistics
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import attrs
 import numpy as np
@@ -36,16 +36,12 @@ from specimg.accept import walk_forest
 from specimg.cache import cache_dir
 from specimg.config import Sampling
 from specimg.files import atomic_path
-from specimg.graphs import GraphSet
+from specimg.compiled import run
 from specimg.methods import AR, Stack
 from specimg.errors import SpecimgError
 from specimg.models.base import BatchTrees, Condition, Drafter, Target, draft_features
 from specimg.profile import MAX_DEPTH, MAX_TOPK, AcceptanceProfile
 from specimg.sampling import draw, draw_rows, probabilities
-from specimg.stepgraphs import (
-    ReplayingBatchTarget, ReplayingDrafter, ReplayingTarget, ar_step_replayed, batch_ar_step_replayed, batch_scores_replay, batch_scores_replayed,
-    fixed_growth, grow_replayed, replays, score_replayed, scores_replay,
-)
 from specimg.tree import DraftSession, DraftTree, build_dynamic, stack_trees
 
 VERIFY_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
@@ -367,19 +363,16 @@ def measure(target: Target, drafter: Drafter, sampling: Sampling, condition: Con
     start = timed(lambda _: drafter.start(last.expand(-1, _START_TOKENS, -1), news), setup=lambda: drafter.prefill(condition, sampling.cfg))
     setup, rest = _step_overhead(target, sampling, condition, device)
     overhead = timed(rest, setup=setup)
-    base, levels, grows_replayed = [], [], replays(drafter)
+    base, levels = [], []
     for width in LEVEL_WIDTHS:
 
         def fresh_root() -> torch.Tensor:  # a reset drafter: its node budget must not run out
             drafter.prefill(condition, sampling.cfg)
             return drafter.start(draft_features(drafter, prefill), token)
 
-        def draft(root: torch.Tensor, depth: int) -> DraftTree:  # as the engine grows it: one replayed graph where it can
-            shape = (depth, width, 1 + depth * width * width, False)
-            if grows_replayed and fixed_growth(shape, sampling):
-                return grow_replayed(cast(ReplayingDrafter, drafter), sampling, root, token, shape)
+        def draft(root: torch.Tensor, depth: int) -> DraftTree:
             session = DraftSession(drafter, sampling, root, 0, filtered=False)
-            return build_dynamic(session, 0, depth, width, shape[2])
+            return build_dynamic(session, 0, depth, width, 1 + depth * width * width)
 
         shallow, deep = (timed(lambda root, d=depth: draft(root, d), setup=fresh_root) for depth in (1, 3))
         base.append((width, shallow))
@@ -392,34 +385,28 @@ Timer = Callable[..., float]
 
 def _verify_times(target: Target, sampling: Sampling, trees: Mapping[int, DraftTree], timed: Timer) -> tuple[float, list[tuple[int, float]]]:
     """One AR step and the verify of each tree, on the target's tree cache as ``measure``
-    left it, each as the engine runs it: where the target replays programs, the forward
-    and its distributions as one graph (:mod:`specimg.stepgraphs`)."""
+    left it, each as the engine runs it (its distributions compiled where the target's
+    steps are)."""
     device = device_of(target)
     token = torch.zeros(1, dtype=torch.long, device=device)
     on_device = {n: attrs.evolve(tree, **{f: getattr(tree, f).to(device) for f in ("tokens", "depths", "mask")}) for n, tree in trees.items()}
 
-    ar_replays, score_replays = replays(target), scores_replay(target, sampling)
+    compiled = _compiled(target)
 
     def ar_step() -> None:  # no commit, so the prefix stays put; the commit's cost is in the overhead
-        if ar_replays:
-            probs = ar_step_replayed(cast(ReplayingTarget, target), sampling, token, True)
-        else:
-            probs = probabilities(target.forward_tree(token, token, torch.ones(1, 1, dtype=torch.bool, device=device)).logits, sampling)[0]
-        draw(probs, None)
+        logits = target.forward_tree(token, token, torch.ones(1, 1, dtype=torch.bool, device=device)).logits
+        draw(run(probabilities, logits, sampling, True, compiled=compiled)[0], None)
 
     def verify(n: int) -> Tensor:
         tree = on_device[n]
-        if score_replays:
-            return score_replayed(cast(ReplayingTarget, target), sampling, tree).probs
-        return probabilities(target.forward_tree(tree.tokens, tree.depths, tree.mask).logits, sampling)
+        return run(probabilities, target.forward_tree(tree.tokens, tree.depths, tree.mask).logits, sampling, True, compiled=compiled)
 
     return _in_rounds(ar_step, verify, list(trees), timed)
 
 
 def _batch_verify_times(target: Target, sampling: Sampling, condition: Condition, trees: Mapping[int, DraftTree], timed: Timer, batch: int) -> tuple[float, list[tuple[int, float]]]:
     """``_verify_times`` as an image's share of one forward over ``batch`` images, each
-    with the same tree, after half an image of batched AR steps; where the target replays
-    a batch's programs, the verify replays with its distributions, as the engine's does."""
+    with the same tree, after half an image of batched AR steps."""
     if not isinstance(target, BatchTrees):
         raise SpecimgError(f"a cost model at batch size {batch} needs a target that verifies a batch of trees")
     device = device_of(target)
@@ -429,16 +416,14 @@ def _batch_verify_times(target: Target, sampling: Sampling, condition: Condition
         target.forward_batch(roots)
     stacked = {n: tuple(t.to(device) for t in stack_trees([tree] * batch)) for n, tree in trees.items()}
     nodes = {n: torch.arange(batch * n, device=device) for n in trees}
-    ar_replays, score_replays = replays(target, "replay_batch"), batch_scores_replay(target, sampling)
+    compiled = _compiled(target)
 
     def verify(n: int) -> Tensor:  # the logits of every image's nodes, processed
-        if score_replays:
-            return batch_scores_replayed(cast(ReplayingBatchTarget, target), sampling, stacked[n], nodes[n]).probs
-        return probabilities(target.forward_trees(*stacked[n]).logits.flatten(1, 2), sampling)
+        logits = target.forward_trees(*stacked[n]).logits.flatten(1, 2)[:, nodes[n]]
+        return run(probabilities, logits, sampling, True, compiled=compiled)
 
     def ar_step() -> None:  # one draw per image, as a batch draws its AR tokens
-        probs = batch_ar_step_replayed(cast(ReplayingBatchTarget, target), sampling, roots, True) if ar_replays else verify(1)
-        draw_rows(probs, [None] * batch)
+        draw_rows(verify(1), [None] * batch)
 
     return _in_rounds(ar_step, verify, list(trees), timed, share=batch)
 
@@ -457,8 +442,8 @@ def _in_rounds(ar_step: Callable[[], Any], verify: Callable[[int], Any], sizes: 
 
 def _step_overhead(target: Target, sampling: Sampling, condition: Condition, device: torch.device) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
     """(setup, call): a step's work besides drafting and verifying, on an 8-node chain
-    whose first three drafts are accepted: the walk (replayed as the engine replays it,
-    where the target replays programs), the commit and the planner's observation.  The
+    whose first three drafts are accepted: the walk (compiled where the target's steps
+    are, as the engine's), the commit and the planner's observation.  The
     setup restarts the image and verifies the chain, untimed."""
     chain = DraftTree.from_parents([0] * 8, [-1, *range(7)])
     tree = attrs.evolve(chain, **{f: getattr(chain, f).to(device) for f in ("tokens", "parents", "depths", "mask", "logprobs", "child_ids")})
@@ -467,20 +452,25 @@ def _step_overhead(target: Target, sampling: Sampling, condition: Condition, dev
     dist[3:, 1] = 1.0
     profile = AcceptanceProfile(device)
     generator = torch.Generator(device).manual_seed(0)
-    graphs = GraphSet() if replays(target) else None
+    compiled = _compiled(target)
 
     def verify() -> None:
         target.prefill(condition, sampling.cfg)
         target.forward_tree(tree.tokens, tree.depths, tree.mask)
 
     def rest(_: Any) -> None:
-        result = walk_forest(tree, [0], dist, [generator], graphs)[0]
+        result = walk_forest(tree, [0], dist, [generator], compiled)[0]
         path = torch.tensor(result.path, device=device)
         target.commit(path)
         tree.tokens[path[1:]].tolist()
         profile.observe(tree, dist, result.path, sampling.greedy)
 
     return verify, rest
+
+
+def _compiled(target: Target) -> bool:
+    """Whether the target's step programs are compiled (and the step's with them)."""
+    return getattr(target, "step_mode", "eager") == "compiled"
 
 
 def _monotone(table: list[tuple[int, float]]) -> tuple[tuple[int, float], ...]:

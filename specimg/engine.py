@@ -7,6 +7,7 @@ import functools
 import itertools
 import operator
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, cast
@@ -19,7 +20,7 @@ from specimg import accept as acceptance
 from specimg import costs, relax, stalls
 from specimg.config import Sampling, TreeConfig
 from specimg.errors import SpecimgError
-from specimg.graphs import CudaGraphs, GraphSet, capture_seconds, step_mode
+from specimg.compiled import Compile, CompileClock, Refused, run, step_mode
 from specimg.lane import Booking, Lane
 from specimg.lockstep import BatchDrafting, LaneDrafter, Lockstep
 from specimg.methods import AR, Stack
@@ -30,12 +31,8 @@ from specimg.plugins import PluginManager, get_plugin_manager
 from specimg.sampling import cfg_active_at, draw, draw_rows, probabilities
 from specimg.stackhooks import MemberHook, StackHooks
 from specimg.stats import ImageStats, RunStats
-from specimg.step import Acceptance, Scores, Walked, scores_of
-from specimg.stepgraphs import (
-    ReplayingBatch, ReplayingBatchTarget, ReplayingTarget, ar_step_replayed, batch_ar_step_replayed, batch_scores_replay, batch_scores_replayed, fixed_growth,
-    grow_forest, replay_on_tree, replays, score_replayed, scores_replay,
-)
-from specimg.tree import BatchSession, DraftTree, build_dynamic_batch, dynamic_shape, stack_trees
+from specimg.step import Acceptance, Scores, Walked
+from specimg.tree import BatchSession, DraftTree, FixedBatch, build_dynamic_batch, dynamic_shape, fixed_growth, grow_forest, stack_trees
 
 OnImage = Callable[[int, Tensor, ImageStats], None]
 """Called with an image's index among the conditions, its tokens and statistics when it is done."""
@@ -63,10 +60,11 @@ class Engine:
     the stack's total-variation budget (default: the largest member delta).
 
     Everything runs on the target's device: ``device`` and ``dtype``, when given, move the
-    models there first.  ``cuda_graphs``: "auto" replays the target's step forwards (and an
-    EAGLE drafter's) as CUDA graphs when the target is on a GPU and has a fixed-shape step
-    (LlamaGen), "on" insists, "off" runs them eagerly; off a GPU, "auto" leaves the models'
-    step modes as they are.  An auto tree (the default) is chosen per step from
+    models there first.  ``compile``: "auto" runs the target's step forwards (and an EAGLE
+    drafter's), the sampling's distributions and the stack's relaxation as programs
+    compiled by ``torch.compile`` (captured as CUDA graphs) when the target is on a GPU and
+    has fixed-shape steps (LlamaGen), and eagerly elsewhere; "on" compiles on any device
+    (inductor's C++ on a CPU), "off" never (:mod:`specimg.compiled`).  An auto tree (the default) is chosen per step from
     ``cost_model``, measured on first use when not given (see :mod:`specimg.costs`).
     ``batch_size``: how many images decode together, one forward per token for all of
     them (method "ar" on a target with batched steps, :class:`~specimg.models.base.BatchSteps`).
@@ -86,7 +84,7 @@ class Engine:
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         cost_model: costs.CostModel | None = None,
-        cuda_graphs: CudaGraphs = "auto",
+        compile: Compile = "auto",
         batch_size: int = 1,
     ):
         if device is not None or dtype is not None:
@@ -94,9 +92,8 @@ class Engine:
         self.target, self.drafter, self.sampling, self.tree_config = target, drafter, sampling, tree
         self.tokenizer, self.cost_model = tokenizer, cost_model
         self.device = costs.device_of(target)
-        self._set_step_mode(cuda_graphs)
-        self.graphs = GraphSet()
-        """The step's own graphs, on the graph path: the stack's relaxation and the core's walk per tree shape."""
+        self._set_step_mode(compile)
+        self._fold_compiles = True  # until the compiler refuses the stack's relaxation (it reads the host): then it folds eagerly
         self.check_relax = relax.checks_enabled()
         self.calibration_seconds = 0.0
         """What :meth:`prepare` spent measuring this machine's costs and calibrating the stack (0 when the cache had them)."""
@@ -144,13 +141,24 @@ class Engine:
         if getattr(self.drafter, "context", 0):
             raise SpecimgError(f"batch size {size}: this drafter reads the whole condition (LANTERN's released drafters), which batched decoding does not give it yet; run at batch size 1")
 
-    def _set_step_mode(self, cuda_graphs: CudaGraphs) -> None:
-        """The target's step mode, and the drafter's alike when it has fixed-shape steps."""
-        mode = step_mode(cuda_graphs, self.device, supported=hasattr(self.target, "set_step_mode"))
-        if mode == "graphs" or cuda_graphs == "off":
+    def _set_step_mode(self, compile: Compile) -> None:
+        """The target's step mode, and the drafter's alike when it has fixed-shape steps;
+        "auto" off a GPU leaves the models' step modes as they are."""
+        mode = step_mode(compile, self.device, supported=hasattr(self.target, "set_step_mode"))
+        if mode == "compiled" or compile == "off":
             for model in (self.target, self.drafter):
                 if hasattr(model, "set_step_mode"):
                     model.set_step_mode(mode)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the step's programs are compiled (the target's step mode is)."""
+        return getattr(self.target, "step_mode", "eager") == "compiled"
+
+    def _probabilities(self, logits: Tensor, cfg_active: bool | Tensor = True) -> Tensor:
+        """The sampling's distributions of ``logits`` (guidance, filters, softmax), a
+        compiled program where the step's are: its guards hold this engine's sampling."""
+        return run(probabilities, logits, self.sampling, cfg_active, compiled=self.compiled)
 
     @property
     def method(self) -> str:
@@ -263,10 +271,10 @@ class Engine:
         return self.batch_size * self._batch([condition] * self.batch_size, range(self.batch_size), None)[1][0].wall
 
     def _steady(self, decode: Callable[..., float], *args: Any) -> float:
-        """The wall seconds ``decode`` returns, less the CUDA graphs it captured: one-off
-        work that no later step pays."""
-        captured = capture_seconds(self.target, self.drafter, self)
-        return decode(*args) - (capture_seconds(self.target, self.drafter, self) - captured)
+        """The wall seconds ``decode`` returns, less what it spent compiling: one-off work
+        that no later step pays."""
+        compiled = CompileClock.seconds
+        return decode(*args) - (CompileClock.seconds - compiled)
 
     def _image(self, condition: Condition, seed: int, progress: Callable[[int], None] | None, planner: TreePlanner | None,
                ar: bool = False) -> tuple[list[int], ImageStats]:
@@ -287,17 +295,13 @@ class Engine:
         target, sampling, n = self.target, self.sampling, len(conditions)
         assert isinstance(target, BatchSteps)
         generators = [torch.Generator(self.device).manual_seed(s) for s in seeds]
-        replayed, roots = replays(target, "replay_batch"), [torch.zeros(1, dtype=torch.long, device=self.device)] * n
         start = time.perf_counter()
         with torch.inference_mode():
-            drawn = [self._sample_rows(probabilities(target.prefill_batch(conditions, sampling.cfg).logits, sampling), generators)]
+            drawn = [self._sample_rows(self._probabilities(target.prefill_batch(conditions, sampling.cfg).logits), generators)]
             for index in range(1, target.num_tokens):
                 if progress:
                     progress(n)
-                probs = self._ar_step_probs(drawn[-1], cfg_active_at(index, sampling), replayed)
-                if replayed:  # the graph committed nothing: the roots are committed after it
-                    cast(BatchTrees, target).commit_trees(roots)
-                drawn.append(self._sample_rows(probs, generators))
+                drawn.append(self._sample_rows(self._ar_step_probs(drawn[-1], cfg_active_at(index, sampling)), generators))
             tokens = torch.stack(drawn, dim=1).cpu()  # the one read: the tokens stay on the device until here
         if progress:
             progress(n)
@@ -328,7 +332,7 @@ class Engine:
         def lane(place: int, out: TargetOutput) -> Lane:
             image = decoding[place]
             generator = torch.Generator(self.device).manual_seed(seeds[image])
-            first = probabilities(out.logits, sampling)
+            first = self._probabilities(out.logits)
             tokens = [self._draw(first[0], generator)]
             if progress:
                 progress(1)
@@ -378,7 +382,6 @@ class Engine:
         member that takes no batch, tree by tree), accept each, commit them all.  The places
         ``riding`` (sent to AR by their planners) verify a one-node tree each."""
         target = cast(BatchTrees, self.target)  # checked once, when the batch began
-        sampling = self.sampling
         drafting = {i: lanes[i] for i in running if i not in riding}
         together = self._draft_together(drafting, lockstep.batch) if lockstep else None
         if together is None:
@@ -452,7 +455,7 @@ class Engine:
                     continue
 
                 if self._grows_fixed(batch, shape):
-                    grown = self._grow_every_place(cast(ReplayingBatch, batch), {i: lanes[i] for i in images}, roots, shape)
+                    grown = self._grow_every_place(cast(FixedBatch, batch), {i: lanes[i] for i in images}, roots, shape)
                     every_place = grown.trees()
                     trees.update((i, every_place[i]) for i in images)
                     forest = grown if len(images) == len(every_place) else None  # a forest of these images' trees alone
@@ -476,13 +479,12 @@ class Engine:
         """Whether trees of ``shape`` grow as one fixed-shape program for every place of the
         batch (:meth:`_grow_every_place`): the batch drafts at fixed shapes, the trees are of
         top-k drafts (nothing drawn) and guidance never stops."""
-        fixed = getattr(batch, "step_mode", "eager") != "eager"  # a drafter's DraftBatch (stepgraphs.ReplayingBatch)
+        fixed = getattr(batch, "step_mode", "eager") != "eager"  # a drafter's DraftBatch (tree.FixedBatch)
         return fixed and fixed_growth(shape, self.sampling)
 
-    def _grow_every_place(self, batch: ReplayingBatch, lanes: Mapping[int, Lane], roots: Mapping[int, Tensor], shape: tuple[int, int, int, bool]) -> DraftTree:
-        """The forest of a tree of ``shape`` at every place of the batch, grown as one
-        program (:func:`~specimg.stepgraphs.grow_forest`; one graph per shape on the graph
-        path) for the ``lanes`` that draft that shape.  Any other place (its image
+    def _grow_every_place(self, batch: FixedBatch, lanes: Mapping[int, Lane], roots: Mapping[int, Tensor], shape: tuple[int, int, int, bool]) -> DraftTree:
+        """The forest of a tree of ``shape`` at every place of the batch, grown at fixed
+        shapes (:func:`~specimg.tree.grow_forest`) for the ``lanes`` that draft that shape.  Any other place (its image
         finished, sent to AR, or drafting another shape, grown before or after) grows a
         scratch tree from a uniform root, so that the program keeps its shape; that tree
         is never used."""
@@ -497,19 +499,18 @@ class Engine:
         """Every place's tree (``stacked``: tokens, depths [B, n], masks [B, n, n]) verified
         in one forward: the scores of the trees drafted at ``places`` (``sizes`` nodes each:
         their forest's nodes, tree after tree), and the distributions at the roots of the
-        places ``riding``.  Where the target replays a batch's programs, the forward and the
-        distributions are one graph (:func:`~specimg.stepgraphs.batch_scores_replayed`)."""
+        places ``riding``."""
         target, sampling, device, width = cast(BatchTrees, self.target), self.sampling, self.device, stacked[0].shape[1]
         verified, counts = [*places, *riding], [*sizes, *[1] * len(riding)]  # the drafted trees, then the riding roots
         starts = [place * width for place in verified]
         nodes = stalls.on_device(list(itertools.chain.from_iterable(map(range, starts, map(operator.add, starts, counts)))), device)  # each tree's first count places
-        if batch_scores_replay(target, sampling):
-            scores = batch_scores_replayed(cast(ReplayingBatchTarget, target), sampling, stacked, nodes)
-        else:
-            picked = TargetOutput(*[t if t is None else t.flatten(1, 2)[:, nodes] for t in target.forward_trees(*stacked)])
+        picked = TargetOutput(*[t if t is None else t.flatten(1, 2)[:, nodes] for t in target.forward_trees(*stacked)])
+        active: bool | Tensor = True  # guidance throughout: no token index needed
+        if sampling.cfg_interval >= 0:
             predicted = stalls.on_device([len(lanes[place].tokens) for place in verified], device)  # the image token each tree's root predicts
             per_node = predicted.repeat_interleave(stalls.on_device(counts, device), output_size=sum(counts))
-            scores = scores_of(picked, stacked[1].flatten()[nodes], sampling, per_node)
+            active = cfg_active_at(stacked[1].flatten()[nodes], sampling, per_node)
+        scores = Scores(self._probabilities(picked.logits, active), picked.hidden, picked.logits, picked.layers)
         if not riding:
             return scores, scores.probs[:0]
         drafted, roots = scores.split([sum(sizes), len(riding)])
@@ -534,7 +535,7 @@ class Engine:
             methods = [] if self.hooks.accept.owner is None else [self._method_accept(*step, lane.generator) for lane, step in zip(lanes, zip(trees, dists, own))]
             if all(result is None for result in methods):  # the core's own rule (no member's, or it passed on every tree): every lane at once
                 results = acceptance.accept_forest(forest, starts, dist, scores.probs, self.sampling, self.exact, [lane.generator for lane in lanes],
-                                                   self._step_graphs(forest))
+                                                   self.compiled)
                 walks = [result.walked for result in results]
                 if dist is not scores.probs:
                     spent = [walk.spent for walk in walks]  # measured by a device walk
@@ -554,12 +555,10 @@ class Engine:
         image draws with its own generator and its tokens stay on the device until the
         end.  An image that is finished rides along and commits nothing.  Images at one
         length (all sent to AR from their first step) take the batched AR step, which
-        needs no per-image slots or mask; where the target replays a batch's programs, the
-        step and its distributions replay as one graph (where guidance is one flag for all)."""
+        needs no per-image slots or mask."""
         target, sampling, device = cast(BatchTrees, self.target), self.sampling, self.device
         remaining = [target.num_tokens - len(lane.tokens) for lane in lanes]
         level = len({len(lane.tokens) for lane in lanes}) == 1  # then they also finish together: level to the end
-        replayed = replays(target, "replay_batch") and (level or sampling.cfg_interval < 0)
         last = stalls.on_device([lane.tokens[-1] for lane in lanes], device)  # each image's root
         first = len(lanes[0].tokens) if level else stalls.on_device([len(lane.tokens) for lane in lanes], device)  # the token each draws first (one index where level: no tensor a step)
         ragged = None if level else (torch.zeros(len(lanes), 1, dtype=torch.long, device=device), torch.ones(len(lanes), 1, 1, dtype=torch.bool, device=device))  # one-node trees
@@ -568,13 +567,13 @@ class Engine:
         start = time.perf_counter()
         for step in range(steps):
             running = [i for i, left in enumerate(remaining) if left > step]
-            probs = self._ar_step_probs(last, cfg_active_at(first + step, sampling), replayed, ragged)  # the finished images' go unused
+            probs = self._ar_step_probs(last, cfg_active_at(first + step, sampling), ragged)  # the finished images' go unused
             if len(running) == len(lanes):
                 last = self._sample_rows(probs, [lane.generator for lane in lanes])
             else:
                 at = stalls.on_device(running, device)
                 last = last.index_copy(0, at, self._sample_rows(probs[at], [lanes[i].generator for i in running]))
-            if replayed or not level:
+            if not level:
                 target.commit_trees([root if left > step else nothing for left in remaining])
             drawn.append(last)
             if progress:
@@ -588,20 +587,17 @@ class Engine:
                 lane.stats.target_forwards += count
                 lane.stats.seconds["verify"] += share
 
-    def _ar_step_probs(self, last: Tensor, cfg_active: bool | Tensor, replayed: bool, ragged: tuple[Tensor, Tensor] | None = None) -> Tensor:
-        """Every image's distribution of its next token after its ``last`` [B]: the batch's
-        AR step and its distributions as one graph where ``replayed`` (its roots committed
-        after it), else the batched AR step (which commits as it goes) for images at one
-        length, or for images at ``ragged`` lengths each last token as a one-node tree
-        (its depths and mask: the roots committed after it)."""
-        target, sampling = self.target, self.sampling
-        if replayed:
-            return batch_ar_step_replayed(cast(ReplayingBatchTarget, target), sampling, last, cast(bool, cfg_active))
+    def _ar_step_probs(self, last: Tensor, cfg_active: bool | Tensor, ragged: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """Every image's distribution of its next token after its ``last`` [B]: the batched
+        AR step (which commits as it goes) for images at one length, or for images at
+        ``ragged`` lengths each last token as a one-node tree (its depths and mask: the
+        roots committed after it)."""
+        target = self.target
         if ragged is None:
             logits = cast(BatchSteps, target).forward_batch(last)
         else:
             logits = cast(BatchTrees, target).forward_trees(last[:, None], *ragged).logits[:, :, 0]
-        return probabilities(logits, sampling, cfg_active)
+        return self._probabilities(logits, cfg_active)
 
     def _sample_rows(self, probs: Tensor, generators: Sequence[torch.Generator]) -> Tensor:
         """One token per row of ``probs`` [B, V], row i drawn with ``generators[i]``: [B]."""
@@ -668,7 +664,7 @@ class Engine:
         target, sampling = self.target, self.sampling
         prefill = target.prefill(condition, sampling.cfg)
         stats.target_forwards = 1
-        first = probabilities(prefill.logits, sampling)
+        first = self._probabilities(prefill.logits)
         tokens = [self._draw(first[0], generator)]
         if progress:
             progress(1)
@@ -683,18 +679,13 @@ class Engine:
     def _decode_ar(self, tokens: list[int], generator: torch.Generator, stats: ImageStats, progress: Callable[[int], None] | None) -> None:
         """The rest of the image one token per forward.  Each token stays on the device and
         feeds the next step; the host reads them all at the end, so no step waits for the
-        device (on a GPU the host runs ahead and the launches overlap the work).  Where the
-        target replays programs, the forward and the token's distribution are one graph
-        (:func:`~specimg.stepgraphs.ar_step_replayed`)."""
+        device (on a GPU the host runs ahead and the launches overlap the work)."""
         target, sampling, device = self.target, self.sampling, self.device
         root = torch.zeros(1, dtype=torch.long, device=device)
         mask = torch.ones(1, 1, dtype=torch.bool, device=device)
-        last, drawn, replays = torch.tensor(tokens[-1:], device=device), [], self._target_replays
+        last, drawn = torch.tensor(tokens[-1:], device=device), []
         for index in range(len(tokens), target.num_tokens):
-            if replays:
-                probs = ar_step_replayed(cast(ReplayingTarget, target), sampling, last, cfg_active_at(index, sampling))
-            else:
-                probs = probabilities(target.forward_tree(last, root, mask).logits, sampling, cfg_active_at(index, sampling))[0]
+            probs = self._probabilities(target.forward_tree(last, root, mask).logits, cfg_active_at(index, sampling))[0]
             target.commit(root)
             last = self._sample(probs, generator)
             drawn.append(last)
@@ -730,54 +721,29 @@ class Engine:
 
     def relax(self, tree: DraftTree, scores: Scores) -> Tensor:
         """q_R [n, V] for one step: the stack's relaxations folded under its one budget (of
-        one tree, or of a batch's forest: :meth:`relaxers`).  On the graph path, where every
-        member is capturable, the fold is replayed as a CUDA graph per tree (or forest)
-        shape; the contract's verdicts are read after it, as after an eager fold."""
+        one tree, or of a batch's forest: :meth:`relaxers`).  Where the step's programs are
+        compiled, so is the fold of a top-k tree (a sampled tree's size changes from step
+        to step), its contract verdicts read after it; a fold the compiler refuses (a
+        member reads the host) runs eagerly from then on, and says so once."""
         assert self.stack is not None and self.hooks is not None
-        if not self._relax_replays(tree):
-            return relax.fold(scores.probs, self.relaxers(tree, scores), self.stack.delta, check=self.check_relax)
-        stack_delta = self.stack.delta
-
-        def fold(tree: DraftTree, scores: Scores) -> tuple[Tensor, ...]:
-            dist, breaches = relax.fold_on_device(scores.probs, self.relaxers(tree, scores), stack_delta, check=self.check_relax)
-            return (dist,) if breaches is None else (dist, breaches)
-
-        dist, *breaches = replay_on_tree(self.graphs, "relax", fold, tree, scores)
-        if breaches:
-            relax.raise_breach([member.method for member in self.hooks.relaxers], breaches[0], stack_delta)
-        return dist.clone()  # the graph's output: its next replay overwrites it
-
-    def _relax_replays(self, tree: DraftTree) -> bool:
-        """Whether this step's relaxation replays as a graph: the step's programs replay
-        (:meth:`_step_graphs`), the stack has a budget and every member that relaxes is
-        capturable."""
-        assert self.stack is not None and self.hooks is not None
-        return (self._step_graphs(tree) is not None and self.stack.delta > 0
-                and bool(self.hooks.relaxers) and all(member.capturable for member in self.hooks.relaxers))
-
-    def _step_graphs(self, tree: DraftTree) -> GraphSet | None:
-        """The graphs that replay this step's own programs (its relaxation, the core's
-        walk), or None: they replay where the target steps on the graph path and the tree
-        is of top-k drafts (a sampled tree's size changes from step to step, and a graph
-        per size would cost more captures than it saves)."""
-        replays = getattr(self.target, "step_mode", "eager") == "graphs" and not tree.sampled
-        return self.graphs if replays else None
+        members, stack_delta = self.relaxers(tree, scores), self.stack.delta
+        if self.compiled and self._fold_compiles and not tree.sampled and stack_delta > 0 and members:
+            try:
+                dist, breaches = run(relax.fold_on_device, scores.probs, members, stack_delta, self.check_relax, compiled=True)
+            except Refused as refusal:
+                self._fold_compiles = False
+                first_line = str(refusal).strip().splitlines()[0]
+                warnings.warn(f"{self.stack.name}: its relaxation does not compile as one program ({first_line}); it runs eagerly", stacklevel=2)
+            else:
+                if breaches is not None:
+                    relax.raise_breach([member.method for member in self.hooks.relaxers], breaches, stack_delta)
+                return dist.clone()  # on CUDA the program's next run overwrites its outputs
+        return relax.fold(scores.probs, members, stack_delta, check=self.check_relax)
 
     def score(self, tree: DraftTree, token_index: int) -> Scores:
-        """The target's scores on one image's tree by the stack's score hook, else by the
-        core's own, which replays with the sampling's processing as one graph per tree
-        size where the step's programs replay and the target's can
-        (:func:`~specimg.stepgraphs.scores_replay`)."""
+        """The target's scores on one image's tree by the stack's score hook, else by the core's own."""
         assert self.hooks is not None
-        if self.hooks.score.owner is None and self._step_graphs(tree) is not None and scores_replay(self.target, self.sampling):
-            return score_replayed(cast(ReplayingTarget, self.target), self.sampling, tree)
         return self.hooks.score(target=self.target, tree=tree, sampling=self.sampling, token_index=token_index)
-
-    @property
-    def _target_replays(self) -> bool:
-        """Whether the target replays a program around its forward as one graph
-        (:class:`~specimg.stepgraphs.ReplayingTarget`, on the graph path)."""
-        return replays(self.target)
 
     def accept(self, tree: DraftTree, dist: Tensor, scores: Scores, generator: torch.Generator) -> Acceptance:
         """One step's acceptance by the stack's accept hook, else (no member implements
@@ -796,8 +762,8 @@ class Engine:
 
     def _core_accept(self, tree: DraftTree, dist: Tensor, scores: Scores, generator: torch.Generator) -> Acceptance:
         """The core's own rule on one tree (:func:`specimg.accept.accept_forest`), its device
-        walk replayed as a graph where the step's programs replay."""
-        return acceptance.accept_forest(tree, [0], dist, scores.probs, self.sampling, self.exact, [generator], self._step_graphs(tree))[0]
+        walk compiled where the step's programs are."""
+        return acceptance.accept_forest(tree, [0], dist, scores.probs, self.sampling, self.exact, [generator], self.compiled)[0]
 
     def _decode_speculative(self, lane: Lane) -> None:
         """One image's speculative steps; once its planner finds no tree that pays, the rest

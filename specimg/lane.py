@@ -23,8 +23,7 @@ from specimg.planner import TreePlanner
 from specimg.stackhooks import StackHooks
 from specimg.stats import ImageStats
 from specimg.step import Acceptance, Scores, Step, Walked
-from specimg.stepgraphs import fixed_growth, grow_replayed, replays
-from specimg.tree import DraftSession, DraftTree, dynamic_shape
+from specimg.tree import DraftSession, DraftTree
 
 
 class Decoder(Protocol):
@@ -108,27 +107,12 @@ class Lane:
             session = None
             if self.drafter is not None:
                 root_logits = self.drafter.start(self.hidden, self.new_ids)
-                shape = self._replayed_growth(tree_config)
-                if shape is not None:
-                    return grow_replayed(self.drafter, sampling, root_logits, self.new_ids[-1:], shape)  # type: ignore[arg-type]
                 session = DraftSession(self.drafter, sampling, root_logits, len(tokens) - 1, filtered=tree_config.sample)
             return engine.hooks.propose(
                 session=session, root_token=tokens[-1], tree_config=tree_config,
                 max_depth=self.max_depth, previous=self.previous, image_tokens=tokens, target=engine.target,
                 sampling=sampling, generator=self.generator,
             )
-
-    def _replayed_growth(self, tree_config: TreeConfig) -> tuple[int, int, int, bool] | None:
-        """The tree shape to grow as one replayed graph (:func:`~specimg.stepgraphs.grow_replayed`),
-        or None: the drafter steps on the graph path and replays programs, the stack grows
-        the core's EAGLE-2 trees, of top-k drafts (nothing drawn), and guidance never stops."""
-        if not replays(self.drafter):
-            return None
-        assert self.engine.hooks is not None
-        shape = dynamic_shape(tree_config, self.max_depth)
-        if shape is None or shape[0] == 0 or self.engine.hooks.propose.owner is not None or not fixed_growth(shape, self.engine.sampling):
-            return None
-        return shape
 
     def accept(self, tree: DraftTree, scores: Scores) -> tuple[Tensor, Acceptance, Walked]:
         """Relax the target's scores and accept: q_R, the acceptance and its walk (the path

@@ -32,12 +32,9 @@ class MethodSpec:
     option values that run its paper as published (``paper``; None: no paper's method) and
     why its defaults depart from them (``departures``), whether its ``build_relaxed_dist``
     takes a batch (``batch=True``: one call relaxes a forest of several images' trees,
-    ``DraftTree.forest``; otherwise a batch calls it tree by tree), whether its
-    ``build_relaxed_dist`` is a fixed-shape device program (``graphs=True``: no host
-    reads, no tensors made from host data, the same operations whatever the values, so a
-    CUDA graph captured once per tree shape can replay it; options may still turn it off
-    with a ``capturable`` property), and the plugin object that implements its hooks (set
-    by the manager)."""
+    ``DraftTree.forest``; otherwise a batch calls it tree by tree), and the plugin object
+    that implements its hooks (set by the manager).  Whether a relaxation compiles as one
+    program is the compiler's to say (:meth:`specimg.engine.Engine.relax`)."""
 
     name: str
     options: type = NoOptions
@@ -47,7 +44,6 @@ class MethodSpec:
     paper: Mapping[str, Any] | None = None
     departures: str = ""
     batch: bool = False
-    graphs: bool = False
     plugin: object = attrs.field(default=None, eq=False, repr=False)
 
     def defaults_beside(self, names: list[str]) -> dict[str, Any]:
@@ -75,13 +71,6 @@ class Member:
         """False where the options run a rule with no TVD budget (a paper mode), which
         their ``budgeted`` property says; such a member is held to its own published law."""
         return bool(getattr(self.options, "budgeted", True))
-
-    @property
-    def capturable(self) -> bool:
-        """Whether a CUDA graph may replay this member's relaxation: its method says so
-        (``MethodSpec.graphs``) and its options keep to that rule (their ``capturable``
-        property, where they have one: a paper mode may read the host)."""
-        return self.spec.graphs and bool(getattr(self.options, "capturable", True))
 
 
 @attrs.frozen

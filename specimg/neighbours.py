@@ -110,19 +110,26 @@ def embedding_donors(target: Any, candidates: Tensor, k: int) -> Tensor:
     """Each candidate's k nearest tokens by cosine of the target's input embeddings as
     donors [n, C, k] (-1 where no candidate).  A target's embeddings are fixed while it
     decodes, so its table is built once per target, k and device."""
-    per_target = _by_target.setdefault(target, {})
-    key = (k, str(candidates.device))
-    if key not in per_target:
-        unit = torch.nn.functional.normalize(target.input_embeddings().float(), dim=-1)
-        per_target[key] = neighbour_table(unit, k, candidates.device)
-    near = per_target[key][candidates.clamp(min=0)].long()
+    near = _target_table(target, k, candidates.device)[candidates.clamp(min=0)].long()
     return torch.where(candidates[..., None] >= 0, near, torch.full_like(near, -1))
 
 
+@torch.compiler.assume_constant_result
+def _target_table(target: Any, k: int, device: torch.device) -> Tensor:
+    """The neighbour table of a target's input embeddings (see :func:`_tokenizer_table`)."""
+    per_target = _by_target.setdefault(target, {})
+    if (k, str(device)) not in per_target:
+        unit = torch.nn.functional.normalize(target.input_embeddings().float(), dim=-1)
+        per_target[(k, str(device))] = neighbour_table(unit, k, device)
+    return per_target[(k, str(device))]
+
+
+@torch.compiler.assume_constant_result
 def _tokenizer_table(tokenizer: Any, k: int, device: torch.device, vocab_size: int, method: str, raw: bool) -> Tensor:
     """The neighbour table of a tokenizer's codebook.  A tokenizer that hands out the same
     codebook tensor until it changes (as VQTokenizer does) has its table remembered, so a
-    decode step neither reads nor hashes the codebook."""
+    decode step neither reads nor hashes the codebook; a compiled relaxation takes the
+    table as a constant of its program (the codebook does not change while it decodes)."""
     codebook = tokenizer.raw_codebook_vectors() if raw else tokenizer.codebook_vectors()
     if codebook.shape[0] != vocab_size:
         raise SpecimgError(f"the tokenizer's codebook has {codebook.shape[0]} codes, the target's vocabulary {vocab_size} tokens")

@@ -35,8 +35,7 @@ class FirstResult:
 @attrs.frozen
 class MemberHook:
     """One member's implementation of a folded hook (build_relaxed_dist, train_loss), with
-    its budget, its options, whether it takes a batch (``MethodSpec.batch``) and whether a
-    CUDA graph may replay it (:attr:`~specimg.methods.Member.capturable`): calling it
+    its budget, its options and whether it takes a batch (``MethodSpec.batch``): calling it
     passes the keyword arguments through and returns the member's result, None when it
     passes."""
 
@@ -45,7 +44,6 @@ class MemberHook:
     caller: Callable[..., Any] = attrs.field(repr=False)
     options: Any
     batch: bool = False
-    capturable: bool = False
 
     def __call__(self, **kwargs: Any) -> Any:
         results = self.caller(**kwargs, options=self.options)
@@ -86,7 +84,7 @@ def _first_result(plugins: PluginManager, stack: Stack, hook: str, with_defaults
 
 def _member_hooks(plugins: PluginManager, stack: Stack, hook: str) -> tuple[MemberHook, ...]:
     return tuple(
-        MemberHook(m.spec.name, m.delta, plugins.caller(hook, [m.spec.plugin], with_defaults=False), m.options, m.spec.batch, m.capturable)
+        MemberHook(m.spec.name, m.delta, plugins.caller(hook, [m.spec.plugin], with_defaults=False), m.options, m.spec.batch)
         for m in stack.members
         if plugins.implementers(hook, [m])
     )

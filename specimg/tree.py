@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import attrs
 import torch
@@ -524,3 +525,31 @@ def dynamic_shape(config: TreeConfig, max_depth: int) -> tuple[int, int, int, bo
     if config.kind == "dynamic":
         return depth, config.topk, config.total_tokens, config.sample
     return None
+
+
+def fixed_growth(shape: tuple[int, int, int, bool], sampling: Sampling) -> bool:
+    """Whether the core's growth of a tree of ``shape`` (:func:`dynamic_shape`) is a fixed
+    program: its drafts are top-k (nothing drawn) and guidance never stops (no token
+    index to track)."""
+    return not shape[3] and sampling.cfg_interval < 0
+
+
+def grow_forest(batch: FixedBatch, sampling: Sampling, root_logits: Tensor, root_tokens: Tensor, shape: tuple[int, int, int, bool]) -> DraftTree:
+    """The core's EAGLE-2 growth for every place of a batch, each growing a top-k tree of
+    ``shape`` (:func:`fixed_growth`) from its root logits [rows, B, V] and root token [B],
+    from no nodes fed: every level's drafter forward one call for all the places
+    (``expand_all``, a fixed-shape program), so that each level runs at one shape
+    whichever images draft."""
+    depth, topk, nodes, _ = shape
+    assert fixed_growth(shape, sampling), "a fixed growth draws nothing and tracks no guidance interval"
+    batch.clear_nodes()
+    session = BatchSession(batch.expand_all, sampling, root_logits, root_tokens.new_zeros(root_tokens.shape), filtered=False)  # the index matters only where guidance stops
+    return build_dynamic_batch(session, root_tokens, depth, topk, nodes)
+
+
+class FixedBatch(Protocol):
+    """A batch's draft state that feeds every image at once (``DraftBatch.expand_all``)."""
+
+    def clear_nodes(self) -> None: ...
+
+    def expand_all(self, parents: Tensor, tokens: Tensor) -> Tensor: ...

@@ -17,7 +17,7 @@ from specimg.cli.conditions import conditions_for
 from specimg.cli.lists import comma_items
 from specimg.cli.loading import base_sampling, default_model, models_from, run_inputs
 from specimg.cli.options import (
-    THREADS, check_tree_fits, condition_options, cuda_graphs_option, device_from, device_options, method_options, model_options,
+    THREADS, check_tree_fits, condition_options, compile_option, device_from, device_options, method_options, model_options,
     prompt_options, sampling_from, sampling_options, tree_from, tree_options,
 )
 from specimg.config import Sampling, TreeConfig
@@ -27,7 +27,7 @@ from specimg.eval.plot import MISSING as MISSING_PLOT
 from specimg.methods import parse_options
 from specimg.plugins import get_plugin_manager
 from specimg.files import writable_folder
-from specimg.graphs import capture_seconds
+from specimg.compiled import CompileClock
 from specimg.relax import checks_enabled
 
 
@@ -40,7 +40,7 @@ from specimg.relax import checks_enabled
 @sampling_options
 @tree_options
 @device_options
-@cuda_graphs_option
+@compile_option
 @prompt_options
 @click.option("--classifier", type=click.Path(dir_okay=False), help="demo-format classifier for accuracy and Frechet distances [default: the demo bundle's]")
 @click.option("--num-real", type=click.IntRange(2, 10**6), default=1000, show_default=True, help="reference images for Frechet distance / FID")
@@ -154,7 +154,7 @@ def bench_command(
                                     batch_sizes(kw.get("batch_sizes", "1")))
     conditions, keys, captions = conditions_for(models.target, kw)
     spec = BenchSpec(tuple(variants), tuple(conditions), tuple(keys), kw["seed"], sampling, tree, kw.get("warmup", 1), inputs or {})
-    engines = build_engines(models, spec, cuda_graphs=kw.get("cuda_graphs", "auto"))
+    engines = build_engines(models, spec, compile=kw.get("compile", "auto"))
     quality, error = None, None
     if kw.get("quality", True) and state.is_main_process:
         try:
@@ -179,13 +179,8 @@ def bench_command(
         "runtime_s": round(time.perf_counter() - start, 1), "plan_notes": notes,
         "relax_checks": checks_enabled(), "device": str(costs.device_of(models.target)), "threads": torch.get_num_threads(),
     }
-    graphs = getattr(models.target, "graphs", None)
-    if graphs is not None:
-        engines = list(run.engines.values())
-        extra["step"] = {
-            "mode": models.target.step_mode, "graphs_captured": len(graphs), "relax_graphs_captured": sum(len(e.graphs) for e in engines),
-            "capture_s": round(capture_seconds(models.target, models.drafter, *engines), 3),
-        }
+    if hasattr(models.target, "step_mode"):
+        extra["step"] = {"mode": models.target.step_mode, "compile_s": round(CompileClock.seconds, 3)}
     cost_model = next((e.cost_model for e in run.engines.values() if e.cost_model is not None), None)
     if cost_model is not None:
         extra["cost_model"] = {"key": cost_model.key, "machine": cost_model.machine}

@@ -14,7 +14,7 @@ from specimg import costs, planner
 from specimg.cli.conditions import Conditions, conditions_for, grid_label
 from specimg.cli.loading import base_sampling, default_model, models_from, process_device, run_inputs
 from specimg.cli.options import (
-    THREADS, check_tree_fits, condition_options, cuda_graphs_option, device_from, device_options, method_options, model_options,
+    THREADS, check_tree_fits, condition_options, compile_option, device_from, device_options, method_options, model_options,
     prompt_options, sampling_from, sampling_options, tree_from, tree_options,
 )
 from specimg.engine import Engine
@@ -34,7 +34,7 @@ from specimg.stats import ImageStats, RunStats
 @sampling_options
 @tree_options
 @device_options
-@cuda_graphs_option
+@compile_option
 @click.option("--batch-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="images decoded together on a LlamaGen target: one target forward per step verifies every image's tree (AR: one per token)")
 @click.option("--out", type=click.Path(file_okay=False), default="out", show_default=True)
@@ -61,7 +61,7 @@ def generate(**kw: Any) -> None:
     engine = Engine(
         models.target, models.drafter, kw["method"], parse_options(kw["options"]),
         sampling_from(kw, base_sampling(model, kw["target"], models.target)), tree,
-        delta=kw["delta"], tokenizer=models.tokenizer, device=device, dtype=dtype, cuda_graphs=kw["cuda_graphs"], batch_size=kw["batch_size"],
+        delta=kw["delta"], tokenizer=models.tokenizer, device=device, dtype=dtype, compile=kw["compile"], batch_size=kw["batch_size"],
     )
     write_run(engine, models, conditions, kw["seed"], kw["out"], state, run_inputs(kw, model))
 

@@ -35,8 +35,6 @@ def option_list(registry: dict[str, MethodSpec], plugins: PluginManager) -> list
         if plugins.implementers("build_relaxed_dist", [Member(spec, spec.defaults)]):
             if not spec.batch:
                 lines.append("    in a batch: relaxes image by image (its MethodSpec does not declare batch=True)")
-            if not spec.graphs:
-                lines.append("    on a GPU: relaxes eagerly, not replayed as a CUDA graph (its MethodSpec does not declare graphs=True)")
     return lines
 
 

@@ -15,7 +15,7 @@ import torch
 from specimg.config import DYNAMIC_DEFAULTS, Sampling, TreeConfig
 from specimg.errors import SpecimgError
 from specimg.cli.prompts import MAX_PROMPT_CHARS
-from specimg.graphs import CUDA_GRAPHS
+from specimg.compiled import COMPILE
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -162,11 +162,12 @@ def device_options(fn: F) -> F:
     ])(fn)
 
 
-def cuda_graphs_option(fn: F) -> F:
-    """How the models' step forwards run on a GPU."""
+def compile_option(fn: F) -> F:
+    """Whether the step's programs are compiled (``--cuda-graphs``, its former name, still works)."""
     return click.option(
-        "--cuda-graphs", type=click.Choice(list(CUDA_GRAPHS)), default="auto", show_default=True,
-        help="replay the target's and drafter's step forwards as CUDA graphs: auto = on a GPU, for targets with a fixed-shape step (LlamaGen)",
+        "--compile", "--cuda-graphs", "compile", type=click.Choice(list(COMPILE)), default="auto", show_default=True,
+        help="compile the step's programs with torch.compile (captured as CUDA graphs on a GPU): auto = on a GPU, for targets "
+             "with fixed-shape steps (LlamaGen); on = on any device (inductor's C++ on a CPU)",
     )(fn)
 
 

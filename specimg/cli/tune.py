@@ -10,7 +10,7 @@ import torch
 from specimg.cli.conditions import conditions_for
 from specimg.cli.loading import base_sampling, default_model, models_from
 from specimg.cli.options import (
-    THREADS, condition_options, cuda_graphs_option, device_from, device_options, method_options, model_options, prompt_options,
+    THREADS, condition_options, compile_option, device_from, device_options, method_options, model_options, prompt_options,
     sampling_from, sampling_options,
 )
 from specimg.config import TreeConfig
@@ -28,7 +28,7 @@ from specimg.methods import AR, parse_options
 @prompt_options
 @sampling_options
 @device_options
-@cuda_graphs_option
+@compile_option
 @click.option("--batch-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="plan for decoding this many images together (the cost model measured at that size)")
 @click.option("--remeasure", is_flag=True, help="measure the cost model again instead of reading the cached one")
@@ -49,7 +49,7 @@ def tune(**kw: Any) -> None:
         raise SpecimgError("tune values draft trees: give a method that drafts (naive, cascade+lantern, ...)")
     engine = Engine(
         models.target, models.drafter, kw["method"], parse_options(kw["options"]), sampling_from(kw, base_sampling(model, kw["target"], models.target)),
-        TreeConfig(), delta=kw["delta"], tokenizer=models.tokenizer, device=device, dtype=dtype, cuda_graphs=kw["cuda_graphs"],
+        TreeConfig(), delta=kw["delta"], tokenizer=models.tokenizer, device=device, dtype=dtype, compile=kw["compile"],
         batch_size=kw["batch_size"],
     )
     if engine.drafter_free:

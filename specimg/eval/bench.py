@@ -42,7 +42,7 @@ from specimg.config import Sampling, TreeConfig
 from specimg.engine import Engine
 from specimg.errors import SpecimgError
 from specimg.files import atomic_path
-from specimg.graphs import CudaGraphs
+from specimg.compiled import Compile
 from specimg.methods import AR, split_stack
 from specimg.models.base import Caption, Condition
 from specimg.progress import progress_bar
@@ -219,14 +219,14 @@ class BenchRun:
     engines: dict[str, Engine] = attrs.field(factory=dict, repr=False)
 
 
-def build_engines(models: Any, spec: BenchSpec, plugins: Any = None, cuda_graphs: CudaGraphs = "auto") -> dict[str, Engine]:
+def build_engines(models: Any, spec: BenchSpec, plugins: Any = None, compile: Compile = "auto") -> dict[str, Engine]:
     """One engine per variant (bad options fail here, before anything runs)."""
     engines = {}
     for v in spec.variants:
         drafter = None if v.method == AR else models.drafter
         engines[v.label] = Engine(
             models.target, drafter, v.method, v.options or None, spec.sampling, spec.tree,
-            delta=v.delta, tokenizer=models.tokenizer, plugins=plugins, cuda_graphs=cuda_graphs, batch_size=v.batch_size,
+            delta=v.delta, tokenizer=models.tokenizer, plugins=plugins, compile=compile, batch_size=v.batch_size,
         )
     return engines
 

@@ -22,7 +22,7 @@ import abc
 import copy
 import json
 import os
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from specimg import stalls
 from specimg.errors import SpecimgError
 from specimg.files import atomic_path
-from specimg.graphs import FixedSteps, GraphSet, StepMode, bucket
+from specimg.compiled import FixedSteps, StepMode, bucket, run
 from specimg.models.base import Condition, Target, cfg_rows
 from specimg.models.checkpoint import load_into, load_state_dict
 from specimg.models.llamagen import GPTConfig, KVSlot, TransformerBlock, cache_is_stale, init_weights
@@ -86,7 +86,7 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
 
     ``start`` and ``expand`` also run at fixed shapes (:meth:`set_step_mode`): the new pairs
     or nodes padded to a bucket, written to cache slots given as a tensor, attending over
-    the whole cache under a mask, and on a GPU replayed as CUDA graphs.
+    the whole cache under a mask, compiled by ``torch.compile`` in the compiled step mode.
     """
 
     kind = ""
@@ -117,9 +117,7 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
         self._root_pos = 0
         self._start = torch.zeros((), dtype=torch.long)  # _len on the cache's device (fixed-shape steps read it there)
         self._slots = torch.arange(0)  # [capacity] slot ids on the cache's device
-        self.graphs = GraphSet()
-        self._graphed_target: tuple[int, ...] = ()  # the target tensors the graphs read, by address
-        self._batches: dict[tuple[int, bool], DraftBatch] = {}  # kept, so that their graphs are captured once
+        self._batches: dict[tuple[int, bool], DraftBatch] = {}  # kept: their buffers live on from batch to batch
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -129,22 +127,20 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         super()._apply(fn, recurse)
         self._full_kv, self._kv = [], []
-        self.graphs.clear()
         self._batches = {}
         return self
 
     def replica(self) -> TreeDrafter:
-        """A drafter that shares this one's weights and target but keeps its own cache and
-        graphs: one per image of a batch (``Engine(batch_size=B)``)."""
+        """A drafter that shares this one's weights and target but keeps its own cache: one
+        per image of a batch (``Engine(batch_size=B)``)."""
         twin = copy.copy(self)
-        twin._full_kv, twin._kv = [], []
-        twin.graphs, twin._graphed_target, twin._batches = GraphSet(), (), {}
+        twin._full_kv, twin._kv, twin._batches = [], [], {}
         return twin
 
     def batch(self, size: int, cfg: bool) -> DraftBatch:
         """The draft state of ``size`` images drafting together (``Engine(batch_size=B)``),
         kept for the next batch of that size: each image resets its own part as it begins,
-        and the batch's graphs, which read its buffers, are captured once."""
+        and the programs compiled on its buffers stay valid."""
         if (size, cfg) not in self._batches:
             self._batches[size, cfg] = DraftBatch(self, size, cfg)
         return self._batches[size, cfg]
@@ -170,7 +166,6 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
             self._anc = torch.zeros(1 + n, 1 + n, dtype=torch.bool, device=w.device)
             self._start = torch.zeros((), dtype=torch.long, device=w.device)
             self._slots = torch.arange(self.capacity, device=w.device)
-            self.graphs.clear()
         self._kv = [(k[:rows], v[:rows]) for k, v in self._full_kv]
         self._rows, self._len, self._count = rows, 0, 0
         self._start.zero_()
@@ -221,37 +216,17 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
 
     # -- fixed shapes
 
-    def _run_fixed(self, key: tuple[Any, ...], step: Callable[..., tuple[Tensor, Tensor]], inputs: tuple[Tensor, ...], n: int) -> tuple[Tensor, Tensor]:
-        """States and logits [rows, n, ...] of a fixed-shape step, run directly or replayed
-        (the graphs also read the target's embedding, head and RoPE: new ones, new graphs)."""
-        if self.step_mode != "graphs":
-            h, logits = step(*inputs)
-            return h[:, :n], logits[:, :n]
-        h, logits = self.current_graphs().run((*key, self._rows), step, inputs)
+    def _run_fixed(self, step: Callable[..., tuple[Tensor, Tensor]], inputs: tuple[Tensor, ...], n: int) -> tuple[Tensor, Tensor]:
+        """States and logits [rows, n, ...] of a fixed-shape step (:meth:`run_fixed`)."""
+        h, logits = self.run_fixed(step, *inputs)
         return h[:, :n], logits[:, :n].clone()
-
-    def current_graphs(self) -> GraphSet:
-        """Its graphs (a batch's too), cleared first where the target's embedding or RoPE,
-        which they read, were made anew."""
-        target = (self.draft_rope().data_ptr(), self.target.input_embeddings().data_ptr())
-        if target != self._graphed_target:
-            self.graphs.clear()
-            self._graphed_target = target
-        return self.graphs
-
-    def replay(self, key: Hashable, program: Callable[..., Sequence[Tensor]], inputs: Sequence[Tensor]) -> Sequence[Tensor]:
-        """``program``, a run of ``expand`` calls after a ``start`` (the core's growth of a
-        tree), replayed as one CUDA graph per ``key`` on the graph path: its forwards'
-        kernels recorded in it, not their own graphs.  Every run starts from the nodes fed
-        since the start, as the first did, and leaves the count of fed nodes as it did."""
-        return self.replay_program(("program", key, self._rows), program, inputs, (lambda: self._count, lambda count: setattr(self, "_count", count)))
 
     def _start_fixed(self, hidden: Tensor, tokens: Tensor) -> Tensor:
         m = tokens.shape[0]
         size = bucket(m, self.capacity - self._len)
         tokens = tokens.to(hidden.device)
         inputs = (F.pad(hidden, (0, 0, 0, size - m)), F.pad(tokens, (0, size - m))) if size > m else (hidden, tokens)
-        h, logits = self._run_fixed(("start", size), self._start_step, inputs, m)
+        h, logits = self._run_fixed(TreeDrafter._start_step, inputs, m)
         self._len, self._count, self._root_pos = self._len + m, 0, self._len + m - 1
         self._start.add_(m)
         self._feat[: self._rows, 0] = h[:, -1]
@@ -274,7 +249,7 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
         size = bucket(f, self.max_tree_nodes - c)
         new = self._slots[c + 1 : c + 1 + size]  # ids c + 1, ... (a view: capacity > max_tree_nodes); padded nodes' ids are the next fed ones
         inputs = (F.pad(parents, (0, size - f)), F.pad(tokens.to(parents.device), (0, size - f)), new)
-        _, logits = self._run_fixed(("expand", size), self._expand_step, inputs, f)
+        _, logits = self._run_fixed(TreeDrafter._expand_step, inputs, f)
         self._count = c + f
         return logits
 
@@ -379,7 +354,7 @@ class DraftBatch:
     def __init__(self, drafter: TreeDrafter, size: int, cfg: bool):
         if drafter.context:
             raise ValueError("a drafter that reads the whole condition drafts one image at a time")
-        self.drafter, self.core = drafter, drafter.replica()  # the core keeps the batch's caches; the drafter, its graphs
+        self.drafter, self.core = drafter, drafter.replica()  # the core keeps the batch's caches
         self.size, self.rows = size, cfg_rows(cfg)
         c, w, n = drafter.layer_config, drafter.fc.weight, drafter.max_tree_nodes
         rows = self.rows * size
@@ -394,19 +369,12 @@ class DraftBatch:
         self.device = w.device
         self.starts = torch.zeros(size, dtype=torch.long, device=w.device)  # lengths and counts on the device too,
         self.fed = torch.zeros(size, dtype=torch.long, device=w.device)  # so that a call copies nothing from the host
-        self._identity = object()  # in its graphs' keys
 
     @property
     def step_mode(self) -> StepMode:
         """The drafter's step mode: in the fixed ones every image may feed its nodes at once
-        (:meth:`expand_all`), and on the graph path a growth replays (:meth:`replay`)."""
+        (:meth:`expand_all`)."""
         return self.drafter.step_mode
-
-    def _graphs_run(self, key: Hashable, fn: Callable[..., Sequence[Tensor]], inputs: Sequence[Tensor]) -> Sequence[Tensor]:
-        """``fn`` replayed from the drafter's graph set (so that its capture time is counted
-        and it is cleared with the drafter's), keyed apart from one image's graphs and any
-        other batch's: its graphs read this batch's buffers."""
-        return self.drafter.current_graphs().run(("batch", self._identity, key), fn, inputs)
 
     def reset(self, image: int) -> None:
         """Image ``image`` starts a new picture (its drafter's ``prefill``)."""
@@ -439,11 +407,10 @@ class DraftBatch:
         tokens = torch.zeros(self.size * width, dtype=torch.long, device=self.device)
         tokens[at[: sum(m)]] = torch.cat([new.to(self.device) for _, new in requests.values()])  # row 0's places: image i's pair j at i * width + j
         inputs = (states.view(self.rows * self.size, width, -1), tokens.view(self.size, width), last)
-        if self.step_mode == "graphs":  # the root states are read below, before any replay: only the logits are kept
-            root, logits = self._graphs_run(("start", width, len(images)), self._start_step, inputs)
-            logits = logits.clone()
-        else:  # eagerly, attention stops at the last slot any image uses
-            root, logits = self._start_step(*inputs, used=max(self.lengths) + width if self.step_mode == "eager" else None)
+        if self.step_mode == "eager":  # attention stops at the last slot any image uses
+            root, logits = self._start_step(*inputs, used=max(self.lengths) + width)
+        else:
+            root, logits = (t.clone() for t in run(DraftBatch._start_step, self, *inputs, compiled=self.step_mode == "compiled"))
         root, logits = root.view(self.rows, len(images), -1), logits.view(self.rows, len(images), -1)  # [rows, requests, ...]
         self.feat[:, 0].view(self.rows, self.size, -1)[:, placed] = root
         self.starts.index_add_(0, placed, added)
@@ -456,7 +423,7 @@ class DraftBatch:
     def _start_step(self, states: Tensor, tokens: Tensor, last: Tensor, used: int | None = None) -> tuple[Tensor, Tensor]:
         """``start``'s forward from device tensors alone: pair j of image i at slot
         lengths[i] + j (``starts``, read where it lives), seeing its prefix and itself among
-        the first ``used`` slots (the whole cache: a fixed shape, replayed as a graph); the
+        the first ``used`` slots (the whole cache: a fixed shape, a compiled program); the
         states and logits of the pairs at ``last``."""
         width = tokens.shape[1]
         slots = self.starts[:, None] + torch.arange(width, device=self.device)
@@ -513,15 +480,23 @@ class DraftBatch:
     def expand_all(self, parents: Tensor, tokens: Tensor) -> Tensor:
         """Every image feeds f nodes at once, children of its nodes ``parents`` [B, f] (as
         :meth:`expand`), with ``tokens`` [B, f]; their logits [rows, B, f, V].  A fixed-shape
-        program of device state alone (the nodes' ids and slots from the images' common
-        count of fed nodes, attention over the whole cache under a mask), so that a tree's
-        growth replays as one graph (:meth:`replay`)."""
+        program of device state alone (:meth:`_expand_all_step`), compiled in the compiled
+        step mode."""
         width, counts = tokens.shape[1], set(self.counts)
         if tokens.shape[0] != self.size or len(counts) != 1:
             raise ValueError("expand_all feeds every image of the batch, each fed as many nodes as the others")
         fed = counts.pop()
         if fed + width > self.max_nodes:
             raise ValueError(f"{fed + width} draft nodes exceed max_tree_nodes={self.max_nodes}")
+        logits = run(DraftBatch._expand_all_step, self, parents, tokens, fed, compiled=self.step_mode == "compiled").clone()
+        self.counts = [fed + width] * self.size
+        return logits
+
+    def _expand_all_step(self, parents: Tensor, tokens: Tensor, fed: int) -> Tensor:
+        """:meth:`expand_all` on device tensors, every image having fed ``fed`` nodes: the
+        nodes' ids and slots follow from that count, attention covers the whole cache
+        under a mask."""
+        width = tokens.shape[1]
         every_image = torch.arange(self.size, device=self.device)[:, None]
         new = (fed + 1 + torch.arange(width, device=self.device)).expand(self.size, -1)  # node ids fed + 1, ...
         self.depth[every_image, new] = self.depth.gather(1, parents) + 1
@@ -537,16 +512,7 @@ class DraftBatch:
         h = self._forward(states, tokens, slots, positions, seen)
         self.feat.view(self.rows, self.size, *self.feat.shape[1:])[:, every_image, new] = h.view(self.rows, self.size, width, -1)
         self.fed.fill_(fed + width)
-        self.counts = [fed + width] * self.size
         return self.core._logits(h).float().view(self.rows, self.size, width, -1)
-
-    def replay(self, key: Hashable, program: Callable[..., Sequence[Tensor]], inputs: Sequence[Tensor]) -> Sequence[Tensor]:
-        """``program``, a run of :meth:`expand_all` calls after a ``start`` (the core's growth
-        of every image's tree), replayed as one CUDA graph per ``key`` on the graph path (as
-        :meth:`TreeDrafter.replay` for one image).  Every run starts from the counts of fed
-        nodes the first did, and leaves them as it did."""
-        host = (lambda: tuple(self.counts), lambda counts: setattr(self, "counts", list(counts)))
-        return self.drafter.replay_program(("batch", self._identity, "program", key), program, inputs, host)
 
     def _forward(self, states: Tensor, tokens: Tensor, slots: Tensor, positions: Tensor, seen: Tensor) -> Tensor:
         """The draft layer over every image's pairs: states [rows * B, w, D], tokens, slots,

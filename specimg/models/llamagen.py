@@ -15,15 +15,15 @@ official ``Transformer``, so released checkpoints load unchanged.  Facts kept fr
 The KV cache is static: one tensor ``layers x (keys, values) x rows x kv_heads x (cls +
 num_tokens + max_tree_nodes) x head_dim``; draft-tree entries sit right after the committed
 prefix until ``commit`` moves the accepted path down (one gather for all layers).  Step
-forwards run eagerly at their exact shape (the CPU's fastest) or at fixed shapes, replayed
-as CUDA graphs on a GPU (:meth:`LlamaGenTarget.set_step_mode`, :mod:`specimg.graphs`).
+forwards run eagerly at their exact shape (the CPU's fastest) or at fixed shapes, compiled
+by ``torch.compile`` (:meth:`LlamaGenTarget.set_step_mode`, :mod:`specimg.compiled`).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import attrs
@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from specimg.config import LLAMAGEN_SAMPLING, LLAMAGEN_T2I_SAMPLING, Sampling
 from specimg.errors import SpecimgError
-from specimg.graphs import FixedSteps, GraphSet, bucket
+from specimg.compiled import FixedSteps, bucket, static_address
 from specimg.models.base import Caption, Condition, TargetOutput, cfg_rows, exposed_layers
 from specimg.models.checkpoint import Checkpoint, Described, agree, load_into, read_checkpoint, settle
 from specimg.models.options import torch_device, torch_dtype
@@ -427,15 +427,13 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         self._start = torch.zeros((), dtype=torch.long)  # _len on the cache's device (fixed-shape steps read it there)
         self._pending = 0  # nodes of the last forward_tree
         self._condition = torch.empty(0)  # the last prefill's last-layer outputs [rows, cls, D]
-        self.graphs = GraphSet()
         self._batch: BatchCache | None = None  # the images of prefill_batch
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
-        """Keep the RoPE table float32 on the weights' device and drop stale caches and graphs."""
+        """Keep the RoPE table float32 on the weights' device and drop stale caches."""
         super()._apply(fn, recurse)
         self.rope = rope_table(self.config).to(self.tok_embeddings.weight.device)
         self._cache, self._kv, self._batch = torch.empty(0), [], None
-        self.graphs.clear()
         return self
 
     @property
@@ -506,53 +504,27 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         self._len, self._pending = start + m, 0
         self._start.add_(m)
 
-    def replay(self, key: Hashable, program: Callable[..., Sequence[Tensor]], inputs: Sequence[Tensor]) -> Sequence[Tensor]:
-        """``program``, which calls ``forward_tree`` once (the core's scoring of a tree, AR's
-        step), replayed as one CUDA graph per ``key`` on the graph path: the forward's
-        kernels recorded in it, not its own graph, with the program's work around them.
-        Every run leaves the pending tree's size as the first did (``commit`` checks it);
-        a replay does not check the tree against the cache's room, which its caller has."""
-        self._pending = 0  # a forward replaces any pending tree: every run starts from none, one graph per key
-        return self.replay_program(("program", key, self._rows, self.exposed), program, inputs,
-                                   (lambda: self._pending, lambda pending: setattr(self, "_pending", pending)))
-
-    def replay_batch(self, key: Hashable, nodes: int, program: Callable[..., Sequence[Tensor]], inputs: Sequence[Tensor]) -> Sequence[Tensor]:
-        """:meth:`replay` for the batch: ``program`` calls ``forward_trees`` once on trees of
-        ``nodes`` nodes (the core's scoring of a batch's trees, a batch's AR step), replayed
-        as one CUDA graph per ``key`` and the bucket those trees take.  Its kernels read the
-        batch's lengths where they live (``BatchCache.starts``), and the host state it
-        moves is that of the batch of the moment: a new ``prefill_batch`` keeps the graphs."""
-        batch = self._batch_cache("replay_batch")
-        batch.device_lengths()  # up to date before a run reads it in place
-        batch.pending = 0  # a forward replaces any pending trees: every run starts from none, one graph per key
-        host = (lambda: self._batch_cache("replay_batch").pending, lambda pending: setattr(self._batch_cache("replay_batch"), "pending", pending))
-        return self.replay_program(("batch program", key, self._trees_bucket(nodes), batch.rows, len(batch.lengths), self.exposed), program, inputs, host)
-
     def _forward_fixed(self, tokens: Tensor, depths: Tensor, mask: Tensor) -> TargetOutput:
         """``forward_tree`` at a fixed shape: the nodes padded to a bucket (a padded node
-        sees only itself and nobody sees it, so it changes no real node's output), run
-        directly or replayed as the bucket's CUDA graph."""
+        sees only itself and nobody sees it, so it changes no real node's output), one
+        program per bucket."""
         n, device = tokens.shape[0], self._valid.device
         size = bucket(n, self.max_tree_nodes)
         tokens = tokens.to(device)
         if n == 1:  # the root alone (AR's step): depth 0, seeing itself, made inside the step rather than copied in
-            step, inputs = self._root_step, (tokens,)
+            outputs = self.run_fixed(LlamaGenTarget._root_step, tokens)
         else:
             tree = torch.eye(size, dtype=torch.bool, device=device)
             tree[:n, :n] = mask
-            step, inputs = self._fixed_step, (F.pad(tokens, (0, size - n)), F.pad(depths.to(device), (0, size - n)), tree)
-        if self.step_mode == "graphs":
-            outputs = [out[:, :n].clone() for out in self.graphs.run((self._rows, size, self.exposed), step, inputs)]
-        else:
-            outputs = [out[:, :n] for out in step(*inputs)]
-        return TargetOutput(*outputs)
+            outputs = self.run_fixed(LlamaGenTarget._fixed_step, F.pad(tokens, (0, size - n)), F.pad(depths.to(device), (0, size - n)), tree)
+        return TargetOutput(*(out[:, :n].clone() for out in outputs))
 
     def _root_step(self, tokens: Tensor) -> tuple[Tensor, ...]:
         """:meth:`_fixed_step` of a one-node tree, the root [1]."""
         return self._fixed_step(tokens, torch.zeros_like(tokens), torch.ones(1, 1, dtype=torch.bool, device=tokens.device))
 
     def _fixed_step(self, tokens: Tensor, depths: Tensor, tree: Tensor) -> tuple[Tensor, ...]:
-        """The step forward on device tensors only (what a CUDA graph captures): tokens and
+        """The step forward on device tensors only (a compiled program): tokens and
         depths [b], the tree's mask [b, b]; the committed length is read where it lives
         (``_start``, 0-dim).  Node i writes cache slot start + i and sees the valid prefix
         and its tree ancestors."""
@@ -631,12 +603,11 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         shape = (len(self.layers), 2, rows * n, c.kv_heads, slots, c.head_dim)
         old = self._batch
         if old is not None and old.store.shape == shape and old.starts.shape[0] == n and not cache_is_stale(old.store, w):
-            store, starts = old.store, old.starts  # the same storage: graphs captured on it stay valid (stale slots are never seen)
+            store, starts = old.store, old.starts  # the same storage: programs compiled on it stay valid (stale slots are never seen)
             if valid is not None:
                 valid = old.valid.copy_(valid) if old.valid is not None else valid
         else:
-            store, starts = w.new_zeros(shape), torch.zeros(n, dtype=torch.long, device=w.device)
-            self.graphs.clear()  # they read the old batch storage
+            store, starts = static_address(w.new_zeros(shape)), static_address(torch.zeros(n, dtype=torch.long, device=w.device))
         self._batch = BatchCache(store, valid, rows, [0] * n, starts)
         return self._batch_last(prefix, None if valid is None else self.condition_mask(valid[:, :cls])[:, None])
 
@@ -656,21 +627,17 @@ class LlamaGenTarget(FixedSteps, nn.Module):
 
     def _forward_batch_fixed(self, tokens: Tensor) -> Tensor:
         """``forward_batch`` at a fixed shape (the common length read on the device), run
-        directly or replayed as a CUDA graph per (rows, images)."""
+        one program per (rows, images)."""
         batch = self._batch
         assert batch is not None
         starts = batch.device_lengths()
-        if self.step_mode == "graphs":
-            (logits,) = self.graphs.run(("batch", batch.rows, tokens.shape[0], self.exposed), self._batch_ar_step, (tokens, starts))
-            logits = logits.clone()
-        else:
-            (logits,) = self._batch_ar_step(tokens, starts)
+        logits = self.run_fixed(LlamaGenTarget._batch_ar_step, tokens, starts)[0].clone()
         starts.add_(1)
         batch.lengths = [n + 1 for n in batch.lengths]
         return logits
 
     def _batch_ar_step(self, tokens: Tensor, starts: Tensor) -> tuple[Tensor]:
-        """The batched AR step on device tensors only (what a CUDA graph captures): each
+        """The batched AR step on device tensors only (a compiled program): each
         image's token [B] written at the images' common length (``starts`` [B]), seeing the
         valid slots up to it."""
         batch = self._batch
@@ -703,11 +670,7 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         tree = torch.eye(size, dtype=torch.bool, device=device).repeat(b, 1, 1)
         tree[:, :n, :n] = mask
         inputs = (F.pad(tokens, (0, size - n)), F.pad(depths, (0, size - n)), tree, start)
-        if self.step_mode == "graphs":
-            outputs = [out[:, :, :n].clone() for out in self.graphs.run(("trees", batch.rows, b, size, self.exposed), self._trees_fixed, inputs)]
-        else:
-            outputs = [out[:, :, :n] for out in self._trees_fixed(*inputs)]
-        return TargetOutput(*outputs)
+        return TargetOutput(*(out[:, :, :n].clone() for out in self.run_fixed(LlamaGenTarget._trees_fixed, *inputs)))
 
     def _trees_bucket(self, n: int) -> int:
         """The bucket trees of ``n`` nodes take in the batch cache (the room left bounds it near the end)."""
@@ -715,7 +678,7 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         return bucket(n, min(self.max_tree_nodes, batch.capacity - max(batch.lengths)))
 
     def _trees_fixed(self, tokens: Tensor, depths: Tensor, mask: Tensor, start: Tensor) -> tuple[Tensor, ...]:
-        """``forward_trees`` at a fixed shape (what a CUDA graph captures): trees padded to a
+        """``forward_trees`` at a fixed shape (a compiled program): trees padded to a
         bucket (a padded node sees only itself), attention over the whole batch cache."""
         assert self._batch is not None
         return self._trees_step(tokens, depths, mask, start, self._batch.capacity)
@@ -752,15 +715,12 @@ class LlamaGenTarget(FixedSteps, nn.Module):
             nodes = torch.nn.utils.rnn.pad_sequence([p[1:].to(device) for p in paths], batch_first=True, padding_value=-1)
             added = on_device(counts, device)
             batch.device_lengths()  # up to date before the step reads it in place
-            if self.step_mode == "graphs":
-                self.graphs.run(("commit", batch.rows, len(counts), m), self._commit_step, (nodes, added), warmups=0)  # a rerun would move entries twice
-            else:
-                self._commit_step(nodes, added)
+            self.run_fixed(LlamaGenTarget._commit_step, nodes, added)
         batch.lengths = [n + k for n, k in zip(batch.lengths, counts)]
         batch.pending = 0
 
     def _commit_step(self, nodes: Tensor, counts: Tensor) -> tuple[()]:
-        """``commit_trees`` on device tensors only (what a CUDA graph captures, one per
+        """``commit_trees`` on device tensors only (a compiled program, one per
         longest path): image i's accepted nodes after its root, ``nodes[i]`` (-1 past its
         path), moved to the slots after its length, which then grows by ``counts[i]``."""
         batch = self._batch
@@ -814,7 +774,7 @@ class LlamaGenTarget(FixedSteps, nn.Module):
 
     def _ensure_cache(self, rows: int) -> None:
         """Allocate the static cache once (2 rows, weights' device and dtype); hand out row
-        views.  A new cache invalidates the graphs, which captured the old one's addresses."""
+        views.  On CUDA the cache's address is static: the captured programs read it in place."""
         w = self.tok_embeddings.weight
         if not self._kv or cache_is_stale(self._cache, w):
             c = self.config
@@ -822,7 +782,7 @@ class LlamaGenTarget(FixedSteps, nn.Module):
             self._valid = torch.ones(1, self.capacity, dtype=torch.bool, device=w.device)
             self._slots = torch.arange(self.capacity, device=w.device)
             self._start = torch.zeros((), dtype=torch.long, device=w.device)
-            self.graphs.clear()
+            self._cache, self._start = static_address(self._cache), static_address(self._start)
         self._kv = [(layer[0, :rows], layer[1, :rows]) for layer in self._cache]
         self._rows = rows
 

@@ -14,6 +14,8 @@ that runs all of them on hypothesis-drawn steps and end to end on Markov toy mod
 from __future__ import annotations
 
 import itertools
+import os
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 from unittest import mock
@@ -25,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from specimg import relax, stalls
+from specimg import relax
 from specimg.config import Sampling
 from specimg.engine import Engine
 from specimg.errors import SpecimgError
@@ -35,8 +37,7 @@ from specimg.plugins import PluginManager, get_plugin_manager
 from specimg.step import Acceptance, Scores
 from specimg.testing import statistics
 from specimg.testing.exact import outcomes
-from specimg.testing.launches import LaunchCounter, NotCapturable, emulated_captures
-from specimg.testing.strategies import RelaxCase, budgets, deltas, relax_batches, relax_cases, step_pairs
+from specimg.testing.strategies import RelaxCase, budgets, deltas, relax_batches, relax_cases
 from specimg.tree import DraftTree
 
 ATOL = 1e-6
@@ -228,26 +229,40 @@ def check_deterministic(engine: Engine, case: RelaxCase, seed: int) -> None:
     assert runs[0] == runs[1], f"accept gave {runs[0]} and {runs[1]} with the same seed"
 
 
-def check_replay(engine: Engine, first: RelaxCase, second: RelaxCase) -> None:
-    """A stack whose members are all capturable (``MethodSpec.graphs``), on the graph path:
-    its relaxation captures as a graph on ``first`` and replays on ``second``, a step of
-    the same shape, with no call a graph cannot replay (a host read, a shape made from
-    values, a tensor made from host data), and gives the eager fold's q_R on each, bit for
-    bit.  (The emulated replay reruns the members' Python, so a member that keeps state
-    of its own between steps is not caught here: a real graph would replay its first.)"""
+def check_compiles(engine: Engine, first: RelaxCase, second: RelaxCase) -> bool:
+    """The stack's relaxation as the compiled path runs it (:meth:`Engine.relax`): compiled
+    whole (``fullgraph``, the ``aot_eager`` backend) on ``first``, run again without a
+    recompile on ``second``, a step of the same shape, and equal to the eager fold's q_R
+    on each, bit for bit.  False where the compiler refuses it (a member reads the host),
+    as the engine finds out: such a stack folds eagerly on the compiled path."""
     assert engine.stack is not None
     eager = [relaxed(engine, case.tree, case.scores) for case in (first, second)]
-    counter = LaunchCounter()
-    with emulated_captures(counter), mock.patch.object(stalls, "host_reads_stall", lambda device: True), \
-            mock.patch.object(type(engine.target), "step_mode", "graphs", create=True), counter:
-        try:
-            replayed = [relaxed(engine, case.tree, case.scores) for case in (first, second)]
-        except NotCapturable as error:
-            raise AssertionError(f"{engine.stack.name}: declared capturable, but {error}") from None
-    graphs = 1 if engine.stack.delta > 0 else 0  # with no budget the fold skips every member: nothing to capture
-    assert len(engine.graphs) == graphs, f"{engine.stack.name}: {len(engine.graphs)} relaxation graphs captured, not {graphs}"
-    for step, (want, got) in enumerate(zip(eager, replayed)):
-        assert torch.equal(got, want), f"{engine.stack.name}: q_R replayed as a graph differs from the eager fold's at step {step}"
+    torch._dynamo.reset()  # one program per example's shape: the kit's examples would pass the compiler's limit
+    with mock.patch.dict(os.environ, {"SPECIMG_COMPILE_BACKEND": "aot_eager"}), \
+            mock.patch.object(type(engine.target), "step_mode", "compiled", create=True), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the engine's word that it folds eagerly: the result says it
+        compiled = [relaxed(engine, first.tree, first.scores)]
+        if not engine._fold_compiles:
+            return False
+        with torch.compiler.set_stance("fail_on_recompile"):
+            compiled.append(relaxed(engine, second.tree, second.scores))
+    for step, (want, got) in enumerate(zip(eager, compiled)):
+        assert torch.equal(got, want), f"{engine.stack.name}: q_R compiled differs from the eager fold's at step {step}"
+    return True
+
+
+def compile_steps(vocab: int = 6) -> tuple[RelaxCase, RelaxCase]:
+    """Two steps of one tree shape (a root with two children, one with a child of its
+    own), as a fixed tree's consecutive steps are: fresh tokens and target distributions.
+    (One fixed pair per method: a compile costs seconds, too many for drawn examples.)"""
+    generator = torch.Generator().manual_seed(0)
+    parents = [-1, 0, 0, 1]
+    steps = []
+    for _ in range(2):
+        tokens = torch.randperm(vocab, generator=generator)[:4].tolist()
+        p = torch.softmax(2 * torch.randn(4, vocab, generator=generator, dtype=torch.float64), -1).float()
+        steps.append(RelaxCase.of(DraftTree.from_parents(tokens, parents), p))
+    return steps[0], steps[1]
 
 
 def check_conformance(method: str, case: RelaxCase, options: Options | None = None, delta: float | None = None,
@@ -366,14 +381,14 @@ def make_conformance_tests(
             check_batch(engine_for(method, cases[0], data), cases)
 
         @over_methods
-        @run
-        @given(steps=step_pairs(), data=st.data())
-        def test_replays_as_a_graph(self, method: str, steps: tuple[RelaxCase, RelaxCase], data: st.DataObject) -> None:
-            engine = engine_for(method, steps[0], data)
-            assert engine.hooks is not None
-            if not engine.hooks.relaxers or not all(member.capturable for member in engine.hooks.relaxers):
-                pytest.skip(f"{method}: relaxes nothing, or a member's relaxation is not declared capturable (MethodSpec.graphs)")
-            check_replay(engine, *steps)
+        def test_compiles(self, method: str) -> None:
+            first, second = compile_steps()
+            engine = step_engine(method, first, options, None, manager)
+            assert engine.hooks is not None and engine.stack is not None
+            if not engine.hooks.relaxers or engine.stack.delta == 0 or not Member(engine.stack.members[0].spec, engine.stack.members[0].options).budgeted:
+                pytest.skip(f"{method}: relaxes nothing under a budget by default")
+            if not check_compiles(engine, first, second):
+                pytest.skip(f"{method}: the compiler refuses its relaxation (it reads the host); it folds eagerly on the compiled path")
 
         @over_methods
         @run

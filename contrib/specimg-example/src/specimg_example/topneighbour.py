@@ -38,7 +38,6 @@ def register_methods(register: Callable[[MethodSpec], None]) -> None:
     register(MethodSpec(
         "topneighbour", TopNeighbourOptions, "drafted tokens take the mass of the target's most probable other tokens, capped",
         batch=True,  # the rule acts node by node, so a forest of several images' trees relaxes in one call
-        graphs=True,  # fixed shapes, no host read: a CUDA graph can replay it
     ))
 
 
