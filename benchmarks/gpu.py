@@ -1,10 +1,11 @@
-"""The engine on a GPU: AR speed eager and graphed, the verify cost curve, the default bench
+"""The engine on a GPU: AR speed eager and compiled, the verify cost curve, the default bench
 on the demo, and the engine's ceiling, for the demo and LlamaGen-shaped random-weight targets.
 
 Per model (the demo; GPT-B and GPT-XL shapes, 256 image tokens, CFG 4, bf16 unless said):
 
 - AR ms/token, one image at a time as the engine decodes, with eager step forwards and
-  with CUDA graphs (``--cuda-graphs off`` / ``on``), and the graphs' capture time;
+  compiled ones (``--compile off`` / ``on``: torch.compile, captured as CUDA graphs), and
+  the compile time;
 - batched decoding (``--batch-sizes``, default 1,4,16) for AR, naive and cascade+lantern
   (cascade at GPT shapes, which have no tokenizer): images/s per batch size, and how many
   tokens of the first ``--images`` images differ from one-at-a-time decoding (rounding);
@@ -13,11 +14,12 @@ Per model (the demo; GPT-B and GPT-XL shapes, 256 image tokens, CFG 4, bf16 unle
 - (demo) the default ``specimg bench`` (every method, quality on) and its wall time;
 - naive with an oracle drafter that drafts AR's own greedy tokens, on auto trees, in
   float32 (so the tree forward and the one-token forward agree to the last bit but for
-  rare ties, which are counted, not fatal): its speedup over graphed AR is the most this
+  rare ties, which are counted, not fatal): its speedup over compiled AR is the most this
   engine gives here, and its ratio to the cost model's prediction is the engine's own
   overhead.
 
     python benchmarks/gpu.py --quick --out gpu.json    # one H200: a few minutes
+    python benchmarks/gpu.py --first-run --out gpu.json   # the first run's table: under 8 minutes on one H100
     python benchmarks/gpu.py --device cpu --dtype float32 --presets GPT-B --tokens 16 --images 1 --no-bench   # a smoke run
 
 Random weights: the timings are those of real checkpoints of the same shape; the
@@ -42,7 +44,7 @@ import torch
 
 import specimg
 from specimg import costs, planner
-from specimg.graphs import capture_seconds
+from specimg.compiled import CompileClock
 from specimg.models.base import cfg_rows
 from specimg.models.eagle import build_drafter
 from specimg.models.llamagen import build_target
@@ -109,14 +111,15 @@ def step_modes(device: torch.device) -> list[str]:
 
 
 def ar_speed(target: Any, sampling: specimg.Sampling, conditions: list[Any], device: torch.device) -> dict[str, Any]:
-    """AR ms/token per step mode (a warm-up image first: it captures the graphs)."""
-    out = {}
-    for graphs in step_modes(device):
-        engine = specimg.Engine(target, method="ar", sampling=sampling, cuda_graphs=graphs)
+    """AR ms/token per step mode (a warm-up image first: it compiles the programs)."""
+    out: dict[str, Any] = {}
+    compiling = CompileClock.seconds
+    for mode in step_modes(device):
+        engine = specimg.Engine(target, method="ar", sampling=sampling, compile=mode)
         _, warm = timed(device, lambda: engine.generate(conditions[:1], seed=99))
         result, wall = timed(device, lambda: engine.generate(conditions, seed=0))
-        out[graphs] = {"ms_per_token": 1000 * wall / result.stats.tokens, "warmup_image_s": warm}
-    out["capture_s"] = capture_seconds(target)
+        out[mode] = {"ms_per_token": 1000 * wall / result.stats.tokens, "warmup_image_s": warm}
+    out["compile_s"] = CompileClock.seconds - compiling
     return out
 
 
@@ -147,16 +150,16 @@ def batches(models: tuple[Any, Any, Any], sampling: specimg.Sampling, methods: l
 
 def cost_curves(target: Any, drafter: Any, sampling: specimg.Sampling, condition: Any, device: torch.device) -> dict[str, Any]:
     out = {}
-    for graphs in step_modes(device):
-        specimg.Engine(target, method="ar", sampling=sampling, cuda_graphs=graphs)  # sets the step mode
+    for mode in step_modes(device):
+        specimg.Engine(target, method="ar", sampling=sampling, compile=mode)  # sets the step mode
         cost = costs.measure(target, drafter, sampling, condition)
         plan = planner.choose(cost, TYPICAL, target.max_tree_nodes, max_fed=drafter.max_tree_nodes)
-        out[graphs] = {
+        out[mode] = {
             "ar_ms": cost.ar_ms, "verify_ms": dict(cost.verify_ms), "draft_start_ms": cost.draft_start_ms,
             "draft_level_ms": dict(cost.draft_level_ms), "overhead_ms": cost.overhead_ms,
             "typical_plan": str(plan), "typical_predicted_speedup": plan.speedup,
         }
-        print(f"  cuda graphs {graphs}: AR step {cost.ar_ms:.2f} ms, verify " + "  ".join(f"{n}: {ms:.2f}" for n, ms in cost.verify_ms))
+        print(f"  compile {mode}: AR step {cost.ar_ms:.2f} ms, verify " + "  ".join(f"{n}: {ms:.2f}" for n, ms in cost.verify_ms))
         print(f"    drafter start {cost.draft_start_ms:.2f} ms, level by top-k " + "  ".join(f"{k}: {ms:.2f}" for k, ms in cost.draft_level_ms)
               + f", overhead {cost.overhead_ms:.2f} ms; typical profile: {plan} predicted {plan.speedup:.2f}x")
     return out
@@ -195,13 +198,15 @@ def bench_preset(preset: str, args: argparse.Namespace, device: torch.device, dt
     sampling = specimg.Sampling(cfg_scale=4.0)
     labels = list(range(args.images))
     speed = ar_speed(target, sampling, labels, device)
-    print("  AR ms/token: " + ", ".join(f"cuda graphs {g} {speed[g]['ms_per_token']:.2f}" for g in step_modes(device))
-          + f" (capture {speed['capture_s']:.2f} s)")
-    result: dict[str, Any] = {"ar": speed, "batches": batches((target, drafter, None), sampling, ["ar", "naive", "cascade"], args.batch_sizes, args.images, device),
-                              "costs": cost_curves(target, drafter, sampling, 0, device)}
+    print("  AR ms/token: " + ", ".join(f"compile {g} {speed[g]['ms_per_token']:.2f}" for g in step_modes(device))
+          + f" (compile {speed['compile_s']:.2f} s)")
+    result: dict[str, Any] = {"ar": speed, "costs": cost_curves(target, drafter, sampling, 0, device)}
+    if not args.first_run:
+        result["batches"] = batches((target, drafter, None), sampling, ["ar", "naive", "cascade"], args.batch_sizes, args.images, device)
     del drafter
-    target = target.float()
-    result["oracle_float32"] = oracle(target, labels, device)
+    if not args.first_run or preset == "GPT-XL":
+        target = target.float()
+        result["oracle_float32"] = oracle(target, labels, device)
     report.add(preset, result)
     del target
     if device.type == "cuda":
@@ -221,24 +226,25 @@ def demo_speed(args: argparse.Namespace, device: torch.device, report: Report) -
     sampling = demo_sampling()
     labels = list(range(min(args.images, 10)))
     speed = ar_speed(target, sampling, labels, device)
-    print("  AR ms/token: " + ", ".join(f"cuda graphs {g} {speed[g]['ms_per_token']:.2f}" for g in step_modes(device))
-          + f" (capture {speed['capture_s']:.2f} s)")
-    result = {"ar": speed, "batches": batches((target, drafter, models.tokenizer), sampling, ["ar", "naive", "cascade+lantern"], args.batch_sizes, args.images, device),
-              "costs": cost_curves(target, drafter, sampling, 0, device)}
-    result["fixed_tree"] = fixed_tree_runs(target, drafter, models.tokenizer, sampling, device)
+    print("  AR ms/token: " + ", ".join(f"compile {g} {speed[g]['ms_per_token']:.2f}" for g in step_modes(device))
+          + f" (compile {speed['compile_s']:.2f} s)")
+    result = {"ar": speed, "costs": cost_curves(target, drafter, sampling, 0, device)}
+    if not args.first_run:
+        result["batches"] = batches((target, drafter, models.tokenizer), sampling, ["ar", "naive", "cascade+lantern"], args.batch_sizes, args.images, device)
+    result["fixed_tree"] = tree_runs(target, drafter, models.tokenizer, sampling, device, specimg.TreeConfig(kind="dynamic", depth=4, topk=4, total_tokens=24))
+    result["auto_tree"] = tree_runs(target, drafter, models.tokenizer, sampling, device, specimg.TreeConfig())
     report.add("demo", result)
     return True
 
 
-def fixed_tree_runs(target: Any, drafter: Any, tokenizer: Any, sampling: specimg.Sampling, device: torch.device) -> dict[str, Any]:
-    """AR, naive, cascade and cascade+lantern on one fixed EAGLE-2 tree (no planner, so no
-    AR fallback): ms/token, tau, and on CUDA the host-device synchronisations of one image
-    (the relaxing methods' fold replayed from graphs of its own there)."""
-    tree = specimg.TreeConfig(kind="dynamic", depth=4, topk=4, total_tokens=24)
+def tree_runs(target: Any, drafter: Any, tokenizer: Any, sampling: specimg.Sampling, device: torch.device, tree: specimg.TreeConfig) -> dict[str, Any]:
+    """AR, naive, cascade and cascade+lantern on ``tree`` (a fixed EAGLE-2 tree: no planner,
+    so no AR fallback; or auto trees): ms/token, tau, and on CUDA the host-device
+    synchronisations of one image."""
     out = {}
     for method in ("ar", "naive", "cascade", "cascade+lantern"):
         engine = specimg.Engine(target, None if method == "ar" else drafter, method, sampling=sampling, tree=tree, tokenizer=tokenizer)
-        engine.generate([0], seed=1)  # warm: captures
+        engine.generate([0], seed=1)  # warm: compiles, and on auto trees calibrates
         result, wall = timed(device, lambda: engine.generate([1, 2], seed=0))
         row = {"ms_per_token": 1000 * wall / result.stats.tokens, "tau": result.stats.tau}
         if device.type == "cuda":
@@ -249,7 +255,7 @@ def fixed_tree_runs(target: Any, drafter: Any, tokenizer: Any, sampling: specimg
             row["syncs_per_image"] = syncs
             row["steps_per_image"] = len(steps[0].accepted) or target.num_tokens - 1
         out[method] = row
-        print(f"  {method} on a fixed tree (depth 4, top-k 4, 24 nodes): {row['ms_per_token']:.2f} ms/token, tau {row['tau']:.2f}"
+        print(f"  {method} on {tree.kind} trees: {row['ms_per_token']:.2f} ms/token, tau {row['tau']:.2f}"
               + (f", {row['syncs_per_image']} syncs in {row['steps_per_image']} steps" if "syncs_per_image" in row else ""))
     return out
 
@@ -286,6 +292,8 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=2)
     parser.add_argument("--batch-sizes", default="1,4,16", type=lambda t: [int(x) for x in t.split(",")], help="batch sizes of the batched-decoding table")
     parser.add_argument("--quick", action="store_true", help="one image per measurement (a short device lease)")
+    parser.add_argument("--first-run", action="store_true",
+                        help="--quick without the batch tables and the bench, the oracle at GPT-XL alone: a first device run's table")
     parser.add_argument("--bench-images", type=int, default=16, help="images per method in the demo's default bench")
     parser.add_argument("--bench-timeout", type=int, default=150, help="seconds the demo's bench may take")
     parser.add_argument("--no-bench", dest="bench", action="store_false", help="skip the demo's default bench")
@@ -293,8 +301,10 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="JSON file for every table")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (CPU runs)")
     args = parser.parse_args()
-    if args.quick:
+    if args.quick or args.first_run:
         args.images = 1
+    if args.first_run:
+        args.bench = False
     if args.threads:
         torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)

@@ -5,13 +5,14 @@ One decode step's relax phase (the engine's ``relax.fold``, budget checks includ
 its mass spread over a top-2000, random hidden states and embeddings, a random
 L2-normalised 16384 x 8 codebook (VQ-16).  The reference is one GPT-B forward over the
 same 60-node tree with CFG (two rows), when specimg.models.llamagen is present (on a GPU
-the graph-captured forward the engine runs there).
+the compiled forward the engine runs there).
 
     python benchmarks/relax_overhead.py [--device cpu] [--repeats 10] [--threads 1]
 
-The contract checks run as in the engine: on, unless SPECIMG_RELAX_CHECKS=0.  On a GPU each
-stack is timed twice: eagerly, and replayed from one CUDA graph as the engine's graph path
-runs it (every built-in relaxation is capturable).
+The contract checks run as in the engine: on, unless SPECIMG_RELAX_CHECKS=0.  Each stack
+is timed twice: eagerly, and compiled by torch.compile as the engine's compiled path runs
+it (captured as a CUDA graph on a GPU; ``--no-compile`` skips it on a CPU, where inductor
+compiles for a minute a stack).
 
 On the CPU it counts this process's CPU time with ``--threads`` torch threads (default
 one), which other work on a shared machine barely disturbs; on a GPU, wall time.
@@ -30,12 +31,11 @@ import torch
 from torch import Tensor
 
 from specimg import DraftTree, Sampling
-from specimg.graphs import GraphSet
+from specimg.compiled import run
 from specimg.plugins import PluginManager
 from specimg.relax import checks_enabled, fold_on_device
 from specimg.sampling import probabilities
 from specimg.step import Scores
-from specimg.stepgraphs import replay_on_tree
 from specimg_plugins.lantern_pp import TREES
 
 VOCAB, HIDDEN, TOP_K, CODE_DIM = 16384, 768, 2000, 8
@@ -111,11 +111,11 @@ def stack_fold(pm: PluginManager, names: tuple[str, ...], target: object, tokeni
 
 
 def relax_step(program: Callable[[DraftTree, Scores], tuple[Tensor, ...]], tree: DraftTree, scores: Scores,
-               graphs: GraphSet | None = None) -> Callable[[], object]:
-    """One relax phase as the engine runs it: the fold, eagerly or replayed from ``graphs``
-    (one graph for the tree's shape), then the one read of its verdicts."""
+               compiled: bool = False) -> Callable[[], object]:
+    """One relax phase as the engine runs it: the fold, eagerly or compiled, then the one
+    read of its verdicts."""
     def step() -> object:
-        dist, *breaches = program(tree, scores) if graphs is None else replay_on_tree(graphs, "relax", program, tree, scores)
+        dist, *breaches = run(program, tree, scores, compiled=compiled)
         return [bool(breaches[0].any())] if breaches else dist
     return step
 
@@ -127,7 +127,7 @@ def verify_ms(tree: DraftTree, repeats: int, device: str) -> float | None:
         return None
     target = build_target("GPT-B").to(device)
     if device.startswith("cuda"):
-        target.set_step_mode("graphs")  # the step a GPU run takes
+        target.set_step_mode("compiled")  # the step a GPU run takes
     target.prefill(0, cfg=True)
     tokens, depths, mask = (t.to(device) for t in (tree.tokens, tree.depths, tree.mask))
     return timed(lambda: target.forward_tree(tokens, depths, mask), repeats, device)
@@ -138,6 +138,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--no-compile", dest="compile", action="store_false", help="time the eager fold alone")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
@@ -157,12 +158,12 @@ def main() -> None:
     print(f"first lantern step (neighbour table build or cache read): {time.perf_counter() - start:.2f} s")
     reference = verify_ms(tree, max(3, args.repeats // 2), args.device)
     if reference is not None:
-        print(f"{'verify: GPT-B forward, 60 nodes, CFG':<40} {reference:9.2f} ms" + (" (CUDA graph)" if gpu else ""))
+        print(f"{'verify: GPT-B forward, 60 nodes, CFG':<40} {reference:9.2f} ms" + (" (compiled)" if gpu else ""))
     for names in STACKS:
         program = stack_fold(pm, names, target, tokenizer)
         runs = [("eager", relax_step(program, tree, scores))]
-        if gpu:  # the graph path: the fold replayed from one CUDA graph, as the engine runs it there
-            runs.append(("graph", relax_step(program, tree, scores, GraphSet())))
+        if args.compile:  # the compiled path: the fold as one program, as the engine runs it there
+            runs.append(("compiled", relax_step(program, tree, scores, compiled=True)))
         for how, step in runs:
             ms = timed(step, args.repeats, args.device)
             share = f"  ({100 * ms / reference:5.1f}% of verify)" if reference else ""

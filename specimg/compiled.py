@@ -28,6 +28,7 @@ from typing import Any, Literal, TypeVar
 
 import torch
 import torch._dynamo
+from torch.utils import _pytree as pytree
 
 from specimg.errors import SpecimgError
 
@@ -101,8 +102,8 @@ def run(fn: Callable[..., Any], *args: Any, compiled: bool) -> Any:
     outputs are overwritten by its next run: a caller clones what it keeps."""
     if not compiled:
         return fn(*args)
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    program = _compiled(fn, backend(), bool(tensors) and tensors[0].device.type == "cuda")
+    cuda = any(isinstance(leaf, torch.Tensor) and leaf.is_cuda for leaf in pytree.tree_leaves(args))
+    program = _compiled(fn, backend(), cuda)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     begin = time.perf_counter()
     out = program(*args)

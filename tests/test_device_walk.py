@@ -9,13 +9,11 @@ import torch
 
 import specimg
 from specimg import accept, relax, stalls
-from specimg.graphs import GraphSet
 from specimg.models.eagle import build_drafter
 from specimg.models.llamagen import build_target
 from specimg.models.vq import build_tokenizer
 from specimg.testing import statistics
 from specimg.testing.exact import outcomes
-from specimg.testing.launches import LaunchCounter, emulated_captures
 from specimg.testing.syncs import counting_host_reads
 from specimg.tree import DraftTree
 
@@ -109,56 +107,56 @@ def sampled_forest(trees: list[DraftTree], vocab: int, g: torch.Generator) -> Dr
 
 
 @pytest.mark.parametrize("rule", ["match", "greedy", "reject"])
-def test_a_replayed_walk_is_the_walk_run_directly(monkeypatch, rule):
-    """The device walk replayed from a graph set (captures emulated: a replay reruns the
-    program on the graph's own input buffers, and a call no CUDA graph can replay
-    raises) gives every tree's path, next token, walked tensors and generator state of
-    the same walk run directly, step after step, with one graph per forest shape (its
-    trees' sizes, its height, for rejection its widest node's children): the program
-    reads each step's tensors, none kept from the capture's."""
+def test_a_compiled_walk_is_the_walk_run_directly(monkeypatch, rule):
+    """The device walk compiled whole (``fullgraph``, the ``aot_eager`` backend) gives
+    every tree's path, next token, walked tensors and generator state of the same walk
+    run directly, step after step, with no recompile once each forest shape (its trees'
+    sizes, its height, for rejection its widest node's children) was compiled: the
+    program reads each step's tensors, none kept from its first run's."""
     monkeypatch.setattr(stalls, "host_reads_stall", lambda device: True)
-    g, vocab, graphs = torch.Generator().manual_seed(2), 5, GraphSet()
+    monkeypatch.setenv("SPECIMG_COMPILE_BACKEND", "aot_eager")
+    g, vocab = torch.Generator().manual_seed(2), 5
     shapes = [[random_tree(n, vocab, torch.Generator().manual_seed(n)) for n in sizes] for sizes in ((4, 7), (6, 6, 3))]
     lengths, shapes_seen = set(), set()
-    for step in range(24):
-        trees = [random_tree(tree.size, vocab, g) for tree in shapes[step % 2]]  # new tokens and parents at a captured shape
+    for step in range(12):
+        trees = [random_tree(tree.size, vocab, g) for tree in shapes[step % 2]]  # new tokens and parents at a compiled shape
         forest = sampled_forest(trees, vocab, g) if rule == "reject" else DraftTree.forest(trees)
         dist = torch.softmax(3 * torch.randn(forest.size, vocab, generator=g), dim=-1)
         roots = [start for start, _ in forest.spans]
-        shapes_seen.add((forest.sizes, forest.height, forest.child_ids.shape[1] if rule == "reject" else None))  # rejection reads the widest node's children
+        shape = (forest.sizes, forest.height, forest.child_ids.shape[1] if rule == "reject" else None)  # rejection reads the widest node's children
         outcomes = []
-        for replay in (None, graphs):
+        for compiled in (False, True):
             generators = [torch.Generator().manual_seed(100 * step + i) for i in range(len(trees))]
-            counter = LaunchCounter()
-            with emulated_captures(counter), counter:
+            with torch.compiler.set_stance("fail_on_recompile" if compiled and shape in shapes_seen else "default"):
                 if rule == "reject":
-                    results = accept.reject_forest(forest, roots, dist, generators, replay)
+                    results = accept.reject_forest(forest, roots, dist, generators, compiled)
                 else:
-                    results = accept.walk_forest(forest, roots, dist, None if rule == "greedy" else generators, replay)
+                    results = accept.walk_forest(forest, roots, dist, None if rule == "greedy" else generators, compiled)
             outcomes.append(([(r.path, r.next_token, r.walked.path.tolist(), r.walked.new_tokens.tolist(), r.walked.token_list) for r in results],
                              [generator.get_state() for generator in generators]))
-        (direct, direct_states), (replayed, replayed_states) = outcomes
-        assert replayed == direct, step
-        assert all(torch.equal(a, b) for a, b in zip(direct_states, replayed_states)), step
+        (direct, direct_states), (compiled_run, compiled_states) = outcomes
+        assert compiled_run == direct, step
+        assert all(torch.equal(a, b) for a, b in zip(direct_states, compiled_states)), step
         lengths.update(len(path) for path, *_ in direct)
-    assert len(graphs) == len(shapes_seen) < 24 and len(lengths) >= 3
+        shapes_seen.add(shape)
+    assert len(shapes_seen) < 12 and len(lengths) >= 3
 
 
-@pytest.mark.parametrize("replayed", [False, True], ids=["direct", "replayed"])
-def test_the_device_walk_measures_the_budget_each_path_spent(monkeypatch, replayed):
-    """Given p beside a relaxed q_R, the device walk (run directly, or replayed from a
-    graph) sums each path's TVD of q_R to p in its program: what the engine would measure
-    from the path, to double rounding; given q_R as p, it measures nothing."""
+@pytest.mark.parametrize("compiled", [False, True], ids=["direct", "compiled"])
+def test_the_device_walk_measures_the_budget_each_path_spent(monkeypatch, compiled):
+    """Given p beside a relaxed q_R, the device walk (run directly, or compiled) sums each
+    path's TVD of q_R to p in its program: what the engine would measure from the path,
+    to double rounding; given q_R as p, it measures nothing."""
     monkeypatch.setattr(stalls, "host_reads_stall", lambda device: True)
-    g, vocab, graphs = torch.Generator().manual_seed(3), 5, GraphSet() if replayed else None
-    for step in range(20):
+    monkeypatch.setenv("SPECIMG_COMPILE_BACKEND", "aot_eager")
+    g, vocab = torch.Generator().manual_seed(3), 5
+    for step in range(10):
         forest = DraftTree.forest([random_tree(n, vocab, g) for n in (4, 7, 1)])
         p, q = (torch.softmax(3 * torch.randn(forest.size, vocab, generator=g), dim=-1) for _ in range(2))
         roots = [start for start, _ in forest.spans]
         generators = [torch.Generator().manual_seed(10 * step + i) for i in range(len(roots))]
-        with emulated_captures(LaunchCounter()):
-            results = accept.walk_forest(forest, roots, q, generators, graphs, target_dist=p)
-            unmeasured = accept.walk_forest(forest, roots, q, None, graphs, target_dist=q)
+        results = accept.walk_forest(forest, roots, q, generators, compiled, target_dist=p)
+        unmeasured = accept.walk_forest(forest, roots, q, None, compiled, target_dist=q)
         for root, result in zip(roots, results):
             nodes = [root + node for node in result.path]
             torch.testing.assert_close(result.walked.spent, relax.tvd(q[nodes], p[nodes]).sum(), rtol=1e-12, atol=1e-15)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import specimg
+from specimg.compiled import CompileClock
 from specimg import costs, planner
 from specimg.costs import CostModel
 from specimg.models.eagle import build_drafter
@@ -213,16 +214,15 @@ def test_a_calibration_does_not_carry_the_speed_of_the_minute_the_parts_were_tim
     assert scales[20.0] > scales[1.0] / 4  # timing noise moves it, the parts' speed does not (else about 1/20)
 
 
-def test_a_calibration_leaves_out_the_cuda_graphs_its_decodes_capture():
-    """A capture is one-off work (seconds on a GPU, where it happens on a bucket's first
-    use), no step's cost: a decode's wall time is counted without it."""
+def test_a_calibration_leaves_out_what_its_decodes_spend_compiling():
+    """A compile is one-off work (seconds, where it happens on a shape's first use), no
+    step's cost: a decode's wall time is counted without it."""
     target = build_target("GPT-B", seed=0, **TINY)
     drafter = build_drafter(target, seed=1)
     engine = specimg.Engine(target, drafter, "naive")
 
     def decode() -> float:
-        target.graphs.capture_seconds += 2.0
-        drafter.graphs.capture_seconds += 0.5
+        CompileClock.seconds += 2.5
         return 3.0
 
     assert engine._steady(decode) == pytest.approx(0.5)
@@ -272,7 +272,7 @@ def test_a_measured_acceptance_is_the_first_plan_s_evidence():
 def test_an_image_the_measured_acceptance_sends_to_ar_never_drafts_and_equals_ar(batch_size, mode):
     target = build_target("GPT-B", seed=0, **TINY)
     drafter = build_drafter(target, seed=1)
-    target.set_step_mode(mode)  # static: the fixed-shape steps a GPU captures as graphs
+    target.set_step_mode(mode)  # static: the fixed-shape steps the compiled path runs
     greedy = specimg.Sampling(temperature=0.0, cfg_scale=2.0)
     engine = specimg.Engine(target, drafter, "naive", sampling=greedy, batch_size=batch_size)
     hopeless = attrs.evolve(machine({1: 1.0, 2: 5.0, 128: 500.0}), acceptance={costs.scale_key(engine.stack): tuple(map(tuple, TYPICAL_RATES))})

@@ -169,14 +169,13 @@ def test_a_stack_binds_each_hook_to_its_members_in_method_string_order(manager):
     assert (bare.propose.owner, bare.relaxers, bare.train_losses) == (None, (), ())
 
 
-def test_methods_says_which_relax_image_by_image_in_a_batch_or_eagerly_on_a_gpu(fake_plugins, capsys):
-    """overspends relaxes without declaring batch=True or graphs=True; every built-in and
-    the example package declare both."""
+def test_methods_says_which_relax_image_by_image_in_a_batch(fake_plugins, capsys):
+    """overspends relaxes without declaring batch=True; every built-in and the example
+    package declare it."""
     from cli_runner import run
 
     fake_plugins(overspends="specimg_fake_plugins:overspends")
     assert run("methods") == 0
     blocks = capsys.readouterr().out.replace("\n    ", "    ").splitlines()  # one line per method
-    for says in ("in a batch: relaxes image by image (its MethodSpec does not declare batch=True)",
-                 "on a GPU: relaxes eagerly, not replayed as a CUDA graph (its MethodSpec does not declare graphs=True)"):
-        assert [block.split()[0] for block in blocks if says in block] == ["overspends"], says
+    says = "in a batch: relaxes image by image (its MethodSpec does not declare batch=True)"
+    assert [block.split()[0] for block in blocks if says in block] == ["overspends"]
