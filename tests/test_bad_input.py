@@ -349,9 +349,9 @@ def test_a_built_in_model_refuses_checkpoint_options(tmp_path, capsys, flag):
 @pytest.mark.parametrize(
     "fault, reason",
     [
-        ("file in the way", "(Not a directory)"),
-        ("read-only", "(open file failed with strerror: Read-only file system: a read-only or full disk?)"),
-        ("full", "(unexpected pos 704 vs 598: a read-only or full disk?)"),
+        pytest.param("file in the way", "(Not a directory)", id="file in the way"),
+        pytest.param("read-only", "(open file failed with strerror: Read-only file system: a read-only or full disk?)", id="read-only"),
+        pytest.param("full", "(unexpected pos 704 vs 598: a read-only or full disk?)", id="full"),
     ],
 )
 def test_a_cache_that_cannot_be_written_costs_lantern_one_warning(tmp_path, capsys, monkeypatch, fault, reason):
@@ -440,7 +440,7 @@ def test_make_drafter_data_on_a_full_disk_says_so_and_resumes(tmp_path, capsys, 
         (["make-drafter-data", "--target", "tiny-random"], "self-distilled data needs --num-samples"),  # refused once the run holds its folder
         (["train-drafter", "--target", "tiny-random", "--data", "nosuch"], "nosuch is not a drafter data folder"),
     ],
-    ids=lambda value: " ".join(value[:1] + value[-2:]) if isinstance(value, list) else None,
+    ids=lambda value: " ".join(value[:1] + value[-2:]) if isinstance(value, list) else "",
 )
 def test_a_refused_run_creates_nothing(tmp_path, capsys, command, message):
     line = one_line_error(capsys, [*command, "--out", str(tmp_path / "new" / "out")])
