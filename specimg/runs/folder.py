@@ -20,9 +20,9 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from specimg import files
 from specimg.cache import cache_dir
 from specimg.errors import SpecimgError
-from specimg import files
 from specimg.files import atomic_path
 
 LOCK = ".specimg-lock"
