@@ -16,6 +16,11 @@ from pathlib import Path
 from specimg.errors import SpecimgError
 
 
+MADE: list[list[str]] = []
+"""The folders :func:`writable_folder` created inside each open
+:func:`specimg.runs.folder.unmade_on_failure` block, outermost first."""
+
+
 def writable_folder(path: str | os.PathLike[str], flag: str = "--out") -> str:
     """Create ``path`` (and its parents) and prove it writable, so that a wrong output
     folder costs one line before the work starts, not a traceback after it."""
@@ -23,6 +28,8 @@ def writable_folder(path: str | os.PathLike[str], flag: str = "--out") -> str:
     if not path.strip():
         raise SpecimgError(f"{flag} is empty: name a folder")
     try:
+        if MADE:
+            MADE[-1] += [os.fspath(p) for p in reversed((Path(path), *Path(path).parents)) if not p.exists()]
         os.makedirs(path, exist_ok=True)
         tempfile.TemporaryFile(dir=path).close()
     except (FileExistsError, NotADirectoryError):

@@ -12,6 +12,7 @@ vectors are different bytes, so each has its own table.
 from __future__ import annotations
 
 import hashlib
+import warnings
 import weakref
 from typing import Any
 
@@ -89,8 +90,12 @@ def _load_or_build(codebook: Tensor, key: str, k: int) -> Tensor:
     try:
         with atomic_path(path, ".pt") as tmp:
             torch.save(table, tmp)
-    except OSError:  # a read-only cache only costs the rebuild next time
-        pass
+    except (OSError, RuntimeError) as err:  # torch's writer reports a read-only or full disk as a RuntimeError
+        if isinstance(err, OSError):
+            reason = err.strerror or str(err)
+        else:  # less torch's "[enforce fail at inline_container.cc:...] . "
+            reason = f"{str(err).rpartition('] . ')[2]}: a read-only or full disk?"
+        warnings.warn(f"the neighbour table cannot be kept in {path.parent} ({reason}); decoding goes on without keeping it (set {CACHE_ENV} to a writable folder to keep it)", stacklevel=2)
     return table
 
 

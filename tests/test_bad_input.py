@@ -344,3 +344,126 @@ def test_tune_refuses_a_method_that_drafts_without_a_drafter(tmp_path, capsys):
 def test_a_built_in_model_refuses_checkpoint_options(tmp_path, capsys, flag):
     line = one_line_error(capsys, ["generate", "--model", "tiny-random", *flag, "-n", "1", "--out", str(tmp_path / "o")])
     assert f"{flag[0]} shapes a --target checkpoint; --model tiny-random is built in and takes none" in line
+
+
+@pytest.mark.parametrize(
+    "fault, reason",
+    [
+        pytest.param("file in the way", "(Not a directory)", id="file in the way"),
+        pytest.param("read-only", "(open file failed with strerror: Read-only file system: a read-only or full disk?)", id="read-only"),
+        pytest.param("full", "(unexpected pos 704 vs 598: a read-only or full disk?)", id="full"),
+    ],
+)
+def test_a_cache_that_cannot_be_written_costs_lantern_one_warning(tmp_path, capsys, monkeypatch, fault, reason):
+    """A neighbour table that cannot be kept is not needed to decode: lantern decodes the
+    images it decodes with a writable cache, and says once that the table was not kept."""
+    from specimg import neighbours
+
+    args = ["generate", *TINY, "-m", "lantern", "--tree", "chain", "--depth", "2"]
+    monkeypatch.setattr(neighbours, "_memory", {})
+    monkeypatch.setattr(neighbours, "_by_codebook", {})
+    monkeypatch.setenv("SPECIMG_CACHE_DIR", str(tmp_path / "writable"))
+    assert run([*args, "--out", str(tmp_path / "kept")]) == 0
+    assert list((tmp_path / "writable").glob("neighbours-*.pt"))
+    capsys.readouterr()
+    monkeypatch.setattr(neighbours, "_memory", {})
+    monkeypatch.setattr(neighbours, "_by_codebook", {})
+    cache = tmp_path / "cache"
+    if fault == "file in the way":
+        (tmp_path / "afile").write_text("")
+        cache = tmp_path / "afile" / "cache"
+    else:  # torch's writer reports these as RuntimeErrors, with these words
+        message = {"read-only": "[enforce fail at inline_container.cc:747] . open file failed with strerror: Read-only file system",
+                   "full": "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"}[fault]
+
+        def refused(*_, **__):
+            raise RuntimeError(message)
+
+        monkeypatch.setattr(torch, "save", refused)
+    monkeypatch.setenv("SPECIMG_CACHE_DIR", str(cache))
+    assert run([*args, "--out", str(tmp_path / "o")]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("specimg:")]
+    assert warnings == [
+        f"specimg: warning: the neighbour table cannot be kept in {cache} {reason}; decoding goes on without keeping it "
+        "(set SPECIMG_CACHE_DIR to a writable folder to keep it)"
+    ]
+    assert not list(cache.glob("*.pt"))  # neither the table nor a temporary file of it
+    tokens = lambda out: [json.loads(line)["tokens"] for line in (out / "manifest.jsonl").read_text().splitlines()]
+    assert tokens(tmp_path / "o") == tokens(tmp_path / "kept")
+
+
+def test_make_drafter_data_on_a_full_disk_says_so_and_resumes(tmp_path, capsys, monkeypatch):
+    """safetensors reports a full disk as a SafetensorError: one line naming the shard and
+    the cause; the shards written are kept, and the same command finishes the folder as
+    an uninterrupted run would have made it."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    args = ["make-drafter-data", "--target", "tiny-random", "-n", "3", "--shard-size", "2", "--device", "cpu"]
+    assert run([*args, "--out", str(tmp_path / "whole")]) == 0
+    capsys.readouterr()
+    real, calls = safetensors.torch.save_file, []
+
+    def full_at_the_second_shard(*a, **k):
+        calls.append(a[1])
+        if len(calls) == 2:
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        return real(*a, **k)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_at_the_second_shard)
+    out = tmp_path / "d"
+    assert run([*args, "--out", str(out)]) == 2
+    progress, line = capsys.readouterr().err.splitlines()  # the samples' bar, then the one error
+    assert line == (
+        f"specimg: error: {out / 'shard-00001.safetensors'} cannot be written (Error while serializing: I/O error: No space left on device "
+        "(os error 28)); free space or fix the folder and run the same command again: it resumes"
+    )
+    assert sorted(p.name for p in out.iterdir() if p.suffix == ".safetensors" or p.name.startswith(".tmp")) == ["shard-00000.safetensors"]
+    first = (out / "shard-00000.safetensors").read_bytes()
+    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    assert run([*args, "--out", str(out)]) == 0
+    assert (out / "shard-00000.safetensors").read_bytes() == first
+    for name in ("shard-00000.safetensors", "shard-00001.safetensors", "meta.json"):
+        assert (out / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+
+
+@pytest.mark.parametrize(
+    "command, message",
+    [
+        (["bench", *TINY, "--methods", "nosuch"], "unknown method 'nosuch' in 'nosuch'"),
+        (["bench", *TINY, "--methods", ""], "--methods '' names nothing: give one value or more, separated by commas"),
+        (["bench", *TINY, "--methods", " "], "--methods ' ' names nothing"),
+        (["bench", *TINY, "--methods", "naive,,ar"], "--methods 'naive,,ar' has an empty item"),
+        (["generate", *TINY, "-m", "nosuch"], "unknown method 'nosuch'"),
+        (["tune", *TINY, "--class-labels", "99"], "class label 99 is outside [0, 10)"),
+        (["make-drafter-data", "--target", "nosuch"], "checkpoint not found: nosuch"),
+        (["make-drafter-data", "--target", "tiny-random"], "self-distilled data needs --num-samples"),  # refused once the run holds its folder
+        (["train-drafter", "--target", "tiny-random", "--data", "nosuch"], "nosuch is not a drafter data folder"),
+    ],
+    ids=lambda value: " ".join(value[:1] + value[-2:]) if isinstance(value, list) else "",
+)
+def test_a_refused_run_creates_nothing(tmp_path, capsys, command, message):
+    line = one_line_error(capsys, [*command, "--out", str(tmp_path / "new" / "out")])
+    assert message in line
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_refused_run_keeps_the_folders_it_did_not_make_or_that_are_in_use(tmp_path, capsys):
+    from specimg.files import writable_folder
+    from specimg.runs import folder
+
+    there = tmp_path / "there"
+    there.mkdir()
+    one_line_error(capsys, ["bench", *TINY, "--methods", "nosuch", "--out", str(there)])
+    assert os.listdir(tmp_path) == ["there"] and os.listdir(there) == []
+    for name, holds in [("in use", "a lock"), ("written", "a file")]:
+        made = tmp_path / name
+        with pytest.raises(SpecimgError), folder.unmade_on_failure():
+            writable_folder(made)
+            if holds == "a lock":
+                held = folder._lock(str(made))  # another run's, held on when this one is refused
+            else:
+                (made / "kept.txt").write_text("")
+            raise SpecimgError("refused")
+        assert made.is_dir()
+    os.close(held)

@@ -495,6 +495,7 @@ def test_cli_bench_writes_table_json_csv_and_plot(tmp_path, capsys):
         (["--methods", "naive", "--prompts", "p.txt"], "needs a t2i target"),
         (["--methods", "naive", "--fid-features", "missing.pt"], "no feature extractor file"),
         (["--methods", "naive,"], "--methods 'naive,' has an empty item"),
+        (["--methods", ""], "--methods '' names nothing"),
         (["--methods", "naive", "--batch-size", "1,,2"], "--batch-size '1,,2' has an empty item"),
         (["--methods", "naive", "--sweep", "delta=0.1,,0.2"], "--sweep takes"),
         (["--methods", "naive", "--real-images", "."], "give --fid-features too"),
@@ -505,6 +506,7 @@ def test_cli_bench_user_errors_are_one_line(tmp_path, capsys, extra, message):
     assert run_cli("bench", "--model", "tiny-random", "-n", "1", "--out", str(tmp_path / "o"), *extra) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()  # a refused run creates nothing
 
 
 def test_the_plot_draws_each_finite_point_and_lists_the_others(tmp_path):

@@ -18,6 +18,7 @@ from specimg.cli.tune import tune
 from specimg.errors import SpecimgError
 from specimg.plugins import get_plugin_manager
 from specimg.relax import BudgetError
+from specimg.runs.folder import unmade_on_failure
 
 _NO_ARGS = getattr(click.exceptions, "NoArgsIsHelpError", ())
 """What click (8.2 and later) raises for a bare ``specimg``: the help, not a one-line error."""
@@ -51,7 +52,8 @@ def _one_line_warning(message: Warning | str, *args: Any, **kwargs: Any) -> None
 
 def _run(argv: list[str] | None) -> None:
     try:
-        cli.main(args=argv, prog_name="specimg", standalone_mode=False)
+        with unmade_on_failure():
+            cli.main(args=argv, prog_name="specimg", standalone_mode=False)
     except BudgetError as err:
         provider = get_plugin_manager().provider(err.method)
         origin = f"plugin {provider.name!r} ({provider.source})" if provider else "its plugin"

@@ -149,7 +149,7 @@ def bench_command(
     # accelerate sets (host physical cores / processes) threads on multi-CPU runs, far too
     # many in a container: keep --threads (default 1), else what this process had
     torch.set_num_threads(kw.get("threads") or threads)
-    methods = comma_items(kw["methods"], "--methods") if kw.get("methods") else None
+    methods = comma_items(kw["methods"], "--methods") if kw.get("methods") is not None else None  # '' names no method, not the defaults
     variants, notes = plan_variants(methods, get_plugin_manager().methods(), parse_options(kw.get("options", ())), kw.get("sweep", ()), kw.get("delta"),
                                     batch_sizes(kw.get("batch_sizes", "1")))
     conditions, keys, captions = conditions_for(models.target, kw)

@@ -61,7 +61,8 @@ def generate(**kw: Any) -> None:
     engine = Engine(
         models.target, models.drafter, kw["method"], parse_options(kw["options"]),
         sampling_from(kw, base_sampling(model, kw["target"], models.target)), tree,
-        delta=kw["delta"], tokenizer=models.tokenizer, device=device, dtype=dtype, compile=kw["compile"], batch_size=kw["batch_size"],
+        delta=kw["delta"], tokenizer=models.tokenizer, device=device, dtype=dtype, compile=kw["compile"],
+        batch_size=min(kw["batch_size"], len(conditions.keys)),  # planned, calibrated and run at no more than the images
     )
     write_run(engine, models, conditions, kw["seed"], kw["out"], state, run_inputs(kw, model))
 

@@ -220,13 +220,15 @@ class BenchRun:
 
 
 def build_engines(models: Any, spec: BenchSpec, plugins: Any = None, compile: Compile = "auto") -> dict[str, Engine]:
-    """One engine per variant (bad options fail here, before anything runs)."""
+    """One engine per variant (bad options fail here, before anything runs), its batch no
+    larger than the images: it plans, calibrates and warms up at the size it decodes."""
     engines = {}
     for v in spec.variants:
         drafter = None if v.method == AR else models.drafter
         engines[v.label] = Engine(
             models.target, drafter, v.method, v.options or None, spec.sampling, spec.tree,
-            delta=v.delta, tokenizer=models.tokenizer, plugins=plugins, compile=compile, batch_size=v.batch_size,
+            delta=v.delta, tokenizer=models.tokenizer, plugins=plugins, compile=compile,
+            batch_size=min(v.batch_size, len(spec.conditions)),
         )
     return engines
 

@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from specimg import files
 from specimg.cache import cache_dir
 from specimg.errors import SpecimgError
 from specimg.files import atomic_path
@@ -52,6 +53,38 @@ def claim(folder: str, state: Any = None) -> Iterator[None]:
     finally:
         if fd is not None:
             os.close(fd)
+
+
+@contextlib.contextmanager
+def unmade_on_failure() -> Iterator[None]:
+    """Remove again the folders :func:`specimg.files.writable_folder` makes in the block, if
+    the block fails before they hold anything but a lock no run holds: a refused run
+    creates nothing, and nothing written is lost."""
+    files.MADE.append([])
+    try:
+        yield
+    except BaseException:
+        for folder in reversed(files.MADE[-1]):
+            _remove_unused(folder)
+        raise
+    finally:
+        files.MADE.pop()
+
+
+def _remove_unused(folder: str) -> None:
+    """Remove ``folder`` if it holds nothing, or only a run's lock that this process can take."""
+    lock = os.path.join(folder, LOCK)
+    try:
+        if os.listdir(folder) == [LOCK]:
+            fd = os.open(lock, os.O_RDWR)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held by no run: none is using the folder
+                os.unlink(lock)
+            finally:
+                os.close(fd)
+        os.rmdir(folder)
+    except OSError:  # in use or not empty: kept
+        pass
 
 
 def _lock(folder: str) -> int:

@@ -479,10 +479,17 @@ _BATCHES: dict[str, Callable[[Any, Tensor, _Plan], tuple[Tensor, _Rows]]] = {"c2
 
 
 def _write_shard(path: str, tensors: dict[str, Tensor]) -> None:
+    """Write a shard whole or not at all; safetensors reports a full or read-only disk as a
+    SafetensorError, which becomes one line: the shards already written are kept, and the
+    same command resumes from this one."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    with atomic_path(path, ".safetensors") as tmp:
-        save_file(tensors, tmp, metadata={"format": FORMAT})
+    try:
+        with atomic_path(path, ".safetensors") as tmp:
+            save_file(tensors, tmp, metadata={"format": FORMAT})
+    except SafetensorError as err:
+        raise SpecimgError(f"{path} cannot be written ({err}); free space or fix the folder and run the same command again: it resumes") from None
 
 
 # ----------------------------------------------------------------------------- reading
