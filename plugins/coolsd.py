@@ -125,7 +125,7 @@ def accept(
     if options.acceptance != "reject" or sampling.greedy or tree.size == 1:  # greedy: the core's argmax on p; no draft: a draw of p
         return None
     if tree.draft_probs is None or tree.child_ids.shape[1] > 1:
-        raise SpecimgError("coolsd's acceptance=reject verifies a chain of sampled drafts: use --tree chain with sampled drafts, or sjd+coolsd")
+        raise SpecimgError("coolsd's acceptance=reject verifies a chain of sampled drafts: use --tree chain --sample-drafts, or sjd+coolsd")
     if dist is not scores.probs:
         raise SpecimgError("coolsd's acceptance=reject relaxes toward the draft itself and stacks with no other relaxation (its residual needs every token's acceptance)")
     delta = 0.0 if exact else options.delta
