@@ -49,7 +49,7 @@ from specimg.progress import progress_bar
 from specimg.runs.log import RunLog, open_run
 from specimg.stats import PHASES, ImageStats, RunStats
 
-DEFAULT_METHODS = ("ar", "naive", "lantern", "lantern++", "gsd", "cascade", "cascade+lantern")
+DEFAULT_METHODS = ("ar", "naive", "lantern", "lantern++", "gsd", "cascade", "cascade+lantern", "coolsd")
 DEFAULT_IMAGES = 16
 """Images per method of a default ``specimg bench``: the default run (7 methods plus a
 warm-up image each, one thread) stays within 15 minutes on 2 CPU cores on the demo."""
