@@ -155,13 +155,6 @@ def test_run_stats_count_steps_and_tokens_per_auto_tree():
     assert run.tree_shares(top=2) == "depth 1, top-k 1, 2 nodes (40% of steps), AR (no tree pays) (40% of steps)"  # ties: first used first
 
 
-def test_why_ar_gives_the_drafted_steps_yield_against_ar_by_hand():
-    slow = machine({1: 1.0, 2: 2.0, 8: 4.0}, start=0.5, ar=1.0)  # depth 1, top-k 1, 2 nodes: 2.0 + 0.5 ms
-    drafted = planner.why_ar(slow, {(0, 0, 1): (90, 90), (1, 1, 2): (10, 15)})
-    assert "10 drafted steps yielded 1.50 tokens each in 2.50 ms" in drafted and "(0.60x)" in drafted
-    assert "must yield 2.50 tokens" in planner.why_ar(slow, {(0, 0, 1): (90, 90)})
-
-
 def test_each_method_stack_gets_its_step_scale_and_acceptance_once(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECIMG_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(costs, "_memory", {})
@@ -263,9 +256,6 @@ def test_a_measured_acceptance_is_the_first_plan_s_evidence():
     assert planner.TreePlanner(hopeless, max_nodes=128, max_fed=128, device="cpu", method="naive").plan.is_ar
     assert not planner.TreePlanner(hopeless, max_nodes=128, max_fed=128, device="cpu", method="naive", ar_fallback=False).plan.is_ar
     assert not planner.TreePlanner(hopeless, max_nodes=128, max_fed=128, device="cpu", method="cascade").plan.is_ar  # another stack's: no evidence
-    why = planner.why_ar(hopeless, {(0, 0, 1): (90, 90)}, "naive")
-    best = choose(hopeless, TYPICAL_RATES, 128, method="naive")
-    assert f"the best tree ({best}) yields {best.tokens_per_step:.2f} tokens in {best.step_ms:.2f} ms" in why and f"({best.speedup:.2f}x)" in why
 
 
 @pytest.mark.parametrize(("batch_size", "mode"), [(1, "eager"), (2, "eager"), (2, "static")])
@@ -305,3 +295,17 @@ def test_the_engine_finishes_ar_where_no_tree_pays_and_greedy_still_equals_ar():
     assert torch.equal(out.tokens, ar.tokens)
     kept = specimg.Engine(target, drafter, "naive", sampling=greedy, cost_model=dear, tree=specimg.TreeConfig(ar_fallback=False))
     assert all(nodes > 1 for *_, nodes in kept.generate([1], seed=3).stats.images[0].trees)
+
+
+def test_an_engine_s_first_use_says_on_stderr_that_it_measures_and_a_cached_one_does_not(tmp_path, monkeypatch, capsys):
+    from specimg.engine import MEASURING
+
+    monkeypatch.setenv("SPECIMG_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(costs, "_memory", {})
+    target = build_target("GPT-B", seed=0, **TINY)
+    drafter = build_drafter(target, seed=1)
+    for _ in range(2):
+        specimg.Engine(target, drafter, "naive", sampling=specimg.Sampling(cfg_scale=2.0)).generate([1], seed=0)
+    first, *rest = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert first.startswith(f"{MEASURING}:   0%")  # at once, before the measuring
+    assert len(rest) == 1 and rest[0].startswith(f"{MEASURING}: 100% {2 * target.num_tokens}/{2 * target.num_tokens}")  # then done; the second engine is silent
