@@ -75,3 +75,11 @@ def test_every_markdown_link_and_anchor_resolves():
             if anchor:
                 headings = re.findall(r"^#+ (.*)$", linked.read_text(encoding="utf-8"), flags=re.M)
                 assert anchor in {_slug(h) for h in headings}, f"{path.relative_to(ROOT)} links to {target}: no such heading"
+
+
+def test_the_readme_is_short_and_every_folder_it_or_the_usage_page_writes_is_one_git_ignores():
+    assert len((ROOT / "README.md").read_text(encoding="utf-8").splitlines()) <= 150
+    assert "out/" in (ROOT / ".gitignore").read_text().split()
+    for doc in (ROOT / "README.md", ROOT / "docs" / "usage.md"):
+        for folder in re.findall(r"--out (\S+)", doc.read_text(encoding="utf-8")):
+            assert folder == "out" or folder.startswith("out/"), f"{doc.relative_to(ROOT)} writes to {folder}, which git does not ignore"

@@ -1,5 +1,5 @@
 """``specimg bench``: methods side by side on one target/drafter pair, the same conditions
-and the same per-sample seeds (docs/benchmarks.md).
+and the same per-sample seeds (docs/usage.md).
 
 - Variants: each method stack of ``--methods``, times the values of each ``--sweep`` that
   names one of its members (``cascade.delta=0.1,0.3``; ``delta=...`` sweeps the stack
