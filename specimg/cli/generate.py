@@ -139,7 +139,8 @@ def _write_images(engine: Engine, models: Any, conditions: Conditions, seed: int
 
 def _report(engine: Engine, models: Any, log: RunLog, run: RunStats, images: int, wall: float) -> None:
     """The grid of every image in the folder, and the run's summary lines (the images'
-    time apart from the first run's measuring of what trees cost, which it would inflate)."""
+    time apart from the first run's measuring of what trees cost, which it would inflate;
+    per target forward, each image's own decode time, so also under several processes)."""
     from specimg.runs.images import make_grid, save_png_atomic
 
     if models.tokenizer is not None:
@@ -149,9 +150,11 @@ def _report(engine: Engine, models: Any, log: RunLog, run: RunStats, images: int
         grid = make_grid(_decode(models.tokenizer, codes), nrow=min(8, len(entries)), labels=labels)
         save_png_atomic(grid, os.path.join(log.out, "grid.png"))
     s = engine.sampling
+    batches = f" (batches of {engine.batch_size})" if engine.batch_size > 1 else ""
+    share = " (an image's share)" if engine.batch_size > 1 else ""
     click.echo(
         f"{engine.method}: tau {run.tau:.2f} | {run.target_forwards} target forwards for {run.tokens} tokens | {images} images in {wall:.2f}s"
-        f"{f' (batches of {engine.batch_size}), {1000 * wall / max(1, run.target_forwards):.1f} ms a target forward per image' if engine.batch_size > 1 else f', {1000 * wall / max(1, run.target_forwards):.1f} ms a target forward'}"
+        f"{batches}, {1000 * run.wall / max(1, run.target_forwards):.1f} ms a target forward{share}"
         f"{f' (after {engine.calibration_seconds:.1f}s measuring what trees cost on this machine; cached)' if engine.calibration_seconds else ''} "
         f"| cfg {s.cfg_scale:g}, temperature {s.temperature:g}, top-k {s.top_k}, top-p {s.top_p:g} -> {log.out}"
     )
