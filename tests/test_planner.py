@@ -152,7 +152,7 @@ def test_run_stats_count_steps_and_tokens_per_auto_tree():
     run = RunStats((image,))
     assert run.tree_use() == {(0, 0, 1): (2, 2), (1, 1, 2): (2, 3), (1, 3, 4): (1, 3)}
     assert run.ar_share == pytest.approx(2 / 5)
-    assert run.tree_shares(top=2) == "depth 1, top-k 1, 2 nodes (40% of steps), AR (no tree pays) (40% of steps)"  # ties: first used first
+    assert run.tree_shares(top=2) == "depth 1, top-k 1, 2 nodes (40% of steps), AR (no tree predicted to pay) (40% of steps)"  # ties: first used first
 
 
 def test_each_method_stack_gets_its_step_scale_and_acceptance_once(tmp_path, monkeypatch):
@@ -238,7 +238,7 @@ def test_when_no_tree_pays_the_image_finishes_with_ar_steps():
             p.observe(tree, dist, [0], greedy=False)
         assert p.plan.is_ar == fallback
         assert p.plan.speedup == 1.0 if fallback else p.plan.speedup < 1.0
-    assert str(planner.ar_plan(dear)) == "AR (no tree pays)"
+    assert str(planner.ar_plan(dear)) == "AR (no tree predicted to pay)"
     hopeless = machine({1: 1.0, 2: 5.0, 128: 500.0})
     assert not planner.TreePlanner(hopeless, max_nodes=128, max_fed=128, device="cpu").plan.is_ar  # the weak prior is no evidence
 
@@ -290,7 +290,7 @@ def test_the_engine_finishes_ar_where_no_tree_pays_and_greedy_still_equals_ar():
     assert image.trees[0][3] > 1 and image.trees[-1] == [planner.REPLAN_EVERY, 0, 0, 1]
     steps = len(image.accepted)
     assert image.target_forwards == 1 + steps and image.tree_sizes[planner.REPLAN_EVERY :] == [1] * (steps - planner.REPLAN_EVERY)
-    assert out.stats.trees()["AR (no tree pays)"] == steps - planner.REPLAN_EVERY
+    assert out.stats.trees()["AR (no tree predicted to pay)"] == steps - planner.REPLAN_EVERY
     ar = specimg.Engine(target, None, "ar", sampling=greedy).generate([1], seed=3)
     assert torch.equal(out.tokens, ar.tokens)
     kept = specimg.Engine(target, drafter, "naive", sampling=greedy, cost_model=dear, tree=specimg.TreeConfig(ar_fallback=False))
