@@ -66,7 +66,7 @@ def tune(engine: Engine, conditions: Sequence[Condition], seed: int, out: str, e
         echo(f"| {plan.depth} | {plan.topk} | {plan.nodes} | {plan.tokens_per_step:.2f} | {plan.step_ms:.2f} | {plan.speedup:.2f}x |")
     best = planner.choose(cost, rates, max_nodes, max_fed=max_fed, method=scale_name)
     if best.speedup < 1.0 and engine.tree_config.ar_fallback:
-        echo(f"auto would choose: AR for these images' pooled acceptance (no tree pays; the best, {best}, is predicted {best.speedup:.2f}x)")
+        echo(f"auto would choose: AR for these images' pooled acceptance (no tree predicted to pay; the best, {best}, is predicted {best.speedup:.2f}x)")
     else:
         echo(f"auto would choose: {best} for these images' pooled acceptance (predicted {best.speedup:.2f}x)")
     picked = engine.generate(list(conditions), seed=seed).stats
