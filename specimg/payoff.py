@@ -48,9 +48,10 @@ def predicted(cost: CostModel, run: RunStats) -> float | None:
     """The planner's predicted speedup for the steps that drafted: what its plans expected
     of them.  Each image's prediction also counts its AR steps, each at one AR step for one
     token (``planner.ar_plan``); they are taken out here."""
-    ar = run.step_times().ar_steps * cost.ar_ms
+    times = run.step_times()
+    ar = times.ar_steps * cost.ar_ms
     ms = sum(image.predicted_ms for image in run.images) - ar
-    if run.step_times().drafted_steps == 0 or ms <= 0:
+    if times.drafted_steps == 0 or ms <= 0:
         return None
     return (sum(image.predicted_ar_ms for image in run.images) - ar) / ms
 
