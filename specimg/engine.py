@@ -240,7 +240,7 @@ class Engine:
 
             def measuring(_: str = "") -> Callable[[int], Any]:
                 if not bar:
-                    bar.append(bars.enter_context(progress_bar(total=2 * size * self.target.num_tokens, unit="tok", desc=MEASURING, delay=0)))
+                    bar.append(bars.enter_context(progress_bar(total=2 * size * self.target.num_tokens, unit="tok", desc=MEASURING)))
                 return bar[0].update
 
             model = costs.load_or_measure(self.target, self.drafter, self.sampling, condition, log=measuring, batch=size)

@@ -50,11 +50,9 @@ def progress_bar(
     line "desc: 23% 120/512 [00:10<00:33, 11.9tok/s]" at most every ``LOG_INTERVAL`` seconds
     (``mininterval`` overrides it) and one with the final count, so that runs without a
     terminal show their progress too.  ``show`` False (a process other than the main one):
-    silent.  ``kw`` goes to tqdm (``initial``, ...); ``delay=0`` writes a log's first line
-    at once (a bar that announces a wait)."""
+    silent.  ``kw`` goes to tqdm (``initial``, ...)."""
     file = file or sys.stderr
     if show and not file.isatty():
         interval = kw.pop("mininterval", LOG_INTERVAL)
-        delay = kw.pop("delay", interval)
-        return _LogBar(iterable, total=total, desc=desc, unit=unit, file=file, mininterval=interval, delay=delay, ncols=0, **kw)
+        return _LogBar(iterable, total=total, desc=desc, unit=unit, file=file, mininterval=interval, delay=interval, ncols=0, **kw)
     return tqdm(iterable, total=total, desc=desc, unit=unit, file=file, disable=not show, **kw)
