@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import itertools
 import operator
@@ -27,6 +28,7 @@ from specimg.methods import AR, Stack
 from specimg.models.base import BatchSteps, BatchTrees, Condition, Drafter, Target, TargetOutput, draft_features, placed
 from specimg.planner import TreePlanner
 from specimg.profile import AcceptanceProfile
+from specimg.progress import progress_bar
 from specimg.plugins import PluginManager, get_plugin_manager
 from specimg.sampling import cfg_active_at, draw, draw_rows, probabilities
 from specimg.stackhooks import MemberHook, StackHooks
@@ -36,6 +38,9 @@ from specimg.tree import BatchSession, DraftTree, FixedBatch, build_dynamic_batc
 
 OnImage = Callable[[int, Tensor, ImageStats], None]
 """Called with an image's index among the conditions, its tokens and statistics when it is done."""
+
+MEASURING = "measuring this machine's step costs for auto trees (once, then cached)"
+"""The bar on stderr while an engine's first use measures (see :meth:`Engine.prepare`)."""
 
 
 class Generation(NamedTuple):
@@ -237,10 +242,23 @@ class Engine:
         the model, so runs stay reproducible.  At a batch size above 1 the model is the
         one measured at that size (:func:`specimg.costs.measure`)."""
         size, start = self.batch_size, time.perf_counter()
-        model = costs.load_or_measure(self.target, self.drafter, self.sampling, condition, batch=size)
         name = costs.scale_key(self.stack)
-        if model.calibrated(name):
-            return model
+        with contextlib.ExitStack() as bars:
+            bar: list[Any] = []  # the bar that says what is measured, opened when measuring starts
+
+            def measuring(_: str = "") -> Callable[[int], Any]:
+                if not bar:
+                    bar.append(bars.enter_context(progress_bar(total=2 * size * self.target.num_tokens, unit="tok", desc=MEASURING)))
+                return bar[0].update
+
+            model = costs.load_or_measure(self.target, self.drafter, self.sampling, condition, log=measuring, batch=size)
+            if model.calibrated(name):
+                return model
+            return self._calibrate(model, name, condition, measuring(), start)
+
+    def _calibrate(self, model: costs.CostModel, name: str, condition: Condition, progress: Callable[[int], Any], start: float) -> costs.CostModel:
+        """:meth:`_calibrated`'s decodes, each step's tokens counted to ``progress``."""
+        size = self.batch_size
         parts = attrs.evolve(model, step_scales={**model.step_scales, name: 1.0}, acceptance={k: v for k, v in model.acceptance.items() if k != name})
         planners: list[TreePlanner] = []
 
@@ -252,23 +270,23 @@ class Engine:
 
         def drafted() -> float:
             if size == 1:
-                images.append(self._image(condition, 0, None, planner())[1])
+                images.append(self._image(condition, 0, progress, planner())[1])
             else:
-                self._batch_speculative([condition] * size, range(size), None, lambda _, __, image: images.append(image), planner)
+                self._batch_speculative([condition] * size, range(size), progress, lambda _, __, image: images.append(image), planner)
             return sum(image.wall for image in images)
 
         wall = self._steady(drafted)
-        ar_wall = self._steady(self._ar_wall, condition)
+        ar_wall = self._steady(self._ar_wall, condition, progress)
         scale = costs.step_scale(wall, sum(image.predicted_ms for image in images), ar_wall, size * self.target.num_tokens * model.ar_ms)
         self.calibration_seconds = time.perf_counter() - start
         return costs.with_calibration(model, name, scale, AcceptanceProfile.pooled([p.profile for p in planners]).rates())
 
-    def _ar_wall(self, condition: Condition) -> float:
+    def _ar_wall(self, condition: Condition, progress: Callable[[int], Any] | None = None) -> float:
         """Wall seconds of ``batch_size`` images of ``condition`` decoded with AR steps
         (one at a time, or as one batch): the yardstick of :meth:`_calibrated`."""
         if self.batch_size == 1:
-            return self._image(condition, 0, None, None, ar=True)[1].wall
-        return self.batch_size * self._batch([condition] * self.batch_size, range(self.batch_size), None)[1][0].wall
+            return self._image(condition, 0, progress, None, ar=True)[1].wall
+        return self.batch_size * self._batch([condition] * self.batch_size, range(self.batch_size), progress)[1][0].wall
 
     def _steady(self, decode: Callable[..., float], *args: Any) -> float:
         """The wall seconds ``decode`` returns, less what it spent compiling: one-off work
@@ -350,7 +368,7 @@ class Engine:
                         running.append(place)
                         continue
                     finished = lanes[place]
-                    finished.close()
+                    finished.close(size)
                     finished.stats.wall = (time.perf_counter() - finished.started) / size
                     done(decoding[place], torch.tensor(finished.tokens), finished.stats)
                     live.discard(place)

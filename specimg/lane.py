@@ -69,6 +69,7 @@ class Lane:
         self.new_ids = torch.tensor(tokens[-1:], device=device)
         self.spent: list[Tensor] = []  # per step, TVD(q_R, p) over the walked path's nodes (summed when the image closes)
         self.started = time.perf_counter()
+        self.ar_since: float | None = None  # when the planner sent the image to AR
         # Whether the planner found no tree that pays: the rest of the image is AR (the planner
         # learns nothing more, so this holds to the end).  Set again by each lesson.
         self.goes_ar = planner is not None and planner.plan.is_ar
@@ -174,15 +175,22 @@ class Lane:
         accept nothing, with the AR plan's prediction (the engine decodes them)."""
         assert self.planner is not None
         plan, stats, steps = self.planner.plan, self.stats, self.engine.target.num_tokens - len(self.tokens)
+        self.ar_since = time.perf_counter()
         stats.trees.append([len(stats.accepted), plan.depth, plan.topk, plan.nodes])
         stats.predicted_ms += steps * plan.step_ms
         stats.predicted_ar_ms += steps * self.planner.cost.ar_ms
         stats.tree_sizes.extend([1] * steps)
         stats.accepted.extend([0] * steps)
 
-    def close(self) -> None:
-        """The budget spent per emitted draw, into the statistics."""
+    def close(self, images: int = 1) -> None:
+        """The budget spent per emitted draw, and with auto trees the time its drafted and
+        its AR steps took (the share of one of ``images`` decoded together), into the
+        statistics."""
         stats = self.stats
+        if self.planner is not None:
+            now = time.perf_counter()
+            switched = now if self.ar_since is None else self.ar_since
+            stats.drafted_seconds, stats.ar_seconds = (switched - self.started) / images, (now - switched) / images
         stats.tokens = len(self.tokens)
         spent = float(torch.stack(self.spent).sum()) if self.spent else 0.0
         stats.tvd = spent / max(1, sum(stats.accepted) + len(stats.accepted))

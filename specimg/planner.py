@@ -19,8 +19,7 @@ statistics, never on timings taken during the run, so a seed gives the same imag
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sequence
 
 import attrs
 import numpy as np
@@ -31,9 +30,6 @@ from specimg.config import TreeConfig
 from specimg.costs import CostModel
 from specimg.profile import MAX_DEPTH, MAX_TOPK, AcceptanceProfile
 from specimg.tree import DraftTree, tree_name
-
-if TYPE_CHECKING:
-    from specimg.stats import RunStats
 
 REPLAN_EVERY = 16
 
@@ -113,42 +109,6 @@ def choose(
     if best is None:
         raise ValueError(f"no tree fits {max_nodes} nodes")
     return best
-
-
-def why_ar(cost: CostModel, use: Mapping[tuple[int, int, int], tuple[int, int]], method: str = "") -> str:
-    """Why auto trees ran as AR, in numbers: what the drafted steps of ``use`` ((depth,
-    top-k, nodes) -> (steps, tokens), as ``RunStats.tree_use``) yielded for what the cost
-    model says they cost, against AR's token per AR step."""
-    drafted = {tree: st for tree, st in use.items() if tree[2] > 1}
-    steps = sum(n for n, _ in drafted.values())
-    if not steps and method in cost.acceptance:
-        best = choose(cost, np.array(cost.acceptance[method]), max(n for n, _ in cost.verify_ms), method=method)
-        return (
-            f"no step drafted: at the acceptance measured when the cost model was calibrated, the best tree ({best}) "
-            f"yields {best.tokens_per_step:.2f} tokens in {best.step_ms:.2f} ms against AR's one token in {cost.ar_ms:.2f} ms ({best.speedup:.2f}x)"
-        )
-    if not steps:
-        cheapest = float(cost.step(1, 1, 2, method))
-        return (
-            f"no step drafted: the cheapest drafted step ({tree_name(1, 1, 2)}) costs {cheapest:.2f} ms against "
-            f"{cost.ar_ms:.2f} ms for an AR step, so it must yield {cheapest / cost.ar_ms:.2f} tokens, more than the drafts were expected to"
-        )
-    tokens = sum(t for _, t in drafted.values())
-    ms = sum(n * float(cost.step(*tree, method=method)) for tree, (n, _) in drafted.items())
-    return (
-        f"its {steps} drafted steps yielded {tokens / steps:.2f} tokens each in {ms / steps:.2f} ms, against AR's one token in "
-        f"{cost.ar_ms:.2f} ms ({tokens / ms * cost.ar_ms:.2f}x)"
-    )
-
-
-def not_paying(cost: CostModel, run: RunStats, method: str = "") -> str | None:
-    """The line that says, in numbers, that speculative decoding did not pay for ``run``'s
-    auto trees (most steps ran as AR, or the prediction is under 1x); None when it did."""
-    predicted = run.predicted_speedup
-    if run.ar_share <= 0.5 and (predicted is None or predicted >= 1):
-        return None
-    fell_back = f", so {100 * run.ar_share:.0f}% of the steps ran as AR" if run.ar_share else ""
-    return f"speculative decoding does not pay on this machine{fell_back}: {why_ar(cost, run.tree_use(), method)}"
 
 
 class TreePlanner:

@@ -21,7 +21,9 @@ class ImageStats:
     model's prediction for the steps taken: their milliseconds, and what AR would have
     taken for the tokens they were expected to give.  ``tvd``: the budget actually spent,
     the mean TVD(q_R, p) at the nodes whose draws the speculative steps emitted (their
-    walked paths)."""
+    walked paths).  ``drafted_seconds`` and ``ar_seconds``: with auto trees, the wall time
+    of the steps that drafted and of those the planner sent to AR (in a batch, the image's
+    share), so that a run says what its own steps took."""
 
     tokens: int = 0
     target_forwards: int = 0
@@ -33,6 +35,8 @@ class ImageStats:
     predicted_ms: float = 0.0
     predicted_ar_ms: float = 0.0
     tvd: float | None = 0.0
+    drafted_seconds: float = 0.0
+    ar_seconds: float = 0.0
 
     @property
     def predicted_speedup(self) -> float | None:
@@ -53,7 +57,8 @@ class ImageStats:
             "tree_sizes": self.tree_sizes,
             "accepted": self.accepted,
             **({"tvd": round(self.tvd, 6)} if self.tvd is not None else {}),
-            **({"trees": self.trees, "predicted_ms": round(self.predicted_ms, 4), "predicted_ar_ms": round(self.predicted_ar_ms, 4)} if self.trees else {}),
+            **({"trees": self.trees, "predicted_ms": round(self.predicted_ms, 4), "predicted_ar_ms": round(self.predicted_ar_ms, 4),
+                "drafted_s": round(self.drafted_seconds, 5), "ar_s": round(self.ar_seconds, 5)} if self.trees else {}),
         }
 
     @classmethod
@@ -65,7 +70,7 @@ class ImageStats:
             seconds=defaultdict(float, record["seconds"]), wall=record["wall_s"],
             trees=[list(tree) for tree in record.get("trees", [])],
             predicted_ms=record.get("predicted_ms", 0.0), predicted_ar_ms=record.get("predicted_ar_ms", 0.0),
-            tvd=record.get("tvd"),
+            tvd=record.get("tvd"), drafted_seconds=record.get("drafted_s", 0.0), ar_seconds=record.get("ar_s", 0.0),
         )
 
 
@@ -145,9 +150,46 @@ class RunStats:
         steps = self.tree_steps()
         return sum(n for (_, _, nodes), n in steps.items() if nodes == 1) / max(1, sum(steps.values()))
 
+    def step_times(self) -> StepTimes:
+        """This run's auto-tree steps as its own clock timed them."""
+        drafted = {tree: use for tree, use in self.tree_use().items() if tree[2] > 1}
+        return StepTimes(
+            drafted_steps=sum(steps for steps, _ in drafted.values()), drafted_tokens=sum(tokens for _, tokens in drafted.values()),
+            drafted_seconds=sum(s.drafted_seconds for s in self.images),
+            ar_steps=sum(steps for (_, _, nodes), steps in self.tree_steps().items() if nodes == 1), ar_seconds=sum(s.ar_seconds for s in self.images),
+        )
+
     def seconds(self) -> dict[str, float]:
         total: dict[str, float] = defaultdict(float)
         for s in self.images:
             for phase, sec in s.seconds.items():
                 total[phase] += sec
         return dict(total)
+
+
+@attrs.frozen
+class StepTimes:
+    """A run's auto-tree steps as its own clock timed them: those that drafted (how many,
+    the tokens they gave, their seconds) and those the planner sent to AR."""
+
+    drafted_steps: int
+    drafted_tokens: int
+    drafted_seconds: float
+    ar_steps: int
+    ar_seconds: float
+
+    @property
+    def drafted_ms(self) -> float | None:
+        return 1000 * self.drafted_seconds / self.drafted_steps if self.drafted_steps else None
+
+    @property
+    def ar_ms(self) -> float | None:
+        return 1000 * self.ar_seconds / self.ar_steps if self.ar_steps else None
+
+    @property
+    def speedup(self) -> float | None:
+        """The drafted steps' tokens per second over the AR steps' (one token a step), both
+        timed in this run; None unless it took both."""
+        if self.drafted_ms is None or self.ar_ms is None or not self.drafted_seconds:
+            return None
+        return self.drafted_tokens / self.drafted_steps * self.ar_ms / self.drafted_ms

@@ -232,8 +232,9 @@ def stack_trees(trees: Sequence[DraftTree]) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def tree_name(depth: int, topk: int, nodes: int) -> str:
-    """An EAGLE-2 tree's shape in words; the one-node tree is AR (no tree pays)."""
-    return "AR (no tree pays)" if nodes == 1 else f"depth {depth}, top-k {topk}, {nodes} nodes"
+    """An EAGLE-2 tree's shape in words; the one-node tree is AR, which the planner picks
+    where it predicts that no tree pays."""
+    return "AR (no tree predicted to pay)" if nodes == 1 else f"depth {depth}, top-k {topk}, {nodes} nodes"
 
 
 class BatchSession:

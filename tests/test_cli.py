@@ -1,6 +1,7 @@
 """The specimg command on tiny random models."""
 
 import json
+import re
 import os
 
 import attrs
@@ -45,6 +46,19 @@ def test_the_first_auto_tree_run_reports_measuring_the_machine_apart_from_the_im
         assert run("generate", "--model", "tiny-random", "-n", "1", "--out", str(tmp_path / out)) == 0
     first, second = [line for line in capsys.readouterr().out.splitlines() if line.startswith("naive:")]
     assert "s measuring what trees cost on this machine; cached)" in first and "measuring" not in second
+
+
+
+def test_an_auto_tree_run_reports_its_own_step_times_and_never_a_paying_ratio_beside_does_not_pay(tmp_path, capsys):
+    assert run("generate", "--model", "tiny-random", "-n", "2", "--out", str(tmp_path / "o")) == 0
+    lines = capsys.readouterr().out.splitlines()
+    summary = next(line for line in lines if line.startswith("naive:"))
+    assert re.search(r"2 images in [\d.]+s, [\d.]+ ms a target forward", summary)
+    timed = next(line for line in lines if line.startswith("this run: "))
+    assert re.search(r"\d+ (drafted|AR) steps, .*[\d.]+ ms each", timed)
+    for line in lines:
+        if "does not pay" in line:
+            assert all(float(x) < 1 for x in re.findall(r"(\d+\.\d+)x", line)), line
 
 
 @pytest.mark.parametrize(

@@ -75,3 +75,24 @@ def test_every_markdown_link_and_anchor_resolves():
             if anchor:
                 headings = re.findall(r"^#+ (.*)$", linked.read_text(encoding="utf-8"), flags=re.M)
                 assert anchor in {_slug(h) for h in headings}, f"{path.relative_to(ROOT)} links to {target}: no such heading"
+
+
+def test_the_readme_is_short_and_every_folder_it_or_the_usage_page_writes_is_one_git_ignores():
+    assert len((ROOT / "README.md").read_text(encoding="utf-8").splitlines()) <= 150
+    assert "out/" in (ROOT / ".gitignore").read_text().split()
+    for doc in (ROOT / "README.md", ROOT / "docs" / "usage.md"):
+        for folder in re.findall(r"--out ([^\s`,;)]+)", doc.read_text(encoding="utf-8")):
+            assert folder == "out" or folder.startswith("out/"), f"{doc.relative_to(ROOT)} writes to {folder}, which git does not ignore"
+
+
+def test_the_readme_s_python_snippet_runs_and_its_first_call_says_it_measures(tmp_path, monkeypatch, capsys):
+    from specimg import costs
+    from specimg.engine import MEASURING
+
+    monkeypatch.setenv("SPECIMG_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(costs, "_memory", {})
+    [snippet] = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(encoding="utf-8"), flags=re.S)
+    assert "torch.set_num_threads(" in snippet  # the snippet states the thread count it runs at
+    exec(compile(snippet, "README.md", "exec"), {})
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"{MEASURING}:") and "StepTimes(" in captured.out

@@ -6,9 +6,9 @@ import os
 
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, ImageDraw, ImageFont
 
-from specimg.runs.images import make_grid, save_png_atomic, to_pil
+from specimg.runs.images import make_grid, make_table, save_png_atomic, to_pil
 
 
 def test_to_pil_clamps_and_scales() -> None:
@@ -35,6 +35,25 @@ def test_grid_label_strip_holds_text() -> None:
     assert dark(2) > 0 and dark(36) == 0
     with pytest.raises(ValueError):
         make_grid(tiles, nrow=2, labels=["one"])
+
+
+def test_a_table_names_its_rows_whole_and_heads_its_columns() -> None:
+    """The bench's samples: a long method name is not cut, and every column has its class."""
+    tiles = torch.ones(4, 3, 16, 16)  # white tiles: only the labels are dark
+    table = make_table(tiles, ["ar", "cascade+lantern"], ["class 3", "class 7"])
+    name = ImageDraw.Draw(Image.new("RGB", (1, 1))).textlength("cascade+lantern", font=ImageFont.load_default())
+    margin = table.width - 2 * (16 + 2) - 2
+    assert margin >= name  # the whole name fits left of the tiles
+
+    def dark(box: tuple[int, int, int, int]) -> int:
+        return sum(table.crop(box).convert("L").histogram()[:128])
+
+    strip = table.height - 2 * (16 + 2) - 2
+    assert all(dark((margin + c * 18, 0, margin + c * 18 + 16, strip)) > 0 for c in range(2))  # each column's heading
+    assert dark((0, strip + 18, margin, table.height)) > dark((0, strip, margin, strip + 16)) > 0  # the longer name, below the shorter
+    assert dark((margin, strip, table.width, table.height)) == 0  # the tiles themselves untouched
+    with pytest.raises(ValueError):
+        make_table(tiles, ["ar"], ["class 3", "class 7"])
 
 
 def test_save_png_atomic_leaves_no_temp_file(tmp_path) -> None:

@@ -153,14 +153,7 @@ def test_run_stats_count_steps_and_tokens_per_auto_tree():
     run = RunStats((image,))
     assert run.tree_use() == {(0, 0, 1): (2, 2), (1, 1, 2): (2, 3), (1, 3, 4): (1, 3)}
     assert run.ar_share == pytest.approx(2 / 5)
-    assert run.tree_shares(top=2) == "depth 1, top-k 1, 2 nodes (40% of steps), AR (no tree pays) (40% of steps)"  # ties: first used first
-
-
-def test_why_ar_gives_the_drafted_steps_yield_against_ar_by_hand():
-    slow = machine({1: 1.0, 2: 2.0, 8: 4.0}, start=0.5, ar=1.0)  # depth 1, top-k 1, 2 nodes: 2.0 + 0.5 ms
-    drafted = planner.why_ar(slow, {(0, 0, 1): (90, 90), (1, 1, 2): (10, 15)})
-    assert "10 drafted steps yielded 1.50 tokens each in 2.50 ms" in drafted and "(0.60x)" in drafted
-    assert "must yield 2.50 tokens" in planner.why_ar(slow, {(0, 0, 1): (90, 90)})
+    assert run.tree_shares(top=2) == "depth 1, top-k 1, 2 nodes (40% of steps), AR (no tree predicted to pay) (40% of steps)"  # ties: first used first
 
 
 def test_each_method_stack_gets_its_step_scale_and_acceptance_once(tmp_path, monkeypatch):
@@ -245,7 +238,7 @@ def test_when_no_tree_pays_the_image_finishes_with_ar_steps():
             p.observe(tree, dist, [0], greedy=False)
         assert p.plan.is_ar == fallback
         assert p.plan.speedup == 1.0 if fallback else p.plan.speedup < 1.0
-    assert str(planner.ar_plan(dear)) == "AR (no tree pays)"
+    assert str(planner.ar_plan(dear)) == "AR (no tree predicted to pay)"
     hopeless = machine({1: 1.0, 2: 5.0, 128: 500.0})
     assert not planner.TreePlanner(hopeless, max_nodes=128, max_fed=128, device="cpu").plan.is_ar  # the weak prior is no evidence
 
@@ -263,9 +256,6 @@ def test_a_measured_acceptance_is_the_first_plan_s_evidence():
     assert planner.TreePlanner(hopeless, max_nodes=128, max_fed=128, device="cpu", method="naive").plan.is_ar
     assert not planner.TreePlanner(hopeless, max_nodes=128, max_fed=128, device="cpu", method="naive", ar_fallback=False).plan.is_ar
     assert not planner.TreePlanner(hopeless, max_nodes=128, max_fed=128, device="cpu", method="cascade").plan.is_ar  # another stack's: no evidence
-    why = planner.why_ar(hopeless, {(0, 0, 1): (90, 90)}, "naive")
-    best = choose(hopeless, TYPICAL_RATES, 128, method="naive")
-    assert f"the best tree ({best}) yields {best.tokens_per_step:.2f} tokens in {best.step_ms:.2f} ms" in why and f"({best.speedup:.2f}x)" in why
 
 
 @pytest.mark.parametrize(("batch_size", "mode"), [(1, "eager"), (2, "eager"), (2, "static")])
@@ -300,8 +290,21 @@ def test_the_engine_finishes_ar_where_no_tree_pays_and_greedy_still_equals_ar():
     assert image.trees[0][3] > 1 and image.trees[-1] == [planner.REPLAN_EVERY, 0, 0, 1]
     steps = len(image.accepted)
     assert image.target_forwards == 1 + steps and image.tree_sizes[planner.REPLAN_EVERY :] == [1] * (steps - planner.REPLAN_EVERY)
-    assert out.stats.trees()["AR (no tree pays)"] == steps - planner.REPLAN_EVERY
+    assert out.stats.trees()["AR (no tree predicted to pay)"] == steps - planner.REPLAN_EVERY
     ar = specimg.Engine(target, None, "ar", sampling=greedy).generate([1], seed=3)
     assert torch.equal(out.tokens, ar.tokens)
     kept = specimg.Engine(target, drafter, "naive", sampling=greedy, cost_model=dear, tree=specimg.TreeConfig(ar_fallback=False))
     assert all(nodes > 1 for *_, nodes in kept.generate([1], seed=3).stats.images[0].trees)
+
+
+def test_an_engine_s_first_use_says_on_stderr_that_it_measures_and_a_cached_one_does_not(tmp_path, monkeypatch, capsys):
+    from specimg.engine import MEASURING
+
+    monkeypatch.setenv("SPECIMG_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(costs, "_memory", {})
+    target = build_target("GPT-B", seed=0, **TINY)
+    drafter = build_drafter(target, seed=1)
+    for _ in range(2):
+        specimg.Engine(target, drafter, "naive", sampling=specimg.Sampling(cfg_scale=2.0)).generate([1], seed=0)
+    [line] = [line for line in capsys.readouterr().err.splitlines() if line.strip()]  # in a log: its final count (a bar on a terminal)
+    assert line.startswith(f"{MEASURING}: 100% {2 * target.num_tokens}/{2 * target.num_tokens}")  # the second engine is silent

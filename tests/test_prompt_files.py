@@ -165,5 +165,5 @@ def test_a_target_without_its_text_tokenizer_names_the_folder_not_prompt_ids():
 
 
 def test_the_docs_state_the_limits():
-    docs = " ".join((Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md").read_text().split())
+    docs = " ".join((Path(__file__).resolve().parents[1] / "docs" / "usage.md").read_text().split())
     assert f"over {MAX_PROMPT_CHARS} characters" in docs and f"over {prompts.MAX_PROMPT_FILE_BYTES >> 30} GiB" in docs

@@ -20,6 +20,9 @@ def test_methods_paper_lists_every_method_and_the_eagle_defaults(capsys):
     assert "| gsd | mode | specimg | paper |" in out and "| sjd | mode | specimg | paper |" in out
     assert "| train-drafter eagle3 | ttt_steps, lr, clip_norm | 7, 5e-05, 0.5 |" in out
     assert "depth 5, topk 10, total_tokens 60" in out
+    for note in [line for line in out.splitlines() if "no TVD budget" in line]:  # the paper's mode, apart from specimg's default
+        assert ". As published (-o " in note and "(no TVD budget" not in note, note
+    assert any(line.startswith("lantern++: ") and "As published (-o lantern++.mode=paper): no TVD budget" in line for line in out.splitlines())
 
 
 def test_methods_marks_a_paper_mode_without_a_budget(capsys):

@@ -47,8 +47,39 @@ def test_a_folder_in_use_is_refused_naming_its_holder(tmp_path, capsys, command)
         assert run(*command, "--out", str(out)) == 2
     line = one_line(capsys)
     assert f"{out} is in use by another run (pid {os.getpid()} on " in line and "give another --out" in line
-    assert sorted(os.listdir(out)) == [".specimg-lock"]  # nothing written beside the lock
+    assert os.listdir(out) == []  # the refused run wrote nothing; the holder's lock file went with it
     assert run(*command, "--out", str(out)) == 0, capsys.readouterr().err  # released: the next run proceeds
+    assert ".specimg-lock" not in os.listdir(out)  # and its lock file went when it ended
+
+
+def test_a_run_that_takes_a_lock_file_as_its_holder_removes_it_locks_the_new_one(tmp_path, monkeypatch):
+    """The race of removing the lock file: a run opens the file, the holder ends and
+    removes it, the run locks the removed file.  It must notice and lock the folder's file,
+    or two runs would each hold a lock on a different file."""
+    import fcntl
+
+    from specimg.runs import folder
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".specimg-lock").write_text("the holder")
+    flock, calls = fcntl.flock, []
+
+    def holder_ends_first(fd, how):
+        if not calls:
+            os.unlink(out / ".specimg-lock")  # the holder ends between this run's open and its lock
+        calls.append(fd)
+        return flock(fd, how)
+
+    monkeypatch.setattr(fcntl, "flock", holder_ends_first)
+    with claim(str(out)):
+        assert len(calls) == 2  # the removed file's lock was dropped, the new file's taken
+        assert (out / ".specimg-lock").exists()
+        monkeypatch.setattr(fcntl, "flock", flock)
+        with pytest.raises(SpecimgError, match="in use by another run"):
+            with claim(str(out)):
+                pass
+    assert not (out / ".specimg-lock").exists()
 
 
 def test_a_killed_run_leaves_the_folder_free(tmp_path):

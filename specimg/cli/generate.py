@@ -10,7 +10,7 @@ import attrs
 import click
 import torch
 
-from specimg import costs, planner
+from specimg import costs, payoff
 from specimg.cli.conditions import Conditions, conditions_for, grid_label
 from specimg.cli.loading import base_sampling, default_model, models_from, process_device, run_inputs
 from specimg.cli.options import (
@@ -140,7 +140,8 @@ def _write_images(engine: Engine, models: Any, conditions: Conditions, seed: int
 
 def _report(engine: Engine, models: Any, log: RunLog, run: RunStats, images: int, wall: float) -> None:
     """The grid of every image in the folder, and the run's summary lines (the images'
-    time apart from the first run's measuring of what trees cost, which it would inflate)."""
+    time apart from the first run's measuring of what trees cost, which it would inflate;
+    per target forward, each image's own decode time, so also under several processes)."""
     from specimg.runs.images import make_grid, save_png_atomic
 
     if models.tokenizer is not None:
@@ -150,9 +151,11 @@ def _report(engine: Engine, models: Any, log: RunLog, run: RunStats, images: int
         grid = make_grid(_decode(models.tokenizer, codes), nrow=min(8, len(entries)), labels=labels)
         save_png_atomic(grid, os.path.join(log.out, "grid.png"))
     s = engine.sampling
+    batches = f" (batches of {engine.batch_size})" if engine.batch_size > 1 else ""
+    share = " (an image's share)" if engine.batch_size > 1 else ""
     click.echo(
         f"{engine.method}: tau {run.tau:.2f} | {run.target_forwards} target forwards for {run.tokens} tokens | {images} images in {wall:.2f}s"
-        f"{f' (batches of {engine.batch_size})' if engine.batch_size > 1 else ''}"
+        f"{batches}, {1000 * run.wall / max(1, run.target_forwards):.1f} ms a target forward{share}"
         f"{f' (after {engine.calibration_seconds:.1f}s measuring what trees cost on this machine; cached)' if engine.calibration_seconds else ''} "
         f"| cfg {s.cfg_scale:g}, temperature {s.temperature:g}, top-k {s.top_k}, top-p {s.top_p:g} -> {log.out}"
     )
@@ -162,15 +165,13 @@ def _report(engine: Engine, models: Any, log: RunLog, run: RunStats, images: int
 
 def _tree_summary(engine: Engine, stats: RunStats) -> str:
     """The tree a run used: auto trees by share of steps, with the cost model's prediction,
-    and in plain words why, when most steps ran as AR."""
+    this run's own step times, and in plain words whether speculation paid."""
     if not engine.auto_tree or engine.own_tree:
         return engine.tree_label
     assert engine.cost_model is not None and stats.predicted_speedup is not None
     summary = f"auto: {stats.tree_shares()}; predicted speedup {stats.predicted_speedup:.2f}x (cost model {engine.cost_model.key}: {engine.cost_model.machine})"
-    unpaid = planner.not_paying(engine.cost_model, stats, costs.scale_key(engine.stack))
-    if unpaid:
-        summary += f"\n{unpaid} (`specimg tune` shows the costs; on a GPU a small tree's verify costs about one AR step)"
-    return summary
+    lines = [payoff.measured(stats), *payoff.verdict(engine.cost_model, stats, costs.scale_key(engine.stack))]
+    return "\n".join([summary, *lines])
 
 
 def _decode(tokenizer: Any, codes: torch.Tensor) -> torch.Tensor:

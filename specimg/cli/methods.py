@@ -31,16 +31,18 @@ def option_list(registry: dict[str, MethodSpec], plugins: PluginManager) -> list
         lines += [f"    {name}.{field.name} = {field.default!r}" for field in attrs.fields(spec.options)]
         if spec.paper:
             flags = " ".join(f"-o {name}.{key}={value}" for key, value in spec.paper.items())
-            lines.append(f"    as published: {flags}{_budget_note(spec)}  (specimg methods --paper)")
+            unbudgeted = _unbudgeted(spec)
+            lines.append(f"    as published: {flags}{f' ({unbudgeted})' if unbudgeted else ''}  (specimg methods --paper)")
         if plugins.implementers("build_relaxed_dist", [Member(spec, spec.defaults)]):
             if not spec.batch:
                 lines.append("    in a batch: relaxes image by image (its MethodSpec does not declare batch=True)")
     return lines
 
 
-def _budget_note(spec: MethodSpec) -> str:
+def _unbudgeted(spec: MethodSpec) -> str:
+    """What the published settings keep instead of a TVD budget, if they keep none."""
     published = Member(spec, make_options(spec, spec.paper or {}))
-    return "" if published.budgeted else " (no TVD budget: held to its paper's law, not to delta)"
+    return "" if published.budgeted else "no TVD budget, held to its paper's law, not to delta"
 
 
 def paper_table(registry: dict[str, MethodSpec]) -> list[str]:
@@ -55,7 +57,9 @@ def paper_table(registry: dict[str, MethodSpec]) -> list[str]:
         differ = [(option, ours, theirs) for option, ours, theirs in paper_rows(spec) if ours != theirs]
         lines += [f"| {name} | {option} | {_show(ours)} | {_show(theirs)} |" for option, ours, theirs in differ] or [f"| {name} | (none differ) | | |"]
         if spec.departures:
-            notes.append(f"{name}: {spec.departures}{_budget_note(spec)}")
+            unbudgeted = _unbudgeted(spec)
+            flags = " ".join(f"-o {name}.{key}={value}" for key, value in spec.paper.items())
+            notes.append(f"{name}: {spec.departures}" + (f". As published ({flags}): {unbudgeted}" if unbudgeted else ""))
     eagle1, eagle3 = TrainConfig(drafter_type="eagle1"), TrainConfig(drafter_type="eagle3")
     tree = ", ".join(f"{key} {value}" for key, value in DYNAMIC_DEFAULTS.items())
     lines += [

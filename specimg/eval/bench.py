@@ -1,5 +1,5 @@
 """``specimg bench``: methods side by side on one target/drafter pair, the same conditions
-and the same per-sample seeds (docs/benchmarks.md).
+and the same per-sample seeds (docs/usage.md).
 
 - Variants: each method stack of ``--methods``, times the values of each ``--sweep`` that
   names one of its members (``cascade.delta=0.1,0.3``; ``delta=...`` sweeps the stack
@@ -574,18 +574,24 @@ def _clean(obj: Any) -> Any:
 
 
 def save_sample_grid(records: Sequence[Mapping[str, Any]], spec: BenchSpec, tokenizer: Any, path: str, per_row: int = 8) -> None:
-    """One row per variant: its first ``per_row`` samples (same conditions and seeds in
-    every row), labelled with the variant."""
-    from specimg.runs.images import make_grid, save_png_atomic
+    """One row per variant, named on its left: its first ``per_row`` samples, the same
+    conditions and seeds in every row, each column headed by its condition."""
+    from specimg.runs.images import make_table, save_png_atomic
 
-    rows = []
-    labels = []
-    for v in spec.variants:
-        rs = [r for r in records if r["label"] == v.label][:per_row]
-        rows.extend(r["tokens"] for r in rs)
-        labels.extend([v.label] + [""] * (len(rs) - 1))
-    if not rows:
+    columns = min(per_row, len(spec.conditions))
+    rows = {v.label: {r["sample"]: r["tokens"] for r in records if r["label"] == v.label} for v in spec.variants}
+    labels = [label for label, samples in rows.items() if all(i in samples for i in range(columns))]
+    if not labels or not columns:
         return
     with torch.inference_mode():
-        images = tokenizer.decode(torch.tensor(rows)).float().clamp(-1, 1)
-    save_png_atomic(make_grid(images, nrow=len(rows) // len(spec.variants), labels=labels), path)
+        images = tokenizer.decode(torch.tensor([rows[label][i] for label in labels for i in range(columns)])).float().clamp(-1, 1)
+    save_png_atomic(make_table(images, labels, [condition_label(spec.condition_keys[i]) for i in range(columns)]), path)
+
+
+def condition_label(key: Any) -> str:
+    """A condition as a column heads it: its class, or its prompt (text or token ids)."""
+    if isinstance(key, str):
+        return key
+    if isinstance(key, tuple | list):
+        return "ids " + " ".join(map(str, key))
+    return f"class {key}"

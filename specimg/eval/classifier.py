@@ -1,5 +1,5 @@
 """A small CNN classifier for the demo data: accuracy on the requested class, and the
-feature space of the demo's Fréchet distance (docs/benchmarks.md)."""
+feature space of the demo's Fréchet distance (docs/usage.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Quality metrics reported next to speed (what they mean: docs/benchmarks.md).
+"""Quality metrics reported next to speed (what they mean: docs/usage.md).
 
 - :func:`frechet_distance`: the Fréchet distance between Gaussians fitted to two feature
   sets, in pure torch (float64), exact for any sample count;

@@ -1,4 +1,4 @@
-"""Quality of a benchmark's samples, per method, next to its speed (docs/benchmarks.md).
+"""Quality of a benchmark's samples, per method, next to its speed (docs/usage.md).
 
 :class:`Quality` scores each method's samples (token grids, one per condition, the same
 conditions and seeds for every method) with what is available:

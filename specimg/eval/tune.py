@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from specimg import costs, planner
+from specimg import costs, payoff, planner
 from specimg.config import TreeConfig
 from specimg.engine import Engine
 from specimg.files import atomic_path
@@ -66,7 +66,7 @@ def tune(engine: Engine, conditions: Sequence[Condition], seed: int, out: str, e
         echo(f"| {plan.depth} | {plan.topk} | {plan.nodes} | {plan.tokens_per_step:.2f} | {plan.step_ms:.2f} | {plan.speedup:.2f}x |")
     best = planner.choose(cost, rates, max_nodes, max_fed=max_fed, method=scale_name)
     if best.speedup < 1.0 and engine.tree_config.ar_fallback:
-        echo(f"auto would choose: AR for these images' pooled acceptance (no tree pays; the best, {best}, is predicted {best.speedup:.2f}x)")
+        echo(f"auto would choose: AR for these images' pooled acceptance (no tree predicted to pay; the best, {best}, is predicted {best.speedup:.2f}x)")
     else:
         echo(f"auto would choose: {best} for these images' pooled acceptance (predicted {best.speedup:.2f}x)")
     picked = engine.generate(list(conditions), seed=seed).stats
@@ -74,9 +74,8 @@ def tune(engine: Engine, conditions: Sequence[Condition], seed: int, out: str, e
         f"generate on the same images and seeds (each image starts from the acceptance measured at calibration, then plans from its own steps): {picked.tree_shares()}; "
         f"tau {picked.tau:.2f}, predicted {picked.predicted_speedup:.2f}x"
     )
-    unpaid = planner.not_paying(cost, picked, scale_name)
-    if unpaid:
-        echo(unpaid)
+    for line in [payoff.measured(picked), *payoff.verdict(cost, picked, scale_name)]:
+        echo(line)
     result = {
         "cost_model": json.loads(cost.to_json()), "method": engine.method, "rates": rates.tolist(),
         "candidates": [attrs.asdict(p) for p in ranked], "choice": attrs.asdict(best),

@@ -34,7 +34,8 @@ def claim(folder: str, state: Any = None) -> Iterator[None]:
     """Own ``folder`` for the block: a second run on it, from any process or machine that
     shares the file system's locks, is refused in one line naming the holder.  Under
     torchrun the main process claims it for all, and a refusal stops every process alike.
-    The lock dies with its process, so a killed run never leaves the folder locked."""
+    The lock file goes when the block ends; the lock dies with its process, so a killed
+    run never leaves the folder locked (only its file, which the next run takes over)."""
     main = state is None or state.is_main_process
     fd, error = None, None
     if main:
@@ -52,6 +53,8 @@ def claim(folder: str, state: Any = None) -> Iterator[None]:
         yield
     finally:
         if fd is not None:
+            with contextlib.suppress(OSError):  # removed while still held: no run can take the old file
+                os.unlink(os.path.join(folder, LOCK))
             os.close(fd)
 
 
@@ -89,16 +92,20 @@ def _remove_unused(folder: str) -> None:
 
 def _lock(folder: str) -> int:
     path = os.path.join(folder, LOCK)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    except OSError as err:
-        raise SpecimgError(f"{folder} cannot be locked for this run ({err.strerror or err}); choose another --out") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        holder = os.pread(fd, 1000, 0).decode("utf-8", "replace").strip() or "a run that has not said which"
-        os.close(fd)
-        raise SpecimgError(f"{folder} is in use by another run ({holder}); wait for it to end or give another --out") from None
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as err:
+            raise SpecimgError(f"{folder} cannot be locked for this run ({err.strerror or err}); choose another --out") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 1000, 0).decode("utf-8", "replace").strip() or "a run that has not said which"
+            os.close(fd)
+            raise SpecimgError(f"{folder} is in use by another run ({holder}); wait for it to end or give another --out") from None
+        if _same_file(fd, path):
+            break
+        os.close(fd)  # locked a file its run removed as it ended: lock the folder's file now
     command = " ".join(["specimg", *sys.argv[1:]])[:300]
     holder = f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}: {command}"
     try:
@@ -107,6 +114,15 @@ def _lock(folder: str) -> int:
     except OSError:  # a full disk: the lock holds all the same, it only names nobody
         pass
     return fd
+
+
+def _same_file(fd: int, path: str) -> bool:
+    """Whether ``path`` still names the file open as ``fd``."""
+    try:
+        here, there = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
 def inputs_fingerprint(model: str, files: Mapping[str, str | None], configs: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:

@@ -55,3 +55,29 @@ def make_grid(images: Tensor | Sequence[Image.Image], nrow: int, labels: Sequenc
                 text = text[:-1]
             draw.text((x, y + h + _PAD), text, fill="black", font=font)
     return grid
+
+
+def make_table(images: Tensor | Sequence[Image.Image], row_labels: Sequence[str], column_labels: Sequence[str]) -> Image.Image:
+    """Images as a table, row after row: each row's label whole in a margin on the left (as
+    wide as the longest), each column's above it (cut to the tile width)."""
+    tiles = to_pil(images) if isinstance(images, Tensor) else list(images)
+    rows, cols = len(row_labels), len(column_labels)
+    if not tiles or len(tiles) != rows * cols:
+        raise ValueError(f"{len(tiles)} images for {rows} rows of {cols} columns")
+    w, h = max(t.width for t in tiles), max(t.height for t in tiles)
+    font = ImageFont.load_default()
+    draw = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    margin = int(max(draw.textlength(label, font=font) for label in row_labels)) + 3 * _PAD
+    strip = int(font.getbbox("Ag")[3]) + 2 * _PAD
+    grid = Image.new("RGB", (margin + cols * (w + _PAD) + _PAD, strip + rows * (h + _PAD) + _PAD), "white")
+    draw = ImageDraw.Draw(grid)
+    for c, label in enumerate(column_labels):
+        while label and draw.textlength(label, font=font) > w:
+            label = label[:-1]
+        draw.text((margin + c * (w + _PAD), _PAD), label, fill="black", font=font)
+    for r, label in enumerate(row_labels):
+        y = strip + r * (h + _PAD)
+        draw.text((_PAD, y + (h - strip) // 2), label, fill="black", font=font)
+        for c in range(cols):
+            grid.paste(tiles[r * cols + c].convert("RGB"), (margin + c * (w + _PAD), y))
+    return grid
