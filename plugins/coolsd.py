@@ -90,7 +90,6 @@ def register_methods(register: Callable[[MethodSpec], None]) -> None:
             "per-node budget"
         ),
         batch=True,
-        graphs=True,
     ))
 
 
