@@ -119,6 +119,7 @@ class Engine:
                 raise SpecimgError("method 'ar' has no total-variation budget to set (delta)")
             return
         self.stack = self.plugins.stack(method, options, delta)
+        self.tree_config = self.stack.released_tree(tree)  # a paper mode's released tree, where it has one
         if drafter is None and not self.drafter_free:
             raise SpecimgError(f"method {self.stack.name!r} drafts tokens and needs a drafter")
         self.hooks = StackHooks.bind(self.plugins, self.stack)
@@ -735,7 +736,7 @@ class Engine:
         shape; the contract's verdicts are read after it, as after an eager fold."""
         assert self.stack is not None and self.hooks is not None
         if not self._relax_replays(tree):
-            return relax.fold(scores.probs, self.relaxers(tree, scores), self.stack.delta, check=self.check_relax)
+            return relax.fold(scores.probs, self.relaxers(tree, scores), self.stack.delta, check=self.check_relax, unbudgeted=self.stack.unbudgeted)
         stack_delta = self.stack.delta
 
         def fold(tree: DraftTree, scores: Scores) -> tuple[Tensor, ...]:
