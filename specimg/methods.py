@@ -195,7 +195,8 @@ def refuse_ignored(method: str, options: Any, values: Mapping[str, Any]) -> None
     setting, ignored = options.ignores() if hasattr(options, "ignores") else ("", ())
     given = [f"{method}.{key}" for key in values if key in ignored]
     if given:
-        raise SpecimgError(f"{method}.{setting} does not use {', '.join(given)}: drop {'it' if len(given) == 1 else 'them'}")
+        key = setting.partition("=")[0]
+        raise SpecimgError(f"{method}.{setting} does not use {', '.join(given)}: drop {'it' if len(given) == 1 else 'them'}, or set {method}.{key}")
 
 
 def _message(err: Exception) -> str:

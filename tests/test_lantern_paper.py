@@ -358,7 +358,7 @@ def test_paper_mode_keeps_the_published_defaults():
 ])
 def test_an_option_the_paper_mode_ignores_is_refused(method: str, unused: str):
     key, value = unused.split("=")
-    with pytest.raises(SpecimgError, match=rf"^{re.escape(method)}.mode=paper does not use {re.escape(method)}.{key}: drop it$"):
+    with pytest.raises(SpecimgError, match=rf"^{re.escape(method)}.mode=paper does not use {re.escape(method)}.{key}: drop it, or set {re.escape(method)}.mode$"):
         PluginManager().stack(method, {method: {"mode": "paper", key: value}})
     PluginManager().stack(method, {method: {key: value}})  # used outside paper mode
 
