@@ -20,13 +20,16 @@ def test_methods_paper_lists_every_method_and_the_eagle_defaults(capsys):
     assert "| gsd | mode | specimg | paper |" in out and "| sjd | mode | specimg | paper |" in out
     assert "| train-drafter eagle3 | ttt_steps, lr, clip_norm | 7, 5e-05, 0.5 |" in out
     assert "depth 5, topk 10, total_tokens 60" in out
+    assert "| cascade | budget | node | step |" in out and "| sjd | ar_tail | 0 | 18 |" in out
+    assert "| lantern++ | tree | auto | mc_sim_7b_63 |" in out
+    assert "lam 5 / k 10, lam 10 / k 5, lam 20 / k 5" in out and "depth 4, top-k 10, 59 nodes" in out
 
 
 def test_methods_marks_a_paper_mode_without_a_budget(capsys):
     assert run("methods") == 0
     out = capsys.readouterr().out
     assert "as published: -o gsd.mode=paper (no TVD budget" in out
-    assert "as published: -o sjd.mode=paper  (" in out  # exact: it keeps the budget of 0
+    assert "as published: -o sjd.mode=paper -o sjd.ar_tail=18  (" in out  # exact: it keeps the budget of 0
 
 
 def test_the_trainer_defaults_are_each_drafter_types_published_ones():
