@@ -1,9 +1,11 @@
-"""mode=paper for lantern and lantern++: the released code's acceptance, held against a
-separate transcription of the published rule written here.  At one node, every draw of
-the children and every draw of the acceptance is enumerated, so those checks have no false
-failures; end to end, where the drafter's Gumbel draws cannot be enumerated, a chi-square
-test at statistics.ALPHA.  Wrong rules (a residual that keeps x's other neighbours, the
-core's residual, specimg's budgeted rules) fail the same checks."""
+"""mode=paper for lantern and lantern++: the released code's acceptance on each of its paths
+(Lumina-mGPT's on sampled trees, LlamaGen's EAGLE-2 on top-k trees, LlamaGen's static tree
+``evaluate_posterior_v1`` for lantern++), held against a separate transcription of the
+released rules written here.  At one node, every draw of the children and every draw of
+the acceptance is enumerated, so those checks have no false failures; end to end, where
+the drafter's Gumbel draws cannot be enumerated, a chi-square test at statistics.ALPHA
+(1e-4).  Wrong rules (a residual that keeps x's other neighbours, the core's residual,
+another path's residual, specimg's budgeted rules) fail the same checks."""
 
 from __future__ import annotations
 
