@@ -55,6 +55,10 @@ class GSDOptions:
     acceptance: str = attrs.field(default="budget", validator=v.in_(("budget", "group")))
     mode: str = attrs.field(default="specimg", validator=v.in_(("specimg", "paper")))
 
+    def ignores(self) -> tuple[str, tuple[str, ...]]:
+        """The options this mode does not use (given, they are refused)."""
+        return f"mode={self.mode}", ("acceptance",) if self.mode == "paper" else ()
+
     @property
     def budgeted(self) -> bool:
         """Whether every node stays within delta in TVD (the group rules have no budget)."""

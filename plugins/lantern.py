@@ -14,11 +14,10 @@ rather than the normalised one the decoder sees, and a budget delta per candidat
 than per node (then a node with C candidates moves up to C * delta, so the method
 declares a node budget of 1).
 
-``mode="paper"`` is the rule of the released code (jadohu/LANTERN, on LlamaGen's EAGLE-2
-trees and Lumina-mGPT), neighbours in the raw codebook, with no TVD budget
-(``LanternOptions.budgeted`` is False).  The children x_1, x_2, ... of u were drawn from
-the drafter's q_u (a sampled tree: the only kind that keeps q_u); r starts as p_u; for
-each child x in turn:
+``mode="paper"`` is the rule of the released code (jadohu/LANTERN), neighbours in the raw
+codebook, with no TVD budget (``LanternOptions.budgeted`` is False); the tree chooses
+which released path.  At node u with children x_1, x_2, ... in draft-rank order, r
+starting as p_u, for each child x in turn:
 
     A(x)    = the longest prefix of B_k(x) with r(A(x)) <= delta   (delta per candidate)
     accept x with probability min(1, (r(x) + r(A(x))) / q(x))
@@ -28,11 +27,15 @@ each child x in turn:
               q <- norm(q without x)
     every child rejected: emit y ~ r
 
-That is the released Lumina-mGPT path (models/ea_model_lumina_mgpt.py:661-717 of
-jadohu/LANTERN, EAGLE-1 trees with the drafter's q): ``nearest_latents[x, :k]`` for A(x),
-``nearest_latents[x, :k+1]`` zeroed in r only ``if indices != -1``, and
-``torch.ones_like(gtp)`` when r is left empty; ``nearest_latents`` holds each code's
-nearest other codes (entrypoints/generate_codebook.py:55-59 sets the diagonal to inf).
+On a sampled tree, q is the drafter's distribution the children were drawn from: the
+Lumina-mGPT path (models/ea_model_lumina_mgpt.py, ``evaluate_posterior``, EAGLE-1
+trees).  On a top-k tree (EAGLE-2's, the LlamaGen path: models/ea_model_llamagen.py,
+``evaluate_posterior``) the drafts are deterministic, q = 1: x is accepted with
+min(1, r(x) + r(A(x))) and a rejection zeroes x (and B_{k+1}(x) where A(x) is not empty)
+in r.  Its default tree is the release's (``RELEASED_TREE``).  ``nearest_latents[x, :k]``
+gives A(x), ``nearest_latents[x, :k+1]`` is zeroed only ``if indices != -1``, and
+``torch.ones_like(gtp)`` is the empty residual's uniform; ``nearest_latents`` holds each
+code's nearest other codes (entrypoints/generate_codebook.py sets the diagonal to inf).
 """
 
 from __future__ import annotations
@@ -45,10 +48,13 @@ import torch
 from attrs import validators as v
 from torch import Tensor
 
-from specimg import CODEBOOKS, DraftTree, MethodSpec, SpecimgError, codebook_donors, hookimpl, transfer
+from specimg import CODEBOOKS, DraftTree, MethodSpec, SpecimgError, TreeConfig, codebook_donors, hookimpl, transfer
 
 BUDGETS = ("node", "candidate")
 MODES = ("specimg", "paper")
+RELEASED_TREE = {"depth": 4, "topk": 10, "total_tokens": 59}
+"""The EAGLE-2 tree of the release's LlamaGen runs (``EaModel.from_pretrained`` in
+models/ea_model_llamagen.py: total_token 59, depth 4, top_k 10)."""
 
 
 @attrs.frozen
@@ -58,7 +64,8 @@ class LanternOptions:
     codebook: neighbours in the vectors the decoder sees or in the raw codebook (the
     released code's); budget: one delta per node, or per candidate (the paper's).
     mode: "specimg" (the above) or "paper" (the released code's rule, module docstring:
-    k and delta as given, the raw codebook; whole_neighbours, codebook and budget unused)."""
+    k and delta as given, the raw codebook; whole_neighbours, codebook and budget are
+    refused, since it does not use them)."""
 
     k: int = attrs.field(default=1000, validator=v.ge(1))
     delta: float = attrs.field(default=0.1, validator=[v.ge(0.0), v.le(1.0)])
@@ -66,6 +73,16 @@ class LanternOptions:
     codebook: str = attrs.field(default="normalised", validator=v.in_(CODEBOOKS))
     budget: str = attrs.field(default="node", validator=v.in_(BUDGETS))
     mode: str = attrs.field(default="specimg", validator=v.in_(MODES))
+
+    def ignores(self) -> tuple[str, tuple[str, ...]]:
+        """The options this mode does not use (given, they are refused)."""
+        return f"mode={self.mode}", ("whole_neighbours", "codebook", "budget") if self.mode == "paper" else ()
+
+    def released_tree(self, tree: TreeConfig) -> TreeConfig:
+        """In paper mode, a tree left to the engine (auto) is the release's EAGLE-2 tree."""
+        if self.mode != "paper" or tree.kind != "auto":
+            return tree
+        return attrs.evolve(tree, kind="dynamic", **RELEASED_TREE)
 
     @property
     def node_delta(self) -> float:
@@ -88,7 +105,9 @@ def register_methods(register: Callable[[MethodSpec], None]) -> None:
         "lantern", LanternOptions, "LANTERN: candidates take the mass of their k nearest codebook neighbours", paper={"mode": "paper"},
         departures=(
             "the paper budgets delta per candidate and zeroes a rejected draft's k+1 nearest codes in the residual, so a node may "
-            "move more than delta; specimg's default shares one delta per node, in the decoder's normalised codebook"
+            "move more than delta; specimg's default shares one delta per node, in the decoder's normalised codebook. mode=paper "
+            "runs on the release's LlamaGen tree (EAGLE-2, depth 4, top-k 10, 59 nodes; q = 1) where the tree is left to auto, "
+            "and takes the Lumina-mGPT rule (the drafter's q) on sampled trees (--sample-drafts)"
         ),
         batch=True,
     ))
@@ -111,29 +130,30 @@ def build_relaxed_dist(
 
 def released_law(
     dist: Tensor, target_dist: Tensor, budget: Tensor, tree: DraftTree, near: Tensor, k: int, allowance: Callable[[Tensor], Tensor],
-    method: str,
+    method: str, zero_in_q: bool = False,
 ) -> Tensor:
-    """The law of the token the released rule (module docstring) emits at each node, given
-    the children drawn there, as q_R [n, V]: the core's sample-and-match then emits exactly
-    that law, a child's token drawn being that child accepted.  ``near`` [n, C, k + 1]
-    holds each child's k + 1 nearest codes (fewer where the codebook is smaller): A(x) is
-    a prefix of the first ``k``, a rejection with A(x) not empty zeroes all of them;
-    ``allowance(r(x))`` is the most mass A(x) may hold (LANTERN: delta; LANTERN++:
-    (lam - 1) r(x)).  A draft the target masks is never accepted (the core allows no mass
-    where p is 0); where a rejection leaves r no mass, r becomes uniform, as the release's
-    ``torch.ones_like(gtp)``."""
+    """The law of the token the released rule emits at each node, given the children
+    drafted there, as q_R [n, V]: the core's sample-and-match then emits exactly that law,
+    a child's token drawn being that child accepted.  ``near`` [n, C, k + 1] holds each
+    child's k + 1 nearest codes: A(x) is a prefix of the first ``k`` with mass at most
+    ``allowance(r(x))`` (LANTERN: delta; LANTERN++: (lam - 1) r(x)).  A top-k tree (no
+    draft distributions) takes the LlamaGen EAGLE-2 rule, q = 1: a rejection zeroes x, and
+    x's k + 1 nearest where A(x) is not empty, in r.  A sampled tree tests x against the
+    drafter's q; a rejection sets r to max(0, r - q) with x and, where A(x) is not empty,
+    its k + 1 nearest zeroed (Lumina-mGPT's path), or with ``zero_in_q`` (LANTERN++'s
+    static-tree path, ``evaluate_posterior_v1``) zeroes those k + 1 nearest in q before
+    subtracting it, and not x.  Where a rejection leaves r no mass, r becomes uniform over the
+    vocabulary (the release's ``torch.ones_like(gtp)``), so the law may leave p's support,
+    as the release's does; so may a draft the target masks, accepted with r(A(x)) / q(x)."""
     candidates = tree.candidates()[0].to(target_dist.device)
     rows = (candidates >= 0).any(dim=1).nonzero().squeeze(1)
     if rows.numel() == 0:  # nothing drafted (the image's last token): p as it is
         return target_dist
-    if tree.draft_probs is None:
-        raise SpecimgError(f"{method} mode=paper tests each draft against the drafter's distribution, which only sampled trees keep: "
-                           "add --sample-drafts (TreeConfig(sample=True))")
     if dist is not target_dist or bool((budget < 1).any()):  # the rule tests drafts against p itself, unbounded
         raise SpecimgError(f"{method} mode=paper has no TVD budget: run it alone or first in a stack, with no --delta below 1")
     law = target_dist.clone()
-    p = target_dist[rows].double()
-    r, q = p, tree.draft_probs.to(p.device)[rows].double()
+    r = target_dist[rows].double()
+    q = None if tree.draft_probs is None else tree.draft_probs.to(r.device)[rows].double()
     emitted = torch.zeros_like(r)
     reach = torch.ones(rows.numel(), dtype=r.dtype, device=r.device)  # P(every earlier child rejected)
     at = torch.arange(rows.numel(), device=r.device)
@@ -145,15 +165,22 @@ def released_law(
         mass = r.gather(1, ball[:, :k])
         fits = mass.cumsum(1) <= allowance(r[at, x])[:, None]  # a prefix: r >= 0
         lifted = r[at, x] + (mass * fits).sum(1)  # r(x) + r(A(x))
-        accept = torch.where(drafted & (p[at, x] > 0), (lifted / q[at, x].clamp(min=tiny)).clamp(max=1.0), 0.0)
+        drawn = 1.0 if q is None else q[at, x].clamp(min=tiny)
+        accept = torch.where(drafted, (lifted / drawn).clamp(max=1.0), 0.0)
         emitted[at, x] += reach * accept
         reach = reach * (1 - accept)
-        hood = torch.where(fits[:, :1], ball, x[:, None])  # A(x) not empty: x's k + 1 nearest; else x alone
-        left = (r - q).clamp(min=0).scatter(1, torch.cat([x[:, None], hood], dim=1), 0.0)
+        hood = torch.zeros_like(r, dtype=torch.bool).scatter_(1, ball, True) & fits[:, :1]  # A(x) not empty: x's k + 1 nearest
+        if q is None:
+            left = r.masked_fill(hood, 0.0).scatter(1, x[:, None], 0.0)
+        elif not zero_in_q:
+            left = (r - q).clamp(min=0).masked_fill(hood, 0.0).scatter(1, x[:, None], 0.0)
+        else:
+            left = (r - q.masked_fill(hood, 0.0)).clamp(min=0)
         total = left.sum(1, keepdim=True)
         r = torch.where(drafted[:, None], torch.where(total > 0, left / total.clamp(min=tiny), uniform), r)
-        dropped = q.scatter(1, x[:, None], 0.0)
-        kept = dropped.sum(1, keepdim=True)
-        q = torch.where(drafted[:, None] & (kept > 0), dropped / kept.clamp(min=tiny), q)
+        if q is not None:
+            dropped = q.scatter(1, x[:, None], 0.0)
+            kept = dropped.sum(1, keepdim=True)
+            q = torch.where(drafted[:, None] & (kept > 0), dropped / kept.clamp(min=tiny), q)
     law[rows] = (emitted + reach[:, None] * r).to(law.dtype)
     return law

@@ -15,16 +15,18 @@ has the cap alone; delta = 1 is that rule (no node can move more than its mass o
 candidates), and the default 0.1 adds the TVD budget every other method keeps.
 
 ``mode="paper"`` is the rule of the released code (LANTERN++ is the lambda mode of
-jadohu/LANTERN's code): the static tree and LANTERN's released acceptance (its module
-docstring) with the cap in place of delta, neighbours in the raw codebook, no TVD budget
-(``LanternPPOptions.budgeted`` is False).  For each drawn child x, r the node's residual:
+jadohu/LANTERN's code, ``lantern_delta > 1``), neighbours in the raw codebook, no TVD
+budget (``LanternPPOptions.budgeted`` is False): the instruction its script runs is
+LlamaGen with ``--static_tree``, whose drafts are sampled from the drafter and verified by
+``evaluate_posterior_v1`` (models/ea_model_llamagen.py).  Its tree, unless named, is the
+release's default ``mc_sim_7b_63``.  For each drawn child x, r the node's residual and q
+the drafter's distribution without the earlier siblings:
 
     A(x)    = the longest prefix of B_k(x) with r(A(x)) <= (lam - 1) * r(x)
     accept x with probability min(1, (r(x) + r(A(x))) / q(x))
-    else      r <- norm(max(0, r - q) with x set to 0, and ALL of B_{k+1}(x) where A(x) is
-                   not empty; uniform where nothing is left),  q <- norm(q without x)
-
-(``lantern_delta > 1`` in models/ea_model_lumina_mgpt.py:665-668 of jadohu/LANTERN.)
+    else      r <- norm(max(0, r - q'))  with q' = q with ALL of B_{k+1}(x) set to 0 where
+                   A(x) is not empty (the codes are zeroed in the subtracted q, not in r);
+                   uniform where nothing is left;   q <- norm(q without x)
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ import torch
 from attrs import validators as v
 from torch import Tensor
 
-from specimg import CODEBOOKS, DraftSession, DraftTree, MethodSpec, TreeConfig, build_static, codebook_donors, hookimpl, transfer
+from specimg import (
+    CODEBOOKS, DraftSession, DraftTree, MethodSpec, TreeConfig, build_static, codebook_donors, hookimpl, transfer,
+)
 from specimg_plugins.lantern import MODES, released_law
 
 RankPaths = tuple[tuple[int, ...], ...]
@@ -61,11 +65,23 @@ def likely_paths(size: int, first: float = 0.7, decay: float = 0.6, width: int =
     return tuple(paths)
 
 
+MC_SIM_7B_63: RankPaths = (
+    (0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0),
+    (0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 1, 0), (0, 1, 1), (0, 2, 0), (0, 2, 1), (1, 0, 0),
+    (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 0, 2), (0, 0, 0, 0, 0), (0, 0, 0, 0, 1),
+)
+"""EAGLE's ``mc_sim_7b_63`` (its model/choices.py), the static tree LANTERN's release
+drafts by default (``initialize_tree_v1``): 25 paths, depth 5, 4 root children."""
+
 TREES: dict[str, RankPaths] = {
     "default": likely_paths(59),  # 60 nodes with the root, 7 deep, up to 5 children
     "small": likely_paths(15),  # 16 nodes with the root, 5 deep
     "chain": tuple((0,) * d for d in range(1, 7)),  # the drafter's top choice, 6 deep
+    "mc_sim_7b_63": MC_SIM_7B_63,
 }
+PAPER_TREE = "mc_sim_7b_63"
+SETTINGS = ((5.0, 10), (10.0, 5), (20.0, 5))
+"""(lam, k) of the three runs in the release's run.sh."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,8 +97,9 @@ class LanternPPOptions:
     auto: the likeliest paths, as many nodes as the run's tree has (with auto trees, the
     size the machine's cost model picks); codebook: neighbours in the vectors the decoder
     sees or in the raw codebook (the released code's).  mode: "specimg" (the above) or
-    "paper" (the released code's rule, module docstring: k, lam and tree as given, the raw
-    codebook; delta and codebook unused)."""
+    "paper" (the released code's rule, module docstring: k, lam and tree as given, auto
+    being the release's mc_sim_7b_63, drafts sampled, the raw codebook; delta and codebook
+    are refused, since it does not use them)."""
 
     k: int = attrs.field(default=10, validator=v.ge(1))
     lam: float = attrs.field(default=5.0, validator=v.ge(1.0))
@@ -90,6 +107,24 @@ class LanternPPOptions:
     tree: str = attrs.field(default="auto", validator=v.in_(("auto", *TREES)))
     codebook: str = attrs.field(default="normalised", validator=v.in_(CODEBOOKS))
     mode: str = attrs.field(default="specimg", validator=v.in_(MODES))
+
+    def ignores(self) -> tuple[str, tuple[str, ...]]:
+        """The options this mode does not use (given, they are refused)."""
+        return f"mode={self.mode}", ("delta", "codebook") if self.mode == "paper" else ()
+
+    def released_tree(self, tree: TreeConfig) -> TreeConfig:
+        """In paper mode, the static tree drawn from the drafter, as the release's
+        ``--static_tree`` drafts (``topK_genrate_v1`` samples): its rule needs the drafter's q."""
+        if self.mode != "paper":
+            return tree
+        return TreeConfig("static", rank_paths=self.paths(tree), sample=True, ar_fallback=tree.ar_fallback)
+
+    def paths(self, tree: TreeConfig) -> RankPaths:
+        """The static tree's rank paths: the named one, else (auto) the release's in paper
+        mode and the likeliest ``tree.total_tokens`` nodes otherwise."""
+        if self.tree != "auto":
+            return TREES[self.tree]
+        return TREES[PAPER_TREE] if self.mode == "paper" else sized_paths(tree.total_tokens)
 
     @property
     def node_delta(self) -> float:
@@ -106,8 +141,13 @@ class LanternPPOptions:
 @hookimpl
 def register_methods(register: Callable[[MethodSpec], None]) -> None:
     register(MethodSpec(
-        "lantern++", LanternPPOptions, "LANTERN++: static draft tree, codebook neighbours, cap lam * p", paper={"mode": "paper"},
-        departures="the paper has the cap lam * p alone; specimg's default adds a TVD budget of delta 0.1 per node",
+        "lantern++", LanternPPOptions, "LANTERN++: static draft tree, codebook neighbours, cap lam * p",
+        paper={"mode": "paper", "tree": PAPER_TREE},
+        departures=(
+            "the paper has the cap lam * p alone; specimg's default adds a TVD budget of delta 0.1 per node. The release's run.sh "
+            "runs " + ", ".join(f"lam {lam:g} / k {k}" for lam, k in SETTINGS) + " (-o lantern++.lam=... -o lantern++.k=...); "
+            "the defaults are the first. mode=paper samples its drafts from the drafter, as the release's static tree does"
+        ),
         batch=True,
     ))
 
@@ -116,8 +156,7 @@ def register_methods(register: Callable[[MethodSpec], None]) -> None:
 def propose_tree(
     session: DraftSession, root_token: int, tree_config: TreeConfig, max_depth: int, generator: torch.Generator, options: LanternPPOptions
 ) -> DraftTree:
-    paths = sized_paths(tree_config.total_tokens) if options.tree == "auto" else TREES[options.tree]
-    return build_static(session, root_token, paths, tree_config.sample, generator, max_depth=max_depth)
+    return build_static(session, root_token, options.paths(tree_config), tree_config.sample, generator, max_depth=max_depth)
 
 
 @hookimpl
@@ -128,7 +167,7 @@ def build_relaxed_dist(
     raw = options.mode == "paper" or options.codebook == "raw"
     if options.mode == "paper":  # k nearest for A(x), k + 1 for what a rejection zeroes
         near = codebook_donors(tokenizer, candidates, options.k + 1, target_dist.shape[-1], "lantern++", raw=True)
-        return released_law(dist, target_dist, budget, tree, near, options.k, lambda mass: (options.lam - 1) * mass, "lantern++")
+        return released_law(dist, target_dist, budget, tree, near, options.k, lambda mass: (options.lam - 1) * mass, "lantern++", zero_in_q=True)
     donors = codebook_donors(tokenizer, candidates, options.k, target_dist.shape[-1], "lantern++", raw=raw)
     cap = options.lam * target_dist.gather(1, candidates.clamp(min=0))
     return transfer(dist, target_dist, candidates, donors, budget.to(dist.device), cap=cap, whole=True, distinct=True)[0]

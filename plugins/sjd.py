@@ -20,6 +20,15 @@ window of L counts the committed token (L - 1 drafts), and a freshly drawn token
 given a one-hot q, so it is accepted with probability p(x) and a rejection draws from
 norm(max(0, p - onehot(x))).  That is still exact: it spends no TVD.
 
+``ar_tail`` is the release's ``jacobi_loop_interval``: Jacobi windows stop that many
+tokens before the image's end (no draft lands there) and the last tokens are decoded AR,
+one per step.  test_llamagen.py sets ``jacobi_loop_interval_r = (target_size // 16)**2 -
+max_num_new_tokens - 2``: the last 18 of LlamaGen's tokens (``mode="paper"``'s 18);
+test_lumina_mgpt.py (and GSD's release) ``(target_size // 16)**2 + target_size // 16 -
+10``, the last 10 of Lumina-mGPT's sequence with its end-of-line tokens (sjd beside gsd:
+10).  The window also shrinks as it nears that point, as the release's ``min(16, r -
+cur_len)`` does.  Exact either way: it trades speed only.
+
 ``init="repeat_horizon"`` is the released code's prior of that name (scheduler/
 jacobi_iteration_lumina_mgpt.py:516-594, ``get_multi_token_for_preparation``): every new
 position starts as the last token before the new ones (the last carried draft, else the
@@ -49,11 +58,13 @@ class SJDOptions:
     """window: L, the draft tokens after the accepted prefix (each step's chain); in
     mode "paper" L counts the committed token, as the released code's 16 does.  init: how
     new positions start, "random" (uniform) or "repeat_horizon" (the release's prior: a copy
-    of the last token before them)."""
+    of the last token before them).  ar_tail: the image's last tokens decoded AR (the
+    release's jacobi_loop_interval: 18 on LlamaGen, 10 on Lumina-mGPT; 0: none)."""
 
     window: int = attrs.field(default=16, validator=v.ge(1))
     mode: str = attrs.field(default="specimg", validator=v.in_(("specimg", "paper")))
     init: str = attrs.field(default="random", validator=v.in_(("random", "repeat_horizon")))
+    ar_tail: int = attrs.field(default=0, validator=v.ge(0))
 
     @property
     def drafts(self) -> int:
@@ -65,10 +76,11 @@ class SJDOptions:
 def register_methods(register: Callable[[MethodSpec], None]) -> None:
     register(MethodSpec(
         "sjd", SJDOptions, "SJD: draft-free speculative Jacobi decoding over a window of L tokens", drafter=False,
-        paper={"mode": "paper"},  # init random: the release's LlamaGen script names repeat_horizon but never applies it
-        stacked_defaults={"gsd": {"mode": "paper"}},  # GSD's released code runs on SJD's (its Lumina-mGPT init is random)
+        paper={"mode": "paper", "ar_tail": 18},  # init random: the release's LlamaGen script names repeat_horizon but never applies it
+        stacked_defaults={"gsd": {"mode": "paper", "ar_tail": 10}},  # GSD's released code runs on SJD's Lumina-mGPT one (init random)
         departures=(
-            "fresh tokens are drawn uniformly and keep that q (the release gives them a one-hot q), and L counts drafts; both exact"
+            "fresh tokens are drawn uniformly and keep that q (the release gives them a one-hot q), L counts drafts, and Jacobi runs "
+            "to the image's end (the release decodes the last 18 of LlamaGen's tokens AR); all exact"
         ),
     ))
 
@@ -77,7 +89,7 @@ def register_methods(register: Callable[[MethodSpec], None]) -> None:
 def propose_tree(
     root_token: int, max_depth: int, previous: Step, sampling: Sampling, generator: torch.Generator, options: SJDOptions,
 ) -> DraftTree:
-    length = min(options.drafts, max_depth)
+    length = max(0, min(options.drafts, max_depth - options.ar_tail))  # no draft in the AR tail
     return jacobi_window(previous, root_token, length, generator, sampling.greedy, one_hot_fresh=options.mode == "paper",
                          repeat=options.init == "repeat_horizon")
 

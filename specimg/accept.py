@@ -351,7 +351,7 @@ def _reject_on_host(tree: DraftTree, target_dist: Tensor, generator: torch.Gener
     tokens, children = tree.tokens.tolist(), tree.children
     path, node = [0], 0
     while True:
-        residual, draft = target_dist[node].double(), tree.draft_probs[node].double()
+        residual, draft = target_dist[node].double(), tree.draft_probs[node].to(torch.float64, copy=True)  # a float64 row would be the tree's own
         accepted = None
         for child in children[node]:
             x = tokens[child]

@@ -121,6 +121,7 @@ class Engine:
                 raise SpecimgError("method 'ar' has no total-variation budget to set (delta)")
             return
         self.stack = self.plugins.stack(method, options, delta)
+        self.tree_config = self.stack.released_tree(tree)  # a paper mode's released tree, where it has one
         if drafter is None and not self.drafter_free:
             raise SpecimgError(f"method {self.stack.name!r} drafts tokens and needs a drafter")
         self.hooks = StackHooks.bind(self.plugins, self.stack)
@@ -747,7 +748,7 @@ class Engine:
         members, stack_delta = self.relaxers(tree, scores), self.stack.delta
         if self.compiled and self._fold_compiles and not tree.sampled and stack_delta > 0 and members:
             try:
-                dist, breaches = run(relax.fold_on_device, scores.probs, members, stack_delta, self.check_relax, compiled=True)
+                dist, breaches = run(relax.fold_on_device, scores.probs, members, stack_delta, self.check_relax, self.stack.unbudgeted, compiled=True)
             except Refused as refusal:
                 self._fold_compiles = False
                 first_line = str(refusal).strip().splitlines()[0]
@@ -756,7 +757,7 @@ class Engine:
                 if breaches is not None:
                     relax.raise_breach([member.method for member in self.hooks.relaxers], breaches, stack_delta)
                 return dist.clone()  # on CUDA the program's next run overwrites its outputs
-        return relax.fold(scores.probs, members, stack_delta, check=self.check_relax)
+        return relax.fold(scores.probs, members, stack_delta, check=self.check_relax, unbudgeted=self.stack.unbudgeted)
 
     def score(self, tree: DraftTree, token_index: int) -> Scores:
         """The target's scores on one image's tree by the stack's score hook, else by the core's own."""

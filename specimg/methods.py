@@ -9,6 +9,7 @@ from typing import Any
 
 import attrs
 
+from specimg.config import TreeConfig
 from specimg.errors import SpecimgError
 
 AR = "ar"
@@ -94,6 +95,21 @@ class Stack:
         """Whether every node keeps within ``delta`` in TVD (no member runs an unbudgeted rule)."""
         return all(m.budgeted for m in self.members)
 
+    @property
+    def unbudgeted(self) -> tuple[str, ...]:
+        """The members that run a rule with no TVD budget (held to their papers' laws)."""
+        return tuple(m.spec.name for m in self.members if not m.budgeted)
+
+    def released_tree(self, tree: TreeConfig) -> TreeConfig:
+        """The tree this stack runs on, given the run's ``tree``: what the first member with
+        a ``released_tree`` method on its options makes of it (a paper mode's released
+        tree, where the run left the tree to the engine), else ``tree``."""
+        for member in self.members:
+            chosen = getattr(member.options, "released_tree", None)
+            if chosen is not None:
+                return chosen(tree)
+        return tree
+
     def options_dict(self) -> dict[str, dict[str, Any]]:
         return {m.spec.name: attrs.asdict(m.options) for m in self.members}
 
@@ -154,9 +170,22 @@ def make_options(spec: MethodSpec, values: Mapping[str, Any]) -> Any:
             raise SpecimgError(f"method {spec.name!r} has no option {key!r} (options: {known})")
         kwargs[key] = _convert(spec.name, key, fields[key].type, value)
     try:
-        return cls(**kwargs)
+        options = cls(**kwargs)
     except (TypeError, ValueError) as err:
         raise SpecimgError(f"bad option for method {spec.name!r}: {_message(err)}") from None
+    refuse_ignored(spec.name, options, values)
+    return options
+
+
+def refuse_ignored(method: str, options: Any, values: Mapping[str, Any]) -> None:
+    """Refuse options given in ``values`` that ``options`` do not use (their ``ignores()``:
+    the setting that ignores them, such as ``mode=paper``, and their names): given, they
+    would change nothing without a word."""
+    setting, ignored = options.ignores() if hasattr(options, "ignores") else ("", ())
+    given = [f"{method}.{key}" for key in values if key in ignored]
+    if given:
+        key = setting.partition("=")[0]
+        raise SpecimgError(f"{method}.{setting} does not use {', '.join(given)}: drop {'it' if len(given) == 1 else 'them'}, or set {method}.{key}")
 
 
 def _message(err: Exception) -> str:

@@ -10,7 +10,7 @@ is exactly the mass moved, and the chance of accepting some child can only grow.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 from torch import Tensor
@@ -143,13 +143,20 @@ _BROKEN = (
 )
 
 
-def contract_breaches(new: Tensor, before: Tensor, target_dist: Tensor, budget: Tensor, stack_delta: float) -> tuple[Tensor, Tensor]:
+def contract_breaches(
+    new: Tensor, before: Tensor, target_dist: Tensor, budget: Tensor, stack_delta: float, budgeted: bool = True
+) -> tuple[Tensor, Tensor]:
     """One method's output against the contract, on the device: which of ``_BROKEN`` it
     breaks [4] (bool), and its TVD to the target per node.  Works in float32 with a
-    tolerance for float32 rounding over V entries."""
+    tolerance for float32 rounding over V entries.  A rule with no budget (a paper mode,
+    not ``budgeted``) is held to its paper's law by its own tests: here only to being a
+    distribution, since that law may leave p's support (a released rule's uniform residual)."""
     distance = 0.5 * (new - target_dist).abs().sum(-1)
+    broken = (new.min() < 0) | ((new.sum(-1) - 1).abs() > _TOL).any()
+    if not budgeted:
+        return torch.stack([broken, *broken.new_zeros(3)]), distance
     breaches = torch.stack([
-        (new.min() < 0) | ((new.sum(-1) - 1).abs() > _TOL).any(),
+        broken,
         new.masked_fill(target_dist > 0, 0).any(),
         (0.5 * (new - before).abs().sum(-1) > budget + _TOL).any(),
         (distance > stack_delta + _TOL).any(),
@@ -179,10 +186,11 @@ def fold(
     members: Sequence[tuple[str, float, Callable[..., Tensor | None]]],
     stack_delta: float,
     check: bool = True,
+    unbudgeted: Collection[str] = (),
 ) -> Tensor:
     """Apply relaxations in stack order (:func:`fold_on_device`), then read the contract's
     verdicts: the step's one host read of them (a breach names the first member that broke it)."""
-    dist, breaches = fold_on_device(target_dist, members, stack_delta, check)
+    dist, breaches = fold_on_device(target_dist, members, stack_delta, check, unbudgeted)
     if breaches is not None:
         raise_breach([name for name, _, _ in members], breaches, stack_delta)
     return dist
@@ -193,13 +201,16 @@ def fold_on_device(
     members: Sequence[tuple[str, float, Callable[..., Tensor | None]]],
     stack_delta: float,
     check: bool = True,
+    unbudgeted: Collection[str] = (),
 ) -> tuple[Tensor, Tensor | None]:
     """Apply relaxations in stack order: each gets the previous result and the budget left
     (at most its own delta).  With ``check`` every output is held to the contract on the
     device, the verdicts one row per member [members, 4] (which of ``_BROKEN`` it breaks;
     none for a member that changed nothing) for the caller to read; without it (None) only
     the distance spent is measured, which the next member's budget needs.  Nothing here
-    reads the host unless a member raises.  A member with no budget to spend (its delta
+    reads the host unless a member raises.  Members named in ``unbudgeted`` run a rule
+    with no budget (``Member.budgeted``): their outputs are checked as distributions only.
+    A member with no budget to spend (its delta
     or the stack's is 0) is skipped; one whose nodes have spent theirs runs and, by the
     contract, changes nothing."""
     dist = target_dist
@@ -221,7 +232,7 @@ def fold_on_device(
         if new.shape != target_dist.shape:
             raise BudgetError(name, f"returned shape {tuple(new.shape)}, expected {tuple(target_dist.shape)}")
         if check:
-            rows[-1], spent = contract_breaches(new, dist, target_dist, budget, stack_delta)
+            rows[-1], spent = contract_breaches(new, dist, target_dist, budget, stack_delta, name not in unbudgeted)
         else:
             spent = 0.5 * (new - target_dist).abs().sum(-1)
         dist = new

@@ -144,7 +144,7 @@ def test_out_of_range_seed_of_the_training_commands(tmp_path, capsys):
         (["--tree", "static", "--rank-paths", "0 -1"], "names no node, or a negative rank"),
         (["--tree", "static", "--rank-paths", "0 1 0.1 1"], "'0 1 0.1 1' names node 1 twice"),
         (["--tree", "static", "--rank-paths", "0 0.1"], "static tree path (0, 1) lacks its parent or its previous sibling"),
-        (["-m", "lantern++", "-o", "lantern++.tree=nosuch"], "bad option for method 'lantern++': 'tree' must be in ('auto', 'default', 'small', 'chain') (got 'nosuch')"),
+        (["-m", "lantern++", "-o", "lantern++.tree=nosuch"], "bad option for method 'lantern++': 'tree' must be in ('auto', 'default', 'small', 'chain', 'mc_sim_7b_63') (got 'nosuch')"),
         (["-m", "lantern", "-o", "lantern.budget=path"], "bad option for method 'lantern': 'budget' must be in ('node', 'candidate') (got 'path')"),
         (["-m", "lantern", "-o", "lantern.codebook=rawest"], "bad option for method 'lantern': 'codebook' must be in ('normalised', 'raw') (got 'rawest')"),
         (["--method", "naive+"], "unknown method"),

@@ -88,7 +88,7 @@ def test_paper_mode_declares_no_budget_and_is_gsd_beside_sjd():
     assert plugins.stack("sjd+gsd", {"gsd": {"mode": "specimg"}}).budgeted
     assert plugins.stack("gsd").budgeted  # alone, on a drafter's trees, the budgeted rule
     assert plugins.stack("sjd+gsd").options_dict()["gsd"]["mode"] == "paper"  # beside sjd, GSD as published
-    assert plugins.stack("sjd+gsd").options_dict()["sjd"] == {"window": 16, "mode": "paper", "init": "random"}  # on SJD as released
+    assert plugins.stack("sjd+gsd").options_dict()["sjd"] == {"window": 16, "mode": "paper", "init": "random", "ar_tail": 10}  # on SJD's Lumina-mGPT release
     assert plugins.stack("sjd").options_dict()["sjd"]["mode"] == "specimg"
 
 
@@ -102,9 +102,9 @@ def test_an_unknown_mode_is_refused():
 SJD_PROBLEM = 10
 
 
-def _paper_sjd(window: int, **kwargs) -> Engine:
+def _paper_sjd(window: int, ar_tail: int = 0, **kwargs) -> Engine:
     problem = statistics.markov_problem(SJD_PROBLEM, **kwargs)
-    return Engine(problem.target, None, "sjd", {"sjd": {"window": window, "mode": "paper"}}, statistics.SAMPLING,
+    return Engine(problem.target, None, "sjd", {"sjd": {"window": window, "mode": "paper", "ar_tail": ar_tail}}, statistics.SAMPLING,
                   tokenizer=problem.tokenizer)
 
 
@@ -119,6 +119,18 @@ def test_paper_sjd_fresh_rows_are_one_hot_and_the_window_counts_the_committed_to
     assert max(engine.generate([0] * 4, seed=0).stats.images[0].tree_sizes) == 4  # root + 3 drafts
     options = sjd.SJDOptions(window=16, mode="paper")
     assert options.drafts == 15 and sjd.SJDOptions().drafts == 16
+
+
+def test_paper_sjd_decodes_the_images_tail_as_released():
+    """The release's jacobi_loop_interval: no draft in the last ar_tail positions (LlamaGen's
+    18 as published, 10 beside gsd), so the last steps are AR, one token each; still exact."""
+    spec = PluginManager().methods()["sjd"]
+    assert make_options(spec, spec.paper or {}).ar_tail == 18 and sjd.SJDOptions().ar_tail == 0
+    engine = _paper_sjd(window=4, ar_tail=5, num_tokens=12)
+    for seed in range(5):
+        sizes = engine.generate([0], seed=seed).stats.images[0].tree_sizes
+        assert sizes[-4:] == [1, 1, 1, 1] and max(sizes) == 4
+    statistics.check_exact_law(_paper_sjd(window=3, ar_tail=1), seed=101)
 
 
 def published_fresh_acceptance(p: torch.Tensor, x: int) -> float:

@@ -23,13 +23,16 @@ def test_methods_paper_lists_every_method_and_the_eagle_defaults(capsys):
     for note in [line for line in out.splitlines() if "no TVD budget" in line]:  # the paper's mode, apart from specimg's default
         assert ". As published (-o " in note and "(no TVD budget" not in note, note
     assert any(line.startswith("lantern++: ") and "As published (-o lantern++.mode=paper): no TVD budget" in line for line in out.splitlines())
+    assert "| cascade | budget | node | step |" in out and "| sjd | ar_tail | 0 | 18 |" in out
+    assert "| lantern++ | tree | auto | mc_sim_7b_63 |" in out
+    assert "lam 5 / k 10, lam 10 / k 5, lam 20 / k 5" in out and "depth 4, top-k 10, 59 nodes" in out
 
 
 def test_methods_marks_a_paper_mode_without_a_budget(capsys):
     assert run("methods") == 0
     out = capsys.readouterr().out
     assert "as published: -o gsd.mode=paper (no TVD budget" in out
-    assert "as published: -o sjd.mode=paper  (" in out  # exact: it keeps the budget of 0
+    assert "as published: -o sjd.mode=paper -o sjd.ar_tail=18  (" in out  # exact: it keeps the budget of 0
 
 
 def test_the_trainer_defaults_are_each_drafter_types_published_ones():

@@ -97,14 +97,15 @@ def test_cli_generates_with_sjd(tmp_path, capsys):
 @pytest.mark.parametrize("mode", ["specimg", "paper"])
 def test_sjd_gsd_without_grouping_is_sjd_seed_for_seed(mode: str):
     problem = statistics.markov_problem(PROBLEM, num_tokens=8)
-    runs = [Engine(problem.target, None, m, {"sjd": {"window": 3, "mode": mode}}, statistics.SAMPLING, delta=0.0, tokenizer=problem.tokenizer)
+    runs = [Engine(problem.target, None, m, {"sjd": {"window": 3, "mode": mode, "ar_tail": 0}}, statistics.SAMPLING, delta=0.0, tokenizer=problem.tokenizer)
             for m in ("sjd", "sjd+gsd")]
     assert torch.equal(*(e.generate([0] * 20, seed=4).tokens for e in runs))
 
 
 # --- sjd+gsd with GSD's own group acceptance (gsd.acceptance=group) -----------------------
 
-GROUP = {"acceptance": "group"}
+GROUP = {"acceptance": "group", "mode": "specimg"}
+"""specimg's group acceptance: beside sjd, gsd is otherwise the paper's mode, which refuses the option."""
 
 
 def _chain(first: int, q: torch.Tensor) -> DraftTree:

@@ -54,5 +54,10 @@ def tune(**kw: Any) -> None:
     )
     if engine.drafter_free:
         raise SpecimgError(f"tune values a drafter's trees; {engine.stack.drafter_free} drafts without one and sizes its own: give a method that drafts (naive, cascade+lantern, ...)")
+    if engine.tree_config.kind != "auto":  # a paper mode's released tree
+        if engine.hooks.propose.owner is not None:
+            owner = engine.hooks.propose.owner
+            raise SpecimgError(f"tune sizes auto trees, and {owner} in this mode drafts its release's own tree: tune it with -o {owner}.mode=specimg")
+        engine.tree_config = TreeConfig()  # tune values auto trees under the method's rule, whatever tree it runs on by default
     writable_folder(kw["out"])
     run_tune(engine, conditions_for(models.target, kw).values, kw["seed"], kw["out"], click.echo, remeasure=kw["remeasure"])
