@@ -1,16 +1,13 @@
-"""The demo's CPU speed per image: eager against compiled, and against another checkout.
+"""The demo's CPU speed per image, this checkout against another (``git worktree add DIR
+COMMIT``): is a change slower?
 
-AR and naive on a fixed EAGLE-2 tree (no planner: every step drafts), one thread, the
-same seeds, in rounds that alternate the variants so that a shared machine's drifts
-spread over all of them; the median seconds an image and its ratio to the first variant.
+AR and naive on a fixed EAGLE-2 tree (no planner: every step drafts), each checkout with
+its own defaults, one thread, the same seeds, each run in a fresh process, in rounds that
+alternate the checkouts so that a shared machine's drifts fall on both; the median
+seconds an image and its ratio to this checkout's.  (Eager against compiled in one
+checkout: ``benchmarks/compile_cpu.py``.)
 
-- ``--modes off,on``: the engine's ``compile`` settings to time (``on``: inductor's C++
-  programs; their compile time, paid once, is printed and left out);
-- ``--against DIR``: the same runs from another checkout of specimg (``git worktree add
-  DIR COMMIT``), each run in a subprocess alternating with this checkout's.
-
-    python benchmarks/cpu_step.py --modes off,on --images 2 --rounds 3
-    python benchmarks/cpu_step.py --against ../old-main --images 2 --rounds 5
+    python benchmarks/cpu_step.py ../old-main --images 2 --rounds 5
 """
 
 from __future__ import annotations
@@ -22,56 +19,53 @@ import statistics
 import subprocess
 import sys
 
-
 ONE_RUN = """
 import json, sys, time, torch
 torch.set_num_threads(1)
 import specimg
 from specimg.models.demo import load_demo
-method, mode, images = sys.argv[1], sys.argv[2], int(sys.argv[3])
+method, images = sys.argv[1], int(sys.argv[2])
 models = load_demo()
-kw = {} if mode == "-" else {"compile": mode}
 tree = specimg.TreeConfig(kind="dynamic", depth=3, topk=3, total_tokens=10)
-engine = specimg.Engine(models.target, None if method == "ar" else models.drafter, method, tree=tree, tokenizer=models.tokenizer, **kw)
+engine = specimg.Engine(models.target, None if method == "ar" else models.drafter, method, tree=tree, tokenizer=models.tokenizer)
 start = time.perf_counter(); engine.generate([0], seed=99); warm = time.perf_counter() - start
 start = time.perf_counter(); out = engine.generate(list(range(images)), seed=0)
 print(json.dumps({"s_per_image": (time.perf_counter() - start) / images, "warm_s": warm, "tau": out.stats.tau}))
 """
 
 
-def once(checkout: str, method: str, mode: str, images: int) -> dict[str, float]:
+def once(checkout: str, method: str, images: int) -> dict[str, float]:
     """One run in a fresh process, importing specimg from ``checkout``."""
     env = {**os.environ, "PYTHONPATH": checkout, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", ONE_RUN, method, mode, str(images)], capture_output=True, text=True, env=env, cwd=checkout, check=True)
+    done = subprocess.run([sys.executable, "-c", ONE_RUN, method, str(images)], capture_output=True, text=True, env=env, cwd=checkout, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--modes", default="off", help="compile settings of this checkout, comma-separated")
-    parser.add_argument("--against", default=None, help="another checkout, timed with its own defaults")
+    parser.add_argument("against", help="another checkout of specimg")
     parser.add_argument("--methods", default="ar,naive")
     parser.add_argument("--images", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    variants = [(here, mode) for mode in args.modes.split(",")] + ([(os.path.abspath(args.against), "-")] if args.against else [])
+    variants = [here, os.path.abspath(args.against)]
     print(f"load average {os.getloadavg()[0]:.2f} at the start")
     for method in args.methods.split(","):
-        times: dict[tuple[str, str], list[float]] = {v: [] for v in variants}
-        warm: dict[tuple[str, str], float] = {}
+        times: dict[str, list[float]] = {v: [] for v in variants}
+        warm: dict[str, float] = {}
         tau = {}
         for _ in range(args.rounds):
             for variant in variants:
-                result = once(variant[0], method, variant[1], args.images)
+                result = once(variant, method, args.images)
                 times[variant].append(result["s_per_image"])
                 warm[variant], tau[variant] = result["warm_s"], result["tau"]
         base = statistics.median(times[variants[0]])
         for variant in variants:
-            name = f"{'this checkout' if variant[0] == here else variant[0]}, compile {variant[1]}" if variant[1] != "-" else variant[0]
+            name = "this checkout" if variant == here else variant
             median = statistics.median(times[variant])
             print(f"{method:6} {name:40} {median:7.2f} s/image  {median / base:5.2f}x  tau {tau[variant]:.2f}  "
-                  f"(first image {warm[variant]:.1f} s, compiles included)")
+                  f"(first image {warm[variant]:.1f} s)")
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
 
 

@@ -58,8 +58,6 @@ def test_a_run_that_takes_a_lock_file_as_its_holder_removes_it_locks_the_new_one
     or two runs would each hold a lock on a different file."""
     import fcntl
 
-    from specimg.runs import folder
-
     out = tmp_path / "run"
     out.mkdir()
     (out / ".specimg-lock").write_text("the holder")
