@@ -1,52 +1,63 @@
 """coolsd: COOL-SD, annealed relaxation of speculative decoding (Li, Zhang, Du, Ji; AAAI
 2026, arXiv 2601.09212).
 
-The paper's method section could not be read when this plugin was written (only its
-abstract), so its equations, their numbers and its default settings are NOT checked here.
-The rule below is derived from the two results the abstract states, and every name in it
-(R1, R2, eq. C1-C4) is this module's, not the paper's:
+The rule as published.  The paper's HTML (arxiv.org/html/2601.09212v1) could be read
+only up to its introduction here; the method below is taken from a detailed paper note
+(en.papernotes.org, AAAI2026 image_generation, "annealed_relaxation_of_speculative_
+decoding_for_faster_autor"), with the schedule's normalisation read from a second
+secondary summary.  The paper's equation numbers were not available: each piece is named
+by the paper's theorem or proposition, and by the labels E1-E3 this module uses.
 
-R1. Relaxed speculative sampling at one draft position: draft x ~ q, accept x with
-    probability a(x), else emit a draw of a resampling distribution r.  Its output law is
-    q*a + beta*r (beta = 1 - sum q*a), and for every r
+E1, the relaxed acceptance (paper: the parameterised acceptance criterion).  Draft token
+    x_i ~ Q at draft position i is accepted with probability
 
-        TV(q*a + beta*r, p)  >=  sum_y (q(y) a(y) - p(y))^+                       (C1)
+        f_i = min(1, omega_i * P(x_i) / Q(x_i))
 
-    with equality for r* = norm(max(0, p - q*a)), the optimal residual: the bound's
-    minimiser.  With r* the acceptance rate is 1 - TV(p, q) + TV(output, p): each unit of
-    TVD spent buys one unit of acceptance, the most any rule can (a maximal coupling).
-R2. Relaxing early draft positions buys more accepted length per unit of TVD (position l
-    is reached only if 1..l-1 were accepted), so the budget is annealed along the draft:
+    omega_i > 1 relaxes, omega_i = 1 is vanilla speculative sampling.
+E2, the optimal resampling distribution (paper: Theorem 2, which bounds the TV distance
+    between the decoded and the target law for any acceptance f and is minimised by)
 
-        delta_l = delta * decay^(l - 1),   l = 1 for a root's children               (C2)
+        G*_i = Norm([P - Q * f_i]_+)
 
-    (decay = 1 is the uniform relaxation R2 compares against.)
+    Proposition 1: where f_i >= vanilla's min(1, P/Q) (omega_i >= 1), G*_i is vanilla's
+    Norm([P - Q]_+).  It is not where omega_i < 1, and there G*_i makes the position
+    exact.  At one position the law emitted, Q f + beta G*, is exactly
+    sum_y (Q f_i - P)^+ = sum_y (min(Q, omega_i P) - P)^+ from P, the least any residual
+    reaches (this module's statement of the bound at L = 1, checked in the tests).
+E3, the annealing (paper: Proposition 2, relax early positions more than late ones at a
+    fixed expected accepted length; the exponential schedule)
 
-``acceptance="reject"``, on a chain of sampled drafts x_l ~ q_l (a drafter's sampled
-chain, or sjd's windows: sjd+coolsd), spends delta_l by drawing the relaxed target toward
-the draft, which reaches the C1 bound exactly:
+        omega_i = delta * exp(-nu * i - mu),   i = 1 ... L
 
-    q a_l  = min(q, p) + w_l * max(0, q - p),   w_l = min(1, delta_l / TV(p, q))      (C3)
-    accept x_l with probability a_l(x_l); at the first rejection emit y ~ r*_l and stop
-    (the whole chain accepted: emit y ~ p at its last node)
+    delta sets the overall relaxation (option ``omega``: specimg's ``delta`` is a TVD
+    budget), nu = 0.7 the decay.  mu normalises the schedule to
+    mean delta over the L draft positions (mu = log mean_j exp(-nu j)), as a secondary
+    summary describes it ("average-normalised"); its exact form is this module's reading.
+    So late positions can get omega_i < 1: tighter than vanilla, exact there (E2).
 
-so TV(output_l, p) = min(delta_l, TV(p, q)) at every position, on average over the draft.
-A donor relaxation's q_R depends on the drawn child, and r* needs every token's a, so this
-rule does not stack with lantern, lantern++, cascade or gsd: its target is its own.
+Published settings: delta 1.1 (LlamaGen-XL and Lumina-mGPT) and 2 (LlamaGen-XL), nu 0.7,
+on EAGLE-1 drafts.  The paper's draft trees were not described in the sources, so
+``acceptance="reject"`` runs E1-E3 on a chain of sampled drafts (a drafter's sampled chain,
+or sjd's windows: sjd+coolsd), L being the chain's length.  Its residual needs every
+token's acceptance under the plain target, so it stacks with no donor relaxation.
 
-``acceptance="match"`` (the default) is the same idea for any tree, on the core's
-sample-and-match.  A top-k draft is a point mass, and C1's r* is then p itself off the
-candidates, so at node u (depth d) the annealed budget moves onto u's candidates, in
-proportion to their mass, from every non-candidate in proportion to its mass:
+``acceptance="match"`` (the default, this module's extension to any tree) is E1-E2 for a
+top-k draft through the core's sample-and-match.  A top-k candidate c is a point-mass
+draft; E1-E2 then emit c with probability min(1, omega_i p(c)) and otherwise draw the rest
+of p.  So at node u, verifying position i = depth + 1 of a tree whose deepest position is
+L, the candidates' mass is scaled by omega_i and the rest of p scaled down to match,
+within the budget left:
 
-    m_u    = min(budget_u, delta * decay^d, mass of the non-candidates)
-    q_R(c) = dist(c) * (1 + m_u / dist(candidates)),   q_R(y) = dist(y) * (1 - m_u / dist(others))   (C4)
+    m_u = min(budget_u, (omega_i - 1)^+ * dist(candidates), dist(others))
+    q_R(c) = dist(c) * (1 + m_u / dist(candidates)),   q_R(y) = dist(y) * (1 - m_u / dist(others))   (E4)
 
-It keeps the budget contract and stacks with every relaxation (their donors first, then C4).
+With one candidate and the budget not binding this is E1-E2's law exactly.  It keeps the
+budget contract and stacks after every relaxation (their donors first, then E4).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import attrs
@@ -55,47 +66,72 @@ from attrs import validators as v
 from torch import Tensor
 
 from specimg import Acceptance, DraftTree, MethodSpec, Sampling, Scores, SpecimgError, chain_acceptance, hookimpl
-from specimg.relax import tvd
 
 ACCEPTANCES = ("match", "reject")
+PAPER = {"acceptance": "reject", "omega": 1.1, "nu": 0.7}
 
 
 @attrs.frozen
 class CoolSDOptions:
-    """delta: TVD budget at the first draft position; decay: the annealing factor per
-    position along the draft (C2; 1 = uniform); acceptance: "match" (C4 on any tree, the
-    core's sample-and-match) or "reject" (C3 with the optimal residual, sampled chains)."""
+    """omega: the paper's delta, the schedule's mean relaxation factor over the draft (E3;
+    omega 1 with nu 0 is vanilla speculative sampling); nu: its decay rate per draft
+    position; acceptance: "match" (E4 on any tree, the core's sample-and-match) or "reject"
+    (E1-E2 as published, on sampled chains); delta: E4's TVD budget per node (specimg's
+    budget contract; "reject" has none)."""
 
+    omega: float = attrs.field(default=1.1, validator=v.gt(0.0))
+    nu: float = attrs.field(default=0.7, validator=v.ge(0.0))
     delta: float = attrs.field(default=0.3, validator=[v.ge(0.0), v.le(1.0)])
-    decay: float = attrs.field(default=0.7, validator=[v.gt(0.0), v.le(1.0)])
     acceptance: str = attrs.field(default="match", validator=v.in_(ACCEPTANCES))
 
     @property
     def budgeted(self) -> bool:
-        """Whether q_R keeps the per-node budget contract; "reject" keeps delta_l on average
-        over the draft instead (C3), which its own tests check exactly."""
+        """Whether q_R keeps the per-node budget contract; "reject" is held to E2's
+        per-position law instead, which its own tests check exactly."""
         return self.acceptance == "match"
 
 
 @hookimpl
 def register_methods(register: Callable[[MethodSpec], None]) -> None:
     register(MethodSpec(
-        "coolsd", CoolSDOptions, "COOL-SD: a budget annealed along the draft, resampled from the TV-optimal residual",
+        "coolsd", CoolSDOptions, "COOL-SD: an acceptance relaxed by a factor annealed along the draft, resampled from the TV-optimal residual",
         stacked_defaults={"sjd": {"acceptance": "reject"}},  # sjd's sampled chains: the rejection rule
-        paper={"acceptance": "reject"},
+        paper=PAPER,
         departures=(
-            "the paper's text could not be read: its equation numbers and default settings are unchecked; the rule is derived "
-            "from its abstract's two results (plugins/coolsd.py: C1 the TV bound and its optimal residual, C2 the annealing, "
-            "C3 its rejection rule on sampled chains); the default acceptance=match (C4) carries both to any tree within the "
+            "published (per a secondary paper note; the arXiv text past its introduction was not read): acceptance min(1, omega_i P/Q) (E1), resampling Norm([P - Q f]_+) (E2, Theorem 2; Proposition 1), "
+            "omega_i = delta exp(-nu i - mu) (E3, Proposition 2) with the paper's delta 1.1 (also 2 on LlamaGen-XL; "
+            "coolsd.omega here, coolsd.delta being specimg's TVD budget) and nu 0.7; "
+            "equation numbers unavailable, labels E1-E4 are plugins/coolsd.py's; mu (mean-normalising) and the tree "
+            "handling are specimg's reading; the default acceptance=match (E4) carries E1-E2 to any tree within the "
             "per-node budget"
         ),
         batch=True,
     ))
 
 
-def annealed(delta: float, decay: float, depths: Tensor) -> Tensor:
-    """C2: the budget of a node at each depth, for the draft position of its children."""
-    return delta * decay ** depths.double()
+def relaxation(delta: float, nu: float, positions: Tensor, lengths: Tensor) -> Tensor:
+    """E3: omega_i for draft positions i (1 = a root's child) of drafts L positions long:
+    delta exp(-nu i - mu) with exp(-mu) = 1 / mean_{j=1..L} exp(-nu j), so the mean is delta."""
+    if nu == 0:
+        return torch.full(positions.shape, delta, dtype=torch.float64, device=positions.device)
+    length = lengths.double().clamp(min=1)
+    mean_decay = -torch.expm1(-nu * length) / (length * -math.expm1(-nu))  # mean_j exp(-nu (j - 1))
+    return delta * torch.exp(-nu * (positions.double() - 1)) / mean_decay
+
+
+def draft_lengths(tree: DraftTree) -> Tensor:
+    """Per node, its draft's length L: the deepest depth of the tree (of a forest's tree) it belongs to."""
+    depths = tree.depths
+    if tree.images is None:
+        return depths.max().expand(depths.shape)
+    deepest = torch.zeros(int(tree.images.max()) + 1, dtype=depths.dtype, device=depths.device)
+    return deepest.scatter_reduce(0, tree.images.to(depths.device), depths, "amax")[tree.images.to(depths.device)]
+
+
+def schedule(tree: DraftTree, options: CoolSDOptions, device: torch.device) -> Tensor:
+    """omega per node, for the draft position its children verify (depth + 1)."""
+    depths = tree.depths.to(device)
+    return relaxation(options.omega, options.nu, depths + 1, draft_lengths(tree).to(device))
 
 
 @hookimpl
@@ -109,8 +145,8 @@ def build_relaxed_dist(dist: Tensor, budget: Tensor, tree: DraftTree, options: C
     is_candidate = marks[:, :vocab]
     on_candidates = (dist * is_candidate).sum(dim=1)
     others = (dist * ~is_candidate).sum(dim=1)
-    spend = torch.minimum(budget.to(dist.device), annealed(options.delta, options.decay, tree.depths.to(dist.device)))
-    moved = torch.where(on_candidates > 0, torch.minimum(spend.to(dist.dtype), others), 0.0)
+    raised = (schedule(tree, options, dist.device) - 1).clamp(min=0).to(dist.dtype) * on_candidates
+    moved = torch.minimum(torch.minimum(budget.to(dist.device).to(dist.dtype), raised), others)
     tiny = torch.finfo(dist.dtype).tiny
     scale = torch.where(is_candidate, 1 + moved[:, None] / on_candidates.clamp(min=tiny)[:, None],
                         (1 - moved[:, None] / others.clamp(min=tiny)[:, None]).clamp(min=0))
@@ -127,9 +163,8 @@ def accept(
         raise SpecimgError("coolsd's acceptance=reject verifies a chain of sampled drafts: use --tree chain --sample-drafts, or sjd+coolsd")
     if dist is not scores.probs:
         raise SpecimgError("coolsd's acceptance=reject relaxes toward the draft itself and stacks with no other relaxation (its residual needs every token's acceptance)")
-    delta = 0.0 if exact else options.delta
-    budgets = annealed(delta, options.decay, tree.depths.to(dist.device))
-    accept_prob, residual = relaxed_rejection(scores.probs, tree.draft_probs.to(dist.device), budgets)
+    omega = torch.ones(tree.size, dtype=torch.float64, device=dist.device) if exact else schedule(tree, options, dist.device)
+    accept_prob, residual = relaxed_rejection(scores.probs, tree.draft_probs.to(dist.device), omega)
     candidates, ids = (t.to(dist.device) for t in tree.candidates())
     child = candidates[:, 0].clamp(min=0)
     prob = torch.where(candidates[:, 0] >= 0, accept_prob.gather(1, child[:, None])[:, 0], 0.0)
@@ -137,12 +172,10 @@ def accept(
     return chain_acceptance(tree, prob, torch.where(from_p[:, None], scores.probs, residual), generator)
 
 
-def relaxed_rejection(p: Tensor, q: Tensor, budgets: Tensor) -> tuple[Tensor, Tensor]:
-    """C3 per node: the acceptance probability a [n, V] of every token as a draft and the
-    optimal residual r* [n, V] (unnormalised, C1), for per-node TV budgets [n]."""
+def relaxed_rejection(p: Tensor, q: Tensor, omega: Tensor) -> tuple[Tensor, Tensor]:
+    """E1 and E2 per node: the acceptance probability f [n, V] of every token as a draft and
+    the optimal residual G* [n, V] (unnormalised), for per-node factors omega [n]."""
     p64, q64 = p.double(), q.double()
-    gap = tvd(p64, q64)
-    weight = torch.where(gap > 0, (budgets.to(gap) / gap.clamp(min=torch.finfo(gap.dtype).tiny)).clamp(max=1.0), 0.0)
-    accepted = torch.minimum(q64, p64) + weight[:, None] * (q64 - p64).clamp(min=0)  # q * a
+    accepted = torch.minimum(q64, omega.to(p64)[:, None] * p64)  # Q * f
     accept_prob = torch.where(q64 > 0, accepted / q64.clamp(min=torch.finfo(q64.dtype).tiny), 1.0).clamp(max=1.0)
     return accept_prob.to(p.dtype), (p64 - accepted).clamp(min=0).to(p.dtype)
