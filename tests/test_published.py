@@ -22,7 +22,7 @@ def test_methods_paper_lists_every_method_and_the_eagle_defaults(capsys):
     assert "depth 5, topk 10, total_tokens 60" in out
     for note in [line for line in out.splitlines() if "no TVD budget" in line]:  # the paper's mode, apart from specimg's default
         assert ". As published (-o " in note and "(no TVD budget" not in note, note
-    assert any(line.startswith("lantern++: ") and "As published (-o lantern++.mode=paper): no TVD budget" in line for line in out.splitlines())
+    assert any(line.startswith("lantern++: ") and "As published (-o lantern++.mode=paper" in line and "): no TVD budget" in line for line in out.splitlines())
     assert "| cascade | budget | node | step |" in out and "| sjd | ar_tail | 0 | 18 |" in out
     assert "| lantern++ | tree | auto | mc_sim_7b_63 |" in out
     assert "lam 5 / k 10, lam 10 / k 5, lam 20 / k 5" in out and "depth 4, top-k 10, 59 nodes" in out
