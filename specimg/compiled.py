@@ -64,8 +64,10 @@ def bucket(n: int, limit: int) -> int:
 
 def step_mode(compile: Compile, device: torch.device, supported: bool) -> StepMode:
     """The step mode ``compile`` asks for on ``device``: "auto" compiles on CUDA and runs
-    eagerly elsewhere (on a CPU eager is the faster: docs/benchmarks.md), "on" compiles
-    wherever the target has fixed-shape steps (an error where it has none), "off" never."""
+    eagerly elsewhere (on a CPU the compiled AR step is faster, but its compile, a minute
+    or more a stack, takes about a hundred demo images to earn back: docs/benchmarks.md),
+    "on" compiles wherever the target has fixed-shape steps (an error where it has none),
+    "off" never."""
     if compile not in COMPILE:
         raise SpecimgError(f"compile must be one of {', '.join(COMPILE)}, not {compile!r}")
     if compile == "on" and not supported:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import os
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 from unittest import mock
 
@@ -311,12 +311,14 @@ def make_conformance_tests(
     plugins: PluginManager | None = None,
     examples: int = 20,
     images: int = statistics.IMAGES,
+    compiles: Sequence[str] | None = None,
 ) -> type:
     """A pytest test class checking each of ``methods`` (names or stacks such as
     ``"cascade+mymethod"``) against the contract; assign it to a ``Test*`` name in a test
     module.  ``options`` are per-method option values (as the engine takes them), held
     fixed while budgets are drawn; ``examples`` is hypothesis's count per step-level test,
-    ``images`` the sample size of the end-to-end tests."""
+    ``images`` the sample size of the end-to-end tests; ``compiles``, the methods whose
+    relaxation ``test_compiles`` compiles (default: all; a compile costs seconds)."""
     manager = plugins or get_plugin_manager()
     run = settings(max_examples=examples, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     over_methods = pytest.mark.parametrize("method", methods)
@@ -380,7 +382,7 @@ def make_conformance_tests(
             require_budget(method)
             check_batch(engine_for(method, cases[0], data), cases)
 
-        @over_methods
+        @pytest.mark.parametrize("method", methods if compiles is None else compiles)
         def test_compiles(self, method: str) -> None:
             first, second = compile_steps()
             engine = step_engine(method, first, options, None, manager)
