@@ -69,8 +69,9 @@ class Engine:
     drafter's), the sampling's distributions and the stack's relaxation as programs
     compiled by ``torch.compile`` (captured as CUDA graphs) when the target is on a GPU and
     has fixed-shape steps (LlamaGen), and eagerly elsewhere; "on" compiles on any device
-    (inductor's C++ on a CPU), "off" never (:mod:`specimg.compiled`).  An auto tree (the default) is chosen per step from
-    ``cost_model``, measured on first use when not given (see :mod:`specimg.costs`).
+    (inductor's C++ on a CPU), "off" never (:mod:`specimg.compiled`).  An auto tree (the
+    default) is chosen per step from ``cost_model``, measured on first use when not given
+    (see :mod:`specimg.costs`).
     ``batch_size``: how many images decode together, one forward per token for all of
     them (method "ar" on a target with batched steps, :class:`~specimg.models.base.BatchSteps`).
     """

@@ -31,7 +31,7 @@ from specimg.testing.strategies import RelaxCase
 from specimg.tree import DraftTree
 
 PLUGINS = get_plugin_manager()
-TestConformance = make_conformance_tests(*sorted(PLUGINS.methods()), *pair_stacks(PLUGINS), compiles=[*sorted(PLUGINS.methods()), "cascade+lantern"])
+TestConformance = make_conformance_tests(*sorted(PLUGINS.methods()), *pair_stacks(PLUGINS), compiles=sorted(PLUGINS.methods()))  # stacks compile in tests/test_compile.py
 # the papers' choices within the budget (docs/methods.md): LANTERN's raw codebook and budget
 # per candidate, LANTERN++'s cap-only rule (delta 1) on the raw codebook; mode=paper, which
 # keeps no budget, is held to its published law in tests/test_lantern_paper.py
