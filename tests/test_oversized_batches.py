@@ -4,20 +4,12 @@ min(batch size, images), which decodes the same images (seeds are per image)."""
 import json
 
 import pytest
+from cli_runner import run
 
 from specimg import costs
-from specimg.cli import main
 from specimg.engine import Engine
 
 IMAGES = 2
-
-
-def run(args: list[str]) -> int:
-    try:
-        main(args)
-    except SystemExit as stop:
-        return int(stop.code)
-    return 0
 
 
 def tokens(out) -> list[list[int]]:
@@ -60,11 +52,11 @@ def sizes(monkeypatch):
 def test_a_batch_larger_than_the_images_runs_at_the_images(tmp_path, monkeypatch, sizes, command, same_as):
     monkeypatch.setenv("SPECIMG_CACHE_DIR", str(tmp_path / "cache"))  # the cost model measured in this test, at its size
     args = [*command, "--model", "tiny-random", "-n", str(IMAGES)]
-    assert run([*args, "--batch-size", "64", "--out", str(tmp_path / "big")]) == 0
+    assert run(*args, "--batch-size", "64", "--out", str(tmp_path / "big")) == 0
     assert ("generate", IMAGES) in sizes
     if "naive" in command:
         assert ("load_or_measure", IMAGES) in sizes and ("_batch_speculative", IMAGES) in sizes
     if command[0] == "bench":  # each engine warms up on a batch, then decodes one
         assert sizes.count(("generate", IMAGES)) == 4
-    assert run([*args, "--batch-size", same_as, "--out", str(tmp_path / "same")]) == 0
+    assert run(*args, "--batch-size", same_as, "--out", str(tmp_path / "same")) == 0
     assert tokens(tmp_path / "big") == tokens(tmp_path / "same")
