@@ -43,6 +43,17 @@ MEASURING = "measuring this machine's step costs for auto trees (once, then cach
 """The bar on stderr while an engine's first use measures (see :meth:`Engine.prepare`)."""
 
 
+class LaneStep(NamedTuple):
+    """One image's step in a batch once accepted: its tree, its own scores, q_R, the
+    acceptance and its walk (the path the target commits, on the device)."""
+
+    tree: DraftTree
+    scores: Scores
+    dist: Tensor
+    result: Acceptance
+    walked: Walked
+
+
 class Generation(NamedTuple):
     """Image tokens [images, tokens_per_image] and the statistics of the run."""
 
@@ -429,19 +440,19 @@ class Engine:
             paths[i] = torch.zeros(1, dtype=torch.long, device=self.device)  # the root alone
             if lane.progress:
                 lane.progress(1)
-        steps = {}
+        steps: dict[int, LaneStep] = {}
         if drafted:
             assert forest is not None
             steps = self._relax_and_accept(scores, list(proposed), [lanes[i] for i in proposed], forest, drafted)
         for i, step in steps.items():
-            paths[i] = step[-1].path
+            paths[i] = step.walked.path
         with Booking("commit", stepping):
             target.commit_trees(paths)
-            features = self._path_features(scores, forest, [step[3] for step in steps.values()]) if steps else []
-            for (i, (tree, own, _, result, walked)), hidden in zip(steps.items(), features):
-                lanes[i].advance(tree, own, result, walked, hidden)
-        for i, (tree, _, dist, result, walked) in steps.items():
-            lanes[i].learn(tree, dist, result, walked)
+            features = self._path_features(scores, forest, [step.result for step in steps.values()]) if steps else []
+            for (i, step), hidden in zip(steps.items(), features):
+                lanes[i].advance(step.tree, step.scores, step.result, step.walked, hidden)
+        for i, step in steps.items():
+            lanes[i].learn(step.tree, step.dist, step.result, step.walked)
 
     def _path_features(self, scores: Scores, forest: DraftTree, results: Sequence[Acceptance]) -> list[Tensor | None]:
         """The drafter's features at each tree's accepted path (``results``, tree after tree
@@ -538,13 +549,12 @@ class Engine:
 
     def _relax_and_accept(
         self, scores: Scores, places: Sequence[int], lanes: Sequence[Lane], forest: DraftTree, trees: Sequence[DraftTree]
-    ) -> dict[int, tuple[DraftTree, Scores, Tensor, Acceptance, Walked]]:
+    ) -> dict[int, LaneStep]:
         """The batch's drafted ``trees`` (of ``lanes`` at ``places``) as their ``forest``,
         its ``scores`` from the verify: its q_R in one pass, then every lane's acceptance
         of its own rows, all in one call under the core's own rule
         (:func:`specimg.accept.accept_forest`: one device program on a device) where the
-        stack's ``accept`` passes on every tree, else lane by lane.  Per place: its tree,
-        scores, q_R, acceptance and walk."""
+        stack's ``accept`` passes on every tree, else lane by lane.  Per place, its step."""
         sizes, starts = forest.sizes, [a for a, _ in forest.spans]
         with Booking("relax", lanes):
             dist = self.relax(forest, scores)
@@ -567,7 +577,7 @@ class Engine:
                 results = [self._core_accept(*step, lane.generator) if result is None else result
                            for lane, step, result in zip(lanes, zip(trees, dists, own), methods)]
                 walks = [lane.walked(*step) for lane, step in zip(lanes, zip(trees, own, dists, results))]
-        return {place: step for place, step in zip(places, zip(trees, own, dists, results, walks))}
+        return {place: LaneStep(*step) for place, step in zip(places, zip(trees, own, dists, results, walks))}
 
     def _finish_ar_batch(self, lanes: Sequence[Lane], progress: Callable[[int], None] | None, steps: int) -> None:
         """``steps`` AR steps of every unfinished image (their planners found no tree that
