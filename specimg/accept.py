@@ -121,7 +121,7 @@ def _walk_on_device(
     start = stalls.on_device(list(roots), device)
     draws, states = _draw(rule.draws, generators or (), depth, device)
     inputs = [start, *rule.tensors, *draws, *(spent or ())]
-    packed, *measured = (t.clone() for t in run(_levels, rule.levels, len(rule.tensors), len(draws), depth, *inputs, compiled=compiled))  # on CUDA a program's next run overwrites its outputs
+    packed, *measured = run(_levels, rule.levels, len(rule.tensors), len(draws), depth, *inputs, compiled=compiled)
     outcome = packed.tolist()  # the one host read
     results = []
     for walker, saved in enumerate(states or [None] * walkers):

@@ -100,18 +100,33 @@ class CompileClock:
 def run(fn: Callable[..., Any], *args: Any, compiled: bool) -> Any:
     """``fn(*args)``, compiled (:func:`_compiled`, once per function) where ``compiled``.
     ``fn`` is a plain function (a method unbound, its object among ``args``), so that one
-    program per shape serves every model of a class.  On CUDA a compiled program's
-    outputs are overwritten by its next run: a caller clones what it keeps."""
+    program per shape serves every model of a class.  A captured program's next run
+    overwrites its outputs, so on CUDA they come back as copies: the caller keeps them."""
     if not compiled:
         return fn(*args)
-    cuda = any(isinstance(leaf, torch.Tensor) and leaf.is_cuda for leaf in pytree.tree_leaves(args))
+    cuda = _on_cuda(args)
     program = _compiled(fn, backend(), cuda)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     begin = time.perf_counter()
     out = program(*args)
     if torch._dynamo.utils.counters["stats"]["unique_graphs"] != graphs:
         CompileClock.seconds += time.perf_counter() - begin
-    return out
+    return pytree.tree_map_only(torch.Tensor, torch.Tensor.clone, out) if cuda else out
+
+
+def _on_cuda(args: tuple[Any, ...]) -> bool:
+    """Whether a program's inputs live on CUDA: its first tensor argument's device (the
+    arguments' leaves where none is a tensor itself)."""
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if first is None:
+        first = next((a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)), None)
+    return first is not None and first.is_cuda
+
+
+def compiles(model: object) -> bool:
+    """Whether ``model`` (a target, a drafter) runs its step programs compiled, and the
+    step's own programs with them."""
+    return getattr(model, "step_mode", "eager") == "compiled"
 
 
 class FixedSteps:

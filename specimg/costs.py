@@ -36,7 +36,7 @@ from specimg.accept import walk_forest
 from specimg.cache import cache_dir
 from specimg.config import Sampling
 from specimg.files import atomic_path
-from specimg.compiled import run
+from specimg.compiled import compiles, run
 from specimg.methods import AR, Stack
 from specimg.errors import SpecimgError
 from specimg.models.base import BatchTrees, Condition, Drafter, Target, draft_features
@@ -391,7 +391,7 @@ def _verify_times(target: Target, sampling: Sampling, trees: Mapping[int, DraftT
     token = torch.zeros(1, dtype=torch.long, device=device)
     on_device = {n: attrs.evolve(tree, **{f: getattr(tree, f).to(device) for f in ("tokens", "depths", "mask")}) for n, tree in trees.items()}
 
-    compiled = _compiled(target)
+    compiled = compiles(target)
 
     def ar_step() -> None:  # no commit, so the prefix stays put; the commit's cost is in the overhead
         logits = target.forward_tree(token, token, torch.ones(1, 1, dtype=torch.bool, device=device)).logits
@@ -416,7 +416,7 @@ def _batch_verify_times(target: Target, sampling: Sampling, condition: Condition
         target.forward_batch(roots)
     stacked = {n: tuple(t.to(device) for t in stack_trees([tree] * batch)) for n, tree in trees.items()}
     nodes = {n: torch.arange(batch * n, device=device) for n in trees}
-    compiled = _compiled(target)
+    compiled = compiles(target)
 
     def verify(n: int) -> Tensor:  # the logits of every image's nodes, processed
         logits = target.forward_trees(*stacked[n]).logits.flatten(1, 2)[:, nodes[n]]
@@ -452,7 +452,7 @@ def _step_overhead(target: Target, sampling: Sampling, condition: Condition, dev
     dist[3:, 1] = 1.0
     profile = AcceptanceProfile(device)
     generator = torch.Generator(device).manual_seed(0)
-    compiled = _compiled(target)
+    compiled = compiles(target)
 
     def verify() -> None:
         target.prefill(condition, sampling.cfg)
@@ -466,11 +466,6 @@ def _step_overhead(target: Target, sampling: Sampling, condition: Condition, dev
         profile.observe(tree, dist, result.path, sampling.greedy)
 
     return verify, rest
-
-
-def _compiled(target: Target) -> bool:
-    """Whether the target's step programs are compiled (and the step's with them)."""
-    return getattr(target, "step_mode", "eager") == "compiled"
 
 
 def _monotone(table: list[tuple[int, float]]) -> tuple[tuple[int, float], ...]:

@@ -21,7 +21,7 @@ from specimg import accept as acceptance
 from specimg import costs, relax, stalls
 from specimg.config import Sampling, TreeConfig
 from specimg.errors import SpecimgError
-from specimg.compiled import Compile, CompileClock, Refused, run, step_mode
+from specimg.compiled import Compile, CompileClock, Refused, compiles, run, step_mode
 from specimg.lane import Booking, Lane
 from specimg.lockstep import BatchDrafting, LaneDrafter, Lockstep
 from specimg.methods import AR, Stack
@@ -171,7 +171,7 @@ class Engine:
     @property
     def compiled(self) -> bool:
         """Whether the step's programs are compiled (the target's step mode is)."""
-        return getattr(self.target, "step_mode", "eager") == "compiled"
+        return compiles(self.target)
 
     def _probabilities(self, logits: Tensor, cfg_active: bool | Tensor = True) -> Tensor:
         """The sampling's distributions of ``logits`` (guidance, filters, softmax), a
@@ -767,7 +767,7 @@ class Engine:
             else:
                 if breaches is not None:
                     relax.raise_breach([member.method for member in self.hooks.relaxers], breaches, stack_delta)
-                return dist.clone()  # on CUDA the program's next run overwrites its outputs
+                return dist
         return relax.fold(scores.probs, members, stack_delta, check=self.check_relax, unbudgeted=self.stack.unbudgeted)
 
     def score(self, tree: DraftTree, token_index: int) -> Scores:

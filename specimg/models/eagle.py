@@ -219,7 +219,7 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
     def _run_fixed(self, step: Callable[..., tuple[Tensor, Tensor]], inputs: tuple[Tensor, ...], n: int) -> tuple[Tensor, Tensor]:
         """States and logits [rows, n, ...] of a fixed-shape step (:meth:`run_fixed`)."""
         h, logits = self.run_fixed(step, *inputs)
-        return h[:, :n], logits[:, :n].clone()
+        return h[:, :n], logits[:, :n]
 
     def _start_fixed(self, hidden: Tensor, tokens: Tensor) -> Tensor:
         m = tokens.shape[0]
@@ -410,7 +410,7 @@ class DraftBatch:
         if self.step_mode == "eager":  # attention stops at the last slot any image uses
             root, logits = self._start_step(*inputs, used=max(self.lengths) + width)
         else:
-            root, logits = (t.clone() for t in run(DraftBatch._start_step, self, *inputs, compiled=self.step_mode == "compiled"))
+            root, logits = run(DraftBatch._start_step, self, *inputs, compiled=self.step_mode == "compiled")
         root, logits = root.view(self.rows, len(images), -1), logits.view(self.rows, len(images), -1)  # [rows, requests, ...]
         self.feat[:, 0].view(self.rows, self.size, -1)[:, placed] = root
         self.starts.index_add_(0, placed, added)
@@ -488,7 +488,7 @@ class DraftBatch:
         fed = counts.pop()
         if fed + width > self.max_nodes:
             raise ValueError(f"{fed + width} draft nodes exceed max_tree_nodes={self.max_nodes}")
-        logits = run(DraftBatch._expand_all_step, self, parents, tokens, fed, compiled=self.step_mode == "compiled").clone()
+        logits = run(DraftBatch._expand_all_step, self, parents, tokens, fed, compiled=self.step_mode == "compiled")
         self.counts = [fed + width] * self.size
         return logits
 

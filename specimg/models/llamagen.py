@@ -517,7 +517,7 @@ class LlamaGenTarget(FixedSteps, nn.Module):
             tree = torch.eye(size, dtype=torch.bool, device=device)
             tree[:n, :n] = mask
             outputs = self.run_fixed(LlamaGenTarget._fixed_step, F.pad(tokens, (0, size - n)), F.pad(depths.to(device), (0, size - n)), tree)
-        return TargetOutput(*(out[:, :n].clone() for out in outputs))
+        return TargetOutput(*(out[:, :n] for out in outputs))
 
     def _root_step(self, tokens: Tensor) -> tuple[Tensor, ...]:
         """:meth:`_fixed_step` of a one-node tree, the root [1]."""
@@ -631,7 +631,7 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         batch = self._batch
         assert batch is not None
         starts = batch.device_lengths()
-        logits = self.run_fixed(LlamaGenTarget._batch_ar_step, tokens, starts)[0].clone()
+        (logits,) = self.run_fixed(LlamaGenTarget._batch_ar_step, tokens, starts)
         starts.add_(1)
         batch.lengths = [n + 1 for n in batch.lengths]
         return logits
@@ -670,7 +670,7 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         tree = torch.eye(size, dtype=torch.bool, device=device).repeat(b, 1, 1)
         tree[:, :n, :n] = mask
         inputs = (F.pad(tokens, (0, size - n)), F.pad(depths, (0, size - n)), tree, start)
-        return TargetOutput(*(out[:, :, :n].clone() for out in self.run_fixed(LlamaGenTarget._trees_fixed, *inputs)))
+        return TargetOutput(*(out[:, :, :n] for out in self.run_fixed(LlamaGenTarget._trees_fixed, *inputs)))
 
     def _trees_bucket(self, n: int) -> int:
         """The bucket trees of ``n`` nodes take in the batch cache (the room left bounds it near the end)."""
