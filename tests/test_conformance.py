@@ -35,10 +35,10 @@ TestConformance = make_conformance_tests(*sorted(PLUGINS.methods()), *pair_stack
 # the papers' choices within the budget (docs/methods.md): LANTERN's raw codebook and budget
 # per candidate, LANTERN++'s cap-only rule (delta 1) on the raw codebook; mode=paper, which
 # keeps no budget, is held to its published law in tests/test_lantern_paper.py
-TestLanternPaperChoices = make_conformance_tests("lantern", "cascade+lantern", options={"lantern": {"codebook": "raw", "budget": "candidate"}})
+TestLanternPaperChoices = make_conformance_tests("lantern", "cascade+lantern", options={"lantern": {"codebook": "raw", "budget": "candidate"}}, compiles=["lantern"])
 # cascade's own extension: donors from outside the tree, nearest by input embedding
-TestCascadeBeyondTree = make_conformance_tests("cascade", "cascade+lantern", options={"cascade": {"beyond_tree": 3}})
-TestLanternPPPaperChoices = make_conformance_tests("lantern++", "cascade+lantern++", options={"lantern++": {"codebook": "raw", "delta": 1.0}})
+TestCascadeBeyondTree = make_conformance_tests("cascade", "cascade+lantern", options={"cascade": {"beyond_tree": 3}}, compiles=["cascade"])
+TestLanternPPPaperChoices = make_conformance_tests("lantern++", "cascade+lantern++", options={"lantern++": {"codebook": "raw", "delta": 1.0}}, compiles=["lantern++"])
 
 
 def _manager(*plugins: object) -> PluginManager:

@@ -22,7 +22,7 @@ from specimg_plugins.coolsd import relaxation, relaxed_rejection
 
 # the rejection rule on sjd's sampled chains (sjd+coolsd takes acceptance=reject), and the
 # default rule after another method's donors
-TestCoolSDStacks = make_conformance_tests("sjd+coolsd", "lantern+++coolsd", "coolsd+cascade", examples=10, images=1000)
+TestCoolSDStacks = make_conformance_tests("sjd+coolsd", "lantern+++coolsd", "coolsd+cascade", examples=10, images=1000, compiles=[])  # coolsd compiles in test_conformance.py
 CHAIN = TreeConfig(kind="chain", depth=2, sample=True)
 REJECT = {"coolsd": {"acceptance": "reject"}}
 
