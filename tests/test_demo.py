@@ -156,3 +156,17 @@ def test_draw_siblings_keeps_the_cluster_and_forgets_the_encoders_sibling() -> N
     assert torch.equal(drawn, draw_siblings(codes // 8 * 8, 8, seed=5))
     # uniform over the 8 siblings: a false failure once in a million seeds
     assert chisquare(torch.bincount(drawn.flatten() % 8, minlength=8).numpy()).pvalue > 1e-6
+
+
+def test_split_target_shares_each_clusters_probability_equally_among_its_siblings() -> None:
+    from specimg.demo.recipe import draw_siblings, split_target
+    from specimg.models.llamagen import build_target
+
+    clusters = build_target("GPT-B", seed=3, dim=32, n_layer=2, n_head=2, multiple_of=16, vocab_size=16, num_classes=10, block_size=16)
+    target = split_target(clusters, 4)
+    assert target.vocab_size == 64
+    labels, codes = torch.tensor([1, 7]), torch.randint(0, 16, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = clusters.forward_sequence(labels, codes).logits.softmax(-1)
+        after = target.forward_sequence(labels, draw_siblings(codes * 4, 4, seed=1)).logits.softmax(-1).unflatten(-1, (16, 4))
+    assert torch.allclose(after, (before / 4)[..., None].expand_as(after), atol=1e-6)

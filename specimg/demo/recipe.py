@@ -69,6 +69,9 @@ class TargetScale:
     steps: int
     batch: int
     lr: float
+    on_clusters: bool = False
+    """Trained on the tokenizer's clusters (``code // split``), then each cluster's code
+    split into its siblings at equal probability (:func:`split_target`)."""
 
 
 @attrs.frozen
@@ -132,6 +135,7 @@ class Scale:
             **({"top_k_sweep": q.top_k_sweep} if q.top_k_sweep != (0,) else {}),
             **({"vq_split": v.split, "vq_split_angle_deg": v.split_angle_deg} if v.split > 1 else {}),
             **({"vq_random_siblings": True} if v.random_siblings else {}),
+            **({"gpt_on_clusters": True} if t.on_clusters else {}),
         }
 
 
@@ -178,13 +182,14 @@ INTERCHANGEABLE = attrs.evolve(
     NEAR_DUPLICATE,
     name="interchangeable",
     tokenizer=attrs.evolve(NEAR_DUPLICATE.tokenizer, random_siblings=True),
-    target=attrs.evolve(NEAR_DUPLICATE.target, steps=5500),
-    quality=attrs.evolve(NEAR_DUPLICATE.quality, cfg_sweep=(2.0, 3.0, 4.0), temperature_sweep=(1.0, 0.8, 0.7, 0.6, 0.5), top_k_sweep=(0,)),
+    target=attrs.evolve(NEAR_DUPLICATE.target, images=10000, steps=3300, on_clusters=True),
+    drafter=attrs.evolve(NEAR_DUPLICATE.drafter, images=800, steps=600),
+    quality=attrs.evolve(NEAR_DUPLICATE.quality, cfg_sweep=(2.0, 3.0, 4.0), temperature_sweep=(1.0, 0.7, 0.5), top_k_sweep=(0,)),
 )
-"""The shipped demo: the near-duplicate codebook with siblings drawn at random in the
-target's data, so the target spreads each cluster's mass evenly over its 8 codes; it can
-then sample its clusters at a temperature that follows the class while its top-1 stays
-low (docs/demo.md)."""
+"""The shipped demo: the near-duplicate codebook with exactly interchangeable siblings.  The
+target learns the 512 clusters and gives each cluster's 8 codes equal probability, so it
+can sample its clusters at a temperature that follows the class while its top-1 stays at
+most 1/8; its data carry a random sibling of each code, which the drafters learn from."""
 TOY = Scale(
     name="toy",
     tokenizer=TokenizerScale(
@@ -195,7 +200,7 @@ TOY = Scale(
     target=TargetScale(
         config=dict(dim=32, n_layer=2, n_head=2, multiple_of=16, vocab_size=64, num_classes=NUM_CLASSES, block_size=256,
                     class_dropout_prob=0.1),
-        images=32, steps=3, batch=8, lr=2e-3,
+        images=32, steps=3, batch=8, lr=2e-3, on_clusters=True,
     ),
     classifier=ClassifierScale(images=32, steps=3, batch=16),
     drafter=DrafterScale(images=8, steps=2, batch=4, lr=1e-3),
@@ -453,7 +458,8 @@ def _train_gpt(run: _Run) -> dict[str, Any]:
     s = run.scale
     data = load_file(run.work_file("tokens.safetensors"))
     codes, labels = data["codes"].long(), data["labels"]
-    model = build_target("GPT-B", seed=s.seed, **s.target.config)
+    split = s.tokenizer.split if s.target.on_clusters else 1
+    model = build_target("GPT-B", seed=s.seed, **{**s.target.config, "vocab_size": s.target.config["vocab_size"] // split})
     slot_at_init = init_class_reading_heads(model, CLASS_SLOT_SCORE, seed=s.seed)
     model.train()
     steps, lr = s.target.steps, s.target.lr
@@ -480,7 +486,7 @@ def _train_gpt(run: _Run) -> dict[str, Any]:
         pos += s.target.batch
         cond = labels[idx].clone()
         cond[torch.rand(cond.shape[0], generator=g) < s.target.config["class_dropout_prob"]] = null
-        tokens = codes[idx]
+        tokens = codes[idx] // split
         with autocast():
             logits = model.forward_sequence(cond, tokens).logits
         loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
@@ -495,10 +501,12 @@ def _train_gpt(run: _Run) -> dict[str, Any]:
             history.append({"step": step + 1, "loss": round(ema, 4)})
             if (step + 1) % 250 == 0 or step + 1 == steps:
                 model.eval()
-                history[-1].update(held_out_metrics(model, test_labels[:64], test_codes[:64], null))
+                history[-1].update(held_out_metrics(model, test_labels[:64], test_codes[:64] // split, null))
                 model.train()
             run.log(f"  gpt step {step + 1}/{steps} {history[-1]} ({time.perf_counter() - t0:.0f}s)")
     model.eval().requires_grad_(False)
+    if split > 1:
+        model = split_target(model, split)
     save_target(model, run.file(TARGET))
     held_out = held_out_metrics(model, test_labels, test_codes, null, classify=True)
     with autocast():
@@ -508,6 +516,20 @@ def _train_gpt(run: _Run) -> dict[str, Any]:
             "class_slot_weight": {"score_at_init": CLASS_SLOT_SCORE, "at_init": [round(w, 3) for w in slot_at_init],
                                   "trained": [round(w, 3) for w in slot_trained]},
             "params": sum(p.numel() for p in model.parameters()), "log": history}
+
+
+def split_target(model: Any, split: int) -> Any:
+    """The target over ``split`` times the codes: code ``i * split + j`` reads and predicts
+    as cluster ``i`` did, so the siblings of a cluster share its probability equally."""
+    from specimg.models.llamagen import build_target
+
+    config = attrs.evolve(model.config, vocab_size=model.config.vocab_size * split)
+    new = build_target(config)
+    state = model.state_dict()
+    for name in ("tok_embeddings.weight", "output.weight"):
+        state[name] = state[name].repeat_interleave(split, dim=0)
+    new.load_state_dict(state, strict=True)
+    return new.eval().requires_grad_(False)
 
 
 def held_out_metrics(model: Any, labels: Tensor, codes: Tensor, null: int, batch: int = 64, classify: bool = False) -> dict[str, float]:
