@@ -1,5 +1,5 @@
 """Re-create the embedded demo bundle from scratch: data -> VQ -> tokens -> GPT -> classifier
--> drafters -> quality.  ``specimg train-demo --out DIR [--scale near-duplicate|compact|diffuse|toy]``.
+-> drafters -> quality.  ``specimg train-demo --out DIR [--scale interchangeable|near-duplicate|compact|toy]``.
 
 Every stage writes its result into DIR and records itself in ``DIR/manifest.json``; a run
 started again on the same folder skips the stages already done (same scale only).
@@ -155,18 +155,8 @@ COMPACT = Scale(
     drafter=DrafterScale(images=800, steps=1000, batch=8, lr=1e-3),
     quality=QualityScale(real=500, per_class=20, cfg_sweep=(2.0, 3.0, 4.0, 5.0), temperature_sweep=(1.0, 0.8, 0.6), sweep_per_class=10),
 )
-"""512 codes: the demo shipped before 2026-12-04, confident (median top-1 0.94 at its
-default temperature 0.6); the base the other full-size scales change."""
-DIFFUSE = attrs.evolve(
-    COMPACT,
-    name="diffuse",
-    tokenizer=attrs.evolve(COMPACT.tokenizer, config={**COMPACT.tokenizer.config, "codebook_size": 4096}, steps=1000, batch=16, crop=32),
-    target=attrs.evolve(COMPACT.target, config={**COMPACT.target.config, "vocab_size": 4096}, steps=4500),
-    drafter=attrs.evolve(COMPACT.drafter, images=1200, steps=2000),
-    quality=attrs.evolve(COMPACT.quality, cfg_sweep=(2.0, 3.0, 4.0), temperature_sweep=(1.0,), top_k_sweep=(0, 500, 100)),
-)
-"""A LlamaGen-dense codebook at LlamaGen's temperature 1: tried for a less confident target
-and not shipped; it does not follow its class (docs/demo.md, "A 4096-code target")."""
+"""512 codes, a confident target (median top-1 0.94 at temperature 0.6): the base the
+other full-size scales change."""
 NEAR_DUPLICATE = attrs.evolve(
     COMPACT,
     name="near-duplicate",
@@ -175,9 +165,9 @@ NEAR_DUPLICATE = attrs.evolve(
     drafter=attrs.evolve(COMPACT.drafter, images=1600, steps=2000),
     quality=attrs.evolve(COMPACT.quality, temperature_sweep=(1.0,), top_k_sweep=(0, 1000, 200)),
 )
-"""4096 codes as 512 clusters of 8 near-duplicates at LlamaGen's temperature 1, shipped
-until 2026-12-07: the target learned to prefer one or two siblings from the context and
-followed its class half the time (docs/demo.md)."""
+"""4096 codes as 512 clusters of 8 near-duplicates, the target trained on the encoder's
+choice of sibling: it learns to prefer one or two siblings from the context, and at
+LlamaGen's temperature 1 follows its class about half the time."""
 INTERCHANGEABLE = attrs.evolve(
     NEAR_DUPLICATE,
     name="interchangeable",
@@ -206,7 +196,7 @@ TOY = Scale(
     drafter=DrafterScale(images=8, steps=2, batch=4, lr=1e-3),
     quality=QualityScale(real=20, per_class=1, cfg_sweep=(4.0,), temperature_sweep=(1.0,), sweep_per_class=1, top_k_sweep=(0, 8)),
 )
-SCALES = {"interchangeable": INTERCHANGEABLE, "near-duplicate": NEAR_DUPLICATE, "compact": COMPACT, "diffuse": DIFFUSE, "toy": TOY}
+SCALES = {"interchangeable": INTERCHANGEABLE, "near-duplicate": NEAR_DUPLICATE, "compact": COMPACT, "toy": TOY}
 DEFAULT_SCALE = INTERCHANGEABLE.name
 """What ``specimg train-demo`` makes when no scale is given: the bundle that ships."""
 
