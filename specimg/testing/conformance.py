@@ -28,11 +28,11 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from specimg import relax
+from specimg.cache import CACHE_ENV
 from specimg.config import Sampling
 from specimg.engine import Engine
 from specimg.errors import SpecimgError
 from specimg.methods import AR, Member
-from specimg.neighbours import CACHE_ENV
 from specimg.plugins import PluginManager, get_plugin_manager
 from specimg.step import Acceptance, Scores
 from specimg.testing import statistics
@@ -458,5 +458,3 @@ def make_conformance_tests(
             assert torch.equal(engine.generate([0] * 20, seed=5).tokens, engine.generate([0] * 20, seed=5).tokens)
 
     return TestConformance
-
-
