@@ -271,9 +271,7 @@ def sample_and_match(tree: DraftTree, dist: Tensor, generator: torch.Generator |
 
     Exact for any tree built from draft-side information: each draw is fresh and
     independent of the tree.  The nodes on the path are drawn in path order, so the draws
-    are those of AR decoding with the same generator (:func:`walk_forest`: on the host one
-    round trip per accepted token; on a device one draw per level whatever the outcome,
-    the generator then set back to its state after the draws that counted)."""
+    are those of AR decoding with the same generator (:func:`walk_forest`)."""
     return walk_forest(tree, [0], dist, [generator])[0]
 
 
