@@ -309,10 +309,8 @@ def reject_forest(
         rule = DeviceRule((target_dist, forest.draft_probs, forest.tokens, forest.child_ids), draws, _reject_levels)
         return _walk_on_device(forest, roots, generators, rule, compiled)  # type: ignore[arg-type]
     trees, dists = ([forest], [target_dist]) if forest.images is None else (forest.trees(), target_dist.split(list(forest.sizes)))
-    results = [_reject_on_host(tree, dist, generator) for tree, dist, generator in zip(trees, dists, generators)]
-    node_tokens = forest.tokens.tolist()
-    news = [[node_tokens[root + node] for node in result.path[1:]] + [result.next_token] for root, result in zip(roots, results)]
-    return _copied([result.path for result in results], news, forest.tokens.device)
+    walks = [_reject_on_host(tree, dist, generator) for tree, dist, generator in zip(trees, dists, generators)]
+    return _copied([path for path, _ in walks], [new for _, new in walks], forest.tokens.device)
 
 
 def accept_forest(
@@ -329,9 +327,10 @@ def accept_forest(
     return walk_forest(forest, roots, dist, None if sampling.greedy else generators, compiled, target_dist)
 
 
-def _reject_on_host(tree: DraftTree, target_dist: Tensor, generator: torch.Generator | None) -> Acceptance:
+def _reject_on_host(tree: DraftTree, target_dist: Tensor, generator: torch.Generator | None) -> tuple[list[int], list[int]]:
     """One tree's recursive rejection on the host, drawing only what it uses: a uniform per
-    child it tries, and the residual's draw where it rejects them all."""
+    child it tries, and the residual's draw where it rejects them all.  Its path and new
+    tokens (the path's after the root, then the next token)."""
     assert tree.draft_probs is not None
     tokens, children = tree.tokens.tolist(), tree.children
     path, node = [0], 0
@@ -351,7 +350,6 @@ def _reject_on_host(tree: DraftTree, target_dist: Tensor, generator: torch.Gener
                 break
             draft /= draft.sum()
         if accepted is None:
-            token = int(torch.multinomial(residual.float(), 1, generator=generator))
-            return Acceptance(path, token)
+            return path, [tokens[node] for node in path[1:]] + [int(torch.multinomial(residual.float(), 1, generator=generator))]
         path.append(accepted)
         node = accepted
