@@ -42,7 +42,6 @@ class DeviceRule(NamedTuple):
     level function from the tensors alone: a rule keeps no tensor of its own, so its
     program compiles once per shape and runs on any step's tensors."""
 
-    name: str
     tensors: tuple[Tensor, ...]
     draws: tuple[tuple[str, int, torch.dtype], ...]
     levels: Callable[..., Level]
@@ -71,7 +70,9 @@ def walk_forest(
     if not stalls.host_reads_stall(dist.device) or (generators is not None and None in generators):
         return _walk_on_host(forest, roots, dist, generators)
     spent = None if target_dist is None or target_dist is dist else (dist, target_dist)
-    return _walk_on_device(forest, roots, generators, _matching(forest, dist, generators is not None), compiled, spent)  # type: ignore[arg-type]
+    draws = (("exponential_", dist.shape[-1], dist.dtype),) if generators is not None else ()
+    rule = DeviceRule((dist, forest.parents, forest.tokens), draws, _match_levels)
+    return _walk_on_device(forest, roots, generators, rule, compiled, spent)  # type: ignore[arg-type]
 
 
 def _walk_on_host(forest: DraftTree, roots: Sequence[int], dist: Tensor, generators: Sequence[torch.Generator | None] | None) -> list[Acceptance]:
@@ -175,20 +176,14 @@ def _levels(levels: Callable[..., Level], count: int, kinds: int, depth: int, st
     return outcome
 
 
-def _matching(forest: DraftTree, dist: Tensor, sampled: bool) -> DeviceRule:
-    """Sample-and-match (greedy where not ``sampled``) as a device walk: each walker draws
-    once from its node's distribution, as ``torch.multinomial(row, 1)`` draws one token (an
-    Exp(1) variate per entry from the generator, the argmax of row / variate: the same
-    draws and the same generator state), and descends to the child with that token."""
-    draws = (("exponential_", dist.shape[-1], dist.dtype),) if sampled else ()
-    return DeviceRule("match", (dist, forest.parents, forest.tokens), draws, _match_levels)
-
-
 def _match_levels(dist: Tensor, parents: Tensor, tokens: Tensor) -> Level:
-    """Each node's child with each token sits in one table [n + 2, V] (-1: none; int32, 4 (n
-    + 2) V bytes: 8 MB for 128 nodes of 16384 tokens), one lookup a level: a root is
-    nobody's child, so its entry goes to row n, which no walker reads; the last row has
-    no children, and node -1 reads it: a stopped walker finds no child, unasked."""
+    """Sample-and-match (greedy without draws): each walker draws once from its node's
+    distribution as ``torch.multinomial(row, 1)`` draws one token (the argmax of row / an
+    Exp(1) variate per entry: the same draws, the same generator state), and descends to
+    the child with that token.  Each node's child with each token sits in one table [n +
+    2, V] (-1: none; int32), one lookup a level: a root is nobody's child, so its entry
+    goes to row n, which no walker reads; the last row has no children, and node -1 reads
+    it: a stopped walker finds no child, unasked."""
     n, vocab = dist.shape
     child_of = torch.full((n + 2, vocab), -1, dtype=torch.int32, device=dist.device)
     child_of[torch.where(parents >= 0, parents, n), tokens] = torch.arange(n, dtype=torch.int32, device=dist.device)  # siblings' tokens are distinct
@@ -200,19 +195,12 @@ def _match_levels(dist: Tensor, parents: Tensor, tokens: Tensor) -> Level:
     return level
 
 
-def _rejecting(forest: DraftTree, target_dist: Tensor) -> DeviceRule:
-    """Recursive rejection (:func:`recursive_rejection`) as a device walk: C uniforms and V
-    Exp(1) variates per walker and level, used or not, so that a level draws as much
-    whatever happens in it."""
-    assert forest.draft_probs is not None
-    draws = (("uniform_", forest.child_ids.shape[1], torch.float64), ("exponential_", target_dist.shape[-1], torch.float32))
-    return DeviceRule("reject", (target_dist, forest.draft_probs, forest.tokens, forest.child_ids), draws, _reject_levels)
-
-
 def _reject_levels(target_dist: Tensor, draft_probs: Tensor, node_tokens: Tensor, child_ids: Tensor) -> Level:
-    """The children in draft-rank order, a rejected one's draft mass taken from the
-    residual; after the last, a draw from the residual (the argmax of residual / variate,
-    as ``torch.multinomial``)."""
+    """Recursive rejection (:func:`recursive_rejection`) with C uniforms and V Exp(1)
+    variates per walker and level, used or not, so that a level draws as much whatever
+    happens in it: the children in draft-rank order, a rejected one's draft mass taken
+    from the residual; after the last, a draw from the residual (the argmax of residual /
+    variate, as ``torch.multinomial``)."""
     tokens = torch.where(child_ids >= 0, node_tokens[child_ids.clamp(min=0)], -1)
     tiny = torch.finfo(torch.float64).tiny
 
@@ -239,16 +227,11 @@ def _reject_levels(target_dist: Tensor, draft_probs: Tensor, node_tokens: Tensor
     return level
 
 
-def _thresholding(chain: DraftTree, accept_prob: Tensor, residual: Tensor) -> DeviceRule:
-    """:func:`chain_acceptance` as a device walk: one uniform and V Exp(1) variates per
-    walker and level, used or not; the child is taken where the uniform falls below its
-    node's probability, else the residual's draw (the argmax of residual / variate, as
-    ``torch.multinomial``) is emitted."""
-    draws = (("uniform_", 1, torch.float64), ("exponential_", residual.shape[-1], torch.float32))
-    return DeviceRule("threshold", (accept_prob, residual, chain.tokens, chain.child_ids), draws, _threshold_levels)
-
-
 def _threshold_levels(accept_prob: Tensor, residual: Tensor, tokens: Tensor, child_ids: Tensor) -> Level:
+    """:func:`chain_acceptance` with one uniform and V Exp(1) variates per walker and
+    level, used or not: the child is taken where the uniform falls below its node's
+    probability, else the residual's draw (as ``torch.multinomial``) is emitted."""
+
     def level(node: Tensor, draws: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
         uniforms, variates = draws
         child = torch.where(node >= 0, child_ids[node, 0], -1)
@@ -271,7 +254,9 @@ def chain_acceptance(chain: DraftTree, accept_prob: Tensor, residual: Tensor, ge
     if chain.child_ids.shape[1] > 1:
         raise ValueError("chain_acceptance takes a chain: every node has at most one child")
     if stalls.host_reads_stall(residual.device):
-        return _walk_on_device(chain, [0], [generator], _thresholding(chain, accept_prob, residual))[0]
+        draws = (("uniform_", 1, torch.float64), ("exponential_", residual.shape[-1], torch.float32))
+        rule = DeviceRule((accept_prob, residual, chain.tokens, chain.child_ids), draws, _threshold_levels)
+        return _walk_on_device(chain, [0], [generator], rule)[0]
     uniforms = torch.rand(accept_prob.shape, generator=generator, dtype=torch.float64, device=residual.device)
     accepted = (uniforms < accept_prob.double()).tolist()
     path, node, next_ids = [0], 0, chain.child_ids[:, 0].tolist()
@@ -286,9 +271,7 @@ def sample_and_match(tree: DraftTree, dist: Tensor, generator: torch.Generator |
 
     Exact for any tree built from draft-side information: each draw is fresh and
     independent of the tree.  The nodes on the path are drawn in path order, so the draws
-    are those of AR decoding with the same generator (:func:`walk_forest`: on the host one
-    round trip per accepted token; on a device one draw per level whatever the outcome,
-    the generator then set back to its state after the draws that counted)."""
+    are those of AR decoding with the same generator (:func:`walk_forest`)."""
     return walk_forest(tree, [0], dist, [generator])[0]
 
 
@@ -315,19 +298,19 @@ def reject_forest(
     tree, root 0), tree g drawing from ``generators[g]``.
 
     On the host each tree draws only what it uses (:func:`_reject_on_host`).  Where a host
-    read stalls, one device program for every tree (:func:`_rejecting`): a level draws the
-    same whatever happens in it, so its draws are not the host's, but its law is the
+    read stalls, one device program for every tree (:func:`_reject_levels`): a level draws
+    the same whatever happens in it, so its draws are not the host's, but its law is the
     same.  Paths and tokens come back per tree, in that tree's own node ids, with their
     device tensors (``walked``)."""
     if forest.draft_probs is None:
         raise ValueError("recursive rejection needs the draft distributions of a sampled tree")
     if stalls.host_reads_stall(target_dist.device) and None not in generators:
-        return _walk_on_device(forest, roots, generators, _rejecting(forest, target_dist), compiled)  # type: ignore[arg-type]
+        draws = (("uniform_", forest.child_ids.shape[1], torch.float64), ("exponential_", target_dist.shape[-1], torch.float32))
+        rule = DeviceRule((target_dist, forest.draft_probs, forest.tokens, forest.child_ids), draws, _reject_levels)
+        return _walk_on_device(forest, roots, generators, rule, compiled)  # type: ignore[arg-type]
     trees, dists = ([forest], [target_dist]) if forest.images is None else (forest.trees(), target_dist.split(list(forest.sizes)))
-    results = [_reject_on_host(tree, dist, generator) for tree, dist, generator in zip(trees, dists, generators)]
-    node_tokens = forest.tokens.tolist()
-    news = [[node_tokens[root + node] for node in result.path[1:]] + [result.next_token] for root, result in zip(roots, results)]
-    return _copied([result.path for result in results], news, forest.tokens.device)
+    walks = [_reject_on_host(tree, dist, generator) for tree, dist, generator in zip(trees, dists, generators)]
+    return _copied([path for path, _ in walks], [new for _, new in walks], forest.tokens.device)
 
 
 def accept_forest(
@@ -344,9 +327,10 @@ def accept_forest(
     return walk_forest(forest, roots, dist, None if sampling.greedy else generators, compiled, target_dist)
 
 
-def _reject_on_host(tree: DraftTree, target_dist: Tensor, generator: torch.Generator | None) -> Acceptance:
+def _reject_on_host(tree: DraftTree, target_dist: Tensor, generator: torch.Generator | None) -> tuple[list[int], list[int]]:
     """One tree's recursive rejection on the host, drawing only what it uses: a uniform per
-    child it tries, and the residual's draw where it rejects them all."""
+    child it tries, and the residual's draw where it rejects them all.  Its path and new
+    tokens (the path's after the root, then the next token)."""
     assert tree.draft_probs is not None
     tokens, children = tree.tokens.tolist(), tree.children
     path, node = [0], 0
@@ -366,7 +350,6 @@ def _reject_on_host(tree: DraftTree, target_dist: Tensor, generator: torch.Gener
                 break
             draft /= draft.sum()
         if accepted is None:
-            token = int(torch.multinomial(residual.float(), 1, generator=generator))
-            return Acceptance(path, token)
+            return path, [tokens[node] for node in path[1:]] + [int(torch.multinomial(residual.float(), 1, generator=generator))]
         path.append(accepted)
         node = accepted

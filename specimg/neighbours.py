@@ -23,8 +23,6 @@ from specimg.cache import CACHE_ENV, cache_dir
 from specimg.errors import SpecimgError
 from specimg.files import atomic_path
 
-__all__ = ["CACHE_ENV", "CODEBOOKS", "codebook_donors", "codebook_key", "embedding_donors", "nearest_codes", "neighbour_table"]
-
 CODEBOOKS = ("normalised", "raw")
 """Which vectors neighbours are measured in: the ones the decoder sees, or the codebook as stored."""
 _CHUNK_ROWS = 512

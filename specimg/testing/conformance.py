@@ -28,11 +28,11 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from specimg import relax
+from specimg.cache import CACHE_ENV
 from specimg.config import Sampling
 from specimg.engine import Engine
 from specimg.errors import SpecimgError
 from specimg.methods import AR, Member
-from specimg.neighbours import CACHE_ENV
 from specimg.plugins import PluginManager, get_plugin_manager
 from specimg.step import Acceptance, Scores
 from specimg.testing import statistics
@@ -326,10 +326,9 @@ def make_conformance_tests(
     def require_budget(method: str) -> None:
         """A stack running a rule with no TVD budget (a paper mode) is held to its own
         published law by its own tests; the budget checks do not apply to it."""
-        stack = manager.stack(method, options)
-        if not stack.budgeted:
-            unbudgeted = ", ".join(m.spec.name for m in stack.members if not m.budgeted)
-            pytest.skip(f"{method}: {unbudgeted} runs a rule with no TVD budget (a paper mode); its own tests hold it to its published law")
+        unbudgeted = manager.stack(method, options).unbudgeted
+        if unbudgeted:
+            pytest.skip(f"{method}: {', '.join(unbudgeted)} runs a rule with no TVD budget (a paper mode); its own tests hold it to its published law")
 
     def engine_for(method: str, case: RelaxCase, data: st.DataObject) -> Engine:
         chosen, delta = _budget_options(data, method, options, manager)
@@ -387,7 +386,7 @@ def make_conformance_tests(
             first, second = compile_steps()
             engine = step_engine(method, first, options, None, manager)
             assert engine.hooks is not None and engine.stack is not None
-            if not engine.hooks.relaxers or engine.stack.delta == 0 or not Member(engine.stack.members[0].spec, engine.stack.members[0].options).budgeted:
+            if not engine.hooks.relaxers or engine.stack.delta == 0 or not engine.stack.members[0].budgeted:
                 pytest.skip(f"{method}: relaxes nothing under a budget by default")
             if not check_compiles(engine, first, second):
                 pytest.skip(f"{method}: the compiler refuses its relaxation (it reads the host); it folds eagerly on the compiled path")
@@ -458,5 +457,3 @@ def make_conformance_tests(
             assert torch.equal(engine.generate([0] * 20, seed=5).tokens, engine.generate([0] * 20, seed=5).tokens)
 
     return TestConformance
-
-

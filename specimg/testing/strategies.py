@@ -90,10 +90,6 @@ def seeds() -> st.SearchStrategy[int]:
     return st.integers(0, 2**32 - 1)
 
 
-def generators() -> st.SearchStrategy[torch.Generator]:
-    return seeds().map(lambda seed: torch.Generator().manual_seed(seed))
-
-
 def deltas() -> st.SearchStrategy[float]:
     """Total-variation budgets, with the edges 0 and 1 and tiny ones."""
     return st.one_of(st.floats(0.0, 1.0), st.just(0.0), st.just(1.0), st.floats(0.0, 1e-3))
@@ -216,18 +212,3 @@ def relax_batches(
         logits = draw(row_logits(rows, tree.size, vocab))
         batch.append(attrs.evolve(first, tree=tree, scores=Scores(probabilities(logits, first.sampling), draw(hidden_states(rows, tree.size, dim)), logits)))
     return batch
-
-
-@st.composite
-def step_pairs(draw: st.DrawFn, max_nodes: int = 8, max_children: int = 3) -> tuple[RelaxCase, RelaxCase]:
-    """Two decode steps of one shape, as a fixed tree's consecutive steps are: the same
-    tree with its tokens relabelled (a permutation of the vocabulary), fresh scores and
-    hidden states."""
-    first = draw(relax_cases(max_nodes=max_nodes, max_children=max_children))
-    rows, n, dim = first.scores.hidden.shape
-    vocab = first.p.shape[-1]
-    relabel = torch.randperm(vocab, generator=torch.Generator().manual_seed(draw(seeds())))
-    logits = draw(row_logits(rows, n, vocab))
-    scores = Scores(probabilities(logits, first.sampling), draw(hidden_states(rows, n, dim)), logits)
-    return first, attrs.evolve(first, tree=attrs.evolve(first.tree, tokens=relabel[first.tree.tokens]), scores=scores)
-
