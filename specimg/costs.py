@@ -25,7 +25,7 @@ import statistics
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import numpy as np
@@ -41,7 +41,7 @@ from specimg.methods import AR, Stack
 from specimg.errors import SpecimgError
 from specimg.models.base import BatchTrees, Condition, Drafter, Target, draft_features
 from specimg.profile import MAX_DEPTH, MAX_TOPK, AcceptanceProfile
-from specimg.sampling import draw, draw_rows, probabilities
+from specimg.sampling import draw_rows, probabilities
 from specimg.tree import DraftSession, DraftTree, build_dynamic, stack_trees
 
 VERIFY_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
@@ -355,10 +355,7 @@ def measure(target: Target, drafter: Drafter, sampling: Sampling, condition: Con
         target.commit(token)
     sizes = [n for n in VERIFY_SIZES if n <= capacity]
     trees = {n: DraftTree.from_parents([0] * n, [-1] + [(i - 1) // 4 for i in range(1, n)]) for n in sizes}
-    if batch == 1:
-        ar, verify = _verify_times(target, sampling, trees, timed)
-    else:
-        ar, verify = _batch_verify_times(target, sampling, condition, trees, timed, batch)
+    ar, verify = _verify_times(target, sampling, condition, trees, timed, batch)
     news = torch.zeros(_START_TOKENS, dtype=torch.long, device=device)
     start = timed(lambda _: drafter.start(last.expand(-1, _START_TOKENS, -1), news), setup=lambda: drafter.prefill(condition, sampling.cfg))
     setup, rest = _step_overhead(target, sampling, condition, device)
@@ -383,46 +380,38 @@ def measure(target: Target, drafter: Drafter, sampling: Sampling, condition: Con
 Timer = Callable[..., float]
 
 
-def _verify_times(target: Target, sampling: Sampling, trees: Mapping[int, DraftTree], timed: Timer) -> tuple[float, list[tuple[int, float]]]:
-    """One AR step and the verify of each tree, on the target's tree cache as ``measure``
-    left it, each as the engine runs it (its distributions compiled where the target's
-    steps are)."""
+def _verify_times(target: Target, sampling: Sampling, condition: Condition, trees: Mapping[int, DraftTree], timed: Timer, batch: int) -> tuple[float, list[tuple[int, float]]]:
+    """One AR step (a one-node tree's verify and a draw) and the verify of each tree, each
+    as the engine runs it (its distributions compiled where the target's steps are): on the
+    target's tree cache as ``measure`` left it, or at a batch size above 1 as an image's
+    share of one forward over ``batch`` images, each with the same tree, after half an
+    image of batched AR steps.  Nothing is committed, so the prefix stays put; the commit's
+    cost is in the overhead."""
     device = device_of(target)
-    token = torch.zeros(1, dtype=torch.long, device=device)
-    on_device = {n: attrs.evolve(tree, **{f: getattr(tree, f).to(device) for f in ("tokens", "depths", "mask")}) for n, tree in trees.items()}
+    if batch == 1:
+        on_device = {n: attrs.evolve(tree, **{f: getattr(tree, f).to(device) for f in ("tokens", "depths", "mask")}) for n, tree in trees.items()}
+
+        def logits(n: int) -> Tensor:
+            return target.forward_tree(on_device[n].tokens, on_device[n].depths, on_device[n].mask).logits
+    else:
+        if not isinstance(target, BatchTrees):
+            raise SpecimgError(f"a cost model at batch size {batch} needs a target that verifies a batch of trees")
+        target.prefill_batch([condition] * batch, sampling.cfg, tree_nodes=max(trees))
+        roots = torch.zeros(batch, dtype=torch.long, device=device)
+        for _ in range(target.num_tokens // 2):
+            target.forward_batch(roots)
+        stacked = {n: tuple(t.to(device) for t in stack_trees([tree] * batch)) for n, tree in trees.items()}
+        nodes = {n: torch.arange(batch * n, device=device) for n in trees}
+
+        def logits(n: int) -> Tensor:  # the logits of every image's nodes
+            return cast(BatchTrees, target).forward_trees(*stacked[n]).logits.flatten(1, 2)[:, nodes[n]]
 
     compiled = compiles(target)
-
-    def ar_step() -> None:  # no commit, so the prefix stays put; the commit's cost is in the overhead
-        logits = target.forward_tree(token, token, torch.ones(1, 1, dtype=torch.bool, device=device)).logits
-        draw(run(probabilities, logits, sampling, True, compiled=compiled)[0], None)
 
     def verify(n: int) -> Tensor:
-        tree = on_device[n]
-        return run(probabilities, target.forward_tree(tree.tokens, tree.depths, tree.mask).logits, sampling, True, compiled=compiled)
+        return run(probabilities, logits(n), sampling, True, compiled=compiled)
 
-    return _in_rounds(ar_step, verify, list(trees), timed)
-
-
-def _batch_verify_times(target: Target, sampling: Sampling, condition: Condition, trees: Mapping[int, DraftTree], timed: Timer, batch: int) -> tuple[float, list[tuple[int, float]]]:
-    """``_verify_times`` as an image's share of one forward over ``batch`` images, each
-    with the same tree, after half an image of batched AR steps."""
-    if not isinstance(target, BatchTrees):
-        raise SpecimgError(f"a cost model at batch size {batch} needs a target that verifies a batch of trees")
-    device = device_of(target)
-    target.prefill_batch([condition] * batch, sampling.cfg, tree_nodes=max(trees))
-    roots = torch.zeros(batch, dtype=torch.long, device=device)
-    for _ in range(target.num_tokens // 2):
-        target.forward_batch(roots)
-    stacked = {n: tuple(t.to(device) for t in stack_trees([tree] * batch)) for n, tree in trees.items()}
-    nodes = {n: torch.arange(batch * n, device=device) for n in trees}
-    compiled = compiles(target)
-
-    def verify(n: int) -> Tensor:  # the logits of every image's nodes, processed
-        logits = target.forward_trees(*stacked[n]).logits.flatten(1, 2)[:, nodes[n]]
-        return run(probabilities, logits, sampling, True, compiled=compiled)
-
-    def ar_step() -> None:  # one draw per image, as a batch draws its AR tokens
+    def ar_step() -> None:  # one draw per image, as the AR loop draws
         draw_rows(verify(1), [None] * batch)
 
     return _in_rounds(ar_step, verify, list(trees), timed, share=batch)

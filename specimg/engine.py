@@ -54,6 +54,14 @@ class LaneStep(NamedTuple):
     walked: Walked
 
 
+class ARImage(NamedTuple):
+    """What the AR loop keeps of an image (a lane keeps it too): its generator, tokens and statistics."""
+
+    generator: torch.Generator
+    tokens: list[int]
+    stats: ImageStats
+
+
 class Generation(NamedTuple):
     """Image tokens [images, tokens_per_image] and the statistics of the run."""
 
@@ -109,7 +117,11 @@ class Engine:
         self.target, self.drafter, self.sampling, self.tree_config = target, drafter, sampling, tree
         self.tokenizer, self.cost_model = tokenizer, cost_model
         self.device = costs.device_of(target)
-        self._set_step_mode(compile)
+        mode = step_mode(compile, self.device, supported=hasattr(target, "set_step_mode"))
+        if mode == "compiled" or compile == "off":  # "auto" off a GPU leaves the models' step modes as they are
+            for model in (target, drafter):
+                if hasattr(model, "set_step_mode"):
+                    model.set_step_mode(mode)
         self._fold_compiles = True  # until the compiler refuses the stack's relaxation (it reads the host): then it folds eagerly
         self.check_relax = relax.checks_enabled()
         self.calibration_seconds = 0.0
@@ -117,7 +129,10 @@ class Engine:
         self.on_step: Callable[[DraftTree, Tensor, list[int]], None] | None = None
         """Called after each speculative step with its tree, q_R and accepted path (tools that learn from a run)."""
         self.plugins = plugins or get_plugin_manager()
-        self._check_vocabularies()
+        for role, model in (("drafter", drafter), ("tokenizer", tokenizer)):
+            size = getattr(model, "vocab_size", None)
+            if size is not None and size != target.vocab_size:
+                raise SpecimgError(f"the {role} has a vocabulary of {size} tokens, the target {target.vocab_size}")
         self.stack: Stack | None = None
         self.hooks: StackHooks | None = None
         self._threads: ThreadPoolExecutor | None = None  # a batch's images propose in these (made on first use)
@@ -159,15 +174,6 @@ class Engine:
         if getattr(self.drafter, "context", 0):
             raise SpecimgError(f"batch size {size}: this drafter reads the whole condition (LANTERN's released drafters), which batched decoding does not give it yet; run at batch size 1")
 
-    def _set_step_mode(self, compile: Compile) -> None:
-        """The target's step mode, and the drafter's alike when it has fixed-shape steps;
-        "auto" off a GPU leaves the models' step modes as they are."""
-        mode = step_mode(compile, self.device, supported=hasattr(self.target, "set_step_mode"))
-        if mode == "compiled" or compile == "off":
-            for model in (self.target, self.drafter):
-                if hasattr(model, "set_step_mode"):
-                    model.set_step_mode(mode)
-
     @property
     def compiled(self) -> bool:
         """Whether the step's programs are compiled (the target's step mode is)."""
@@ -181,13 +187,6 @@ class Engine:
     @property
     def method(self) -> str:
         return self.stack.name if self.stack else AR
-
-    def _check_vocabularies(self) -> None:
-        vocab = self.target.vocab_size
-        for role, model in (("drafter", self.drafter), ("tokenizer", self.tokenizer)):
-            size = getattr(model, "vocab_size", None)
-            if size is not None and size != vocab:
-                raise SpecimgError(f"the {role} has a vocabulary of {size} tokens, the target {vocab}")
 
     def generate(
         self, conditions: Sequence[Condition], seed: int = 0, progress: Callable[[int], None] | None = None,
@@ -211,17 +210,7 @@ class Engine:
 
         if self.cost_model is None and conditions:
             self.prepare(conditions[0])
-        if self.batch_size == 1:
-            for index, (condition, image_seed) in enumerate(zip(conditions, seeds)):
-                tokens, image = self._image(condition, image_seed, progress, self.planner() if self.auto_tree else None)
-                done(index, torch.tensor(tokens, dtype=torch.long), image)
-        elif self.stack is not None:
-            self._batch_speculative(conditions, seeds, progress, done)
-        else:
-            for at in range(0, len(conditions), self.batch_size):
-                batch, batch_seeds = conditions[at : at + self.batch_size], seeds[at : at + self.batch_size]
-                for row, (image_tokens, image) in enumerate(zip(*self._batch(batch, batch_seeds, progress))):
-                    done(at + row, image_tokens, image)
+        self._decode(conditions, seeds, progress, done)
         return Generation(torch.stack(rows) if rows else torch.empty(0, self.target.num_tokens, dtype=torch.long), RunStats(tuple(stats)))
 
     def prepare(self, condition: Condition, state: Any = None) -> costs.CostModel | None:
@@ -267,39 +256,22 @@ class Engine:
             model = costs.load_or_measure(self.target, self.drafter, self.sampling, condition, log=measuring, batch=size)
             if model.calibrated(name):
                 return model
-            return self._calibrate(model, name, condition, measuring(), start)
+            parts = attrs.evolve(model, step_scales={**model.step_scales, name: 1.0}, acceptance={k: v for k, v in model.acceptance.items() if k != name})
+            planners: list[TreePlanner] = []
 
-    def _calibrate(self, model: costs.CostModel, name: str, condition: Condition, progress: Callable[[int], Any], start: float) -> costs.CostModel:
-        """:meth:`_calibrated`'s decodes, each step's tokens counted to ``progress``."""
-        size = self.batch_size
-        parts = attrs.evolve(model, step_scales={**model.step_scales, name: 1.0}, acceptance={k: v for k, v in model.acceptance.items() if k != name})
-        planners: list[TreePlanner] = []
+            def planner() -> TreePlanner:
+                planners.append(self.planner(parts, ar_fallback=False))
+                return planners[-1]
 
-        def planner() -> TreePlanner:
-            planners.append(self.planner(parts, ar_fallback=False))
-            return planners[-1]
+            def wall(images: list[ImageStats], *how: Any) -> float:  # ``batch_size`` images of the condition, as generate decodes them
+                self._decode([condition] * size, range(size), measuring(), lambda _, __, image: images.append(image), *how)
+                return sum(image.wall for image in images)
 
-        images: list[ImageStats] = []
-
-        def drafted() -> float:
-            if size == 1:
-                images.append(self._image(condition, 0, progress, planner())[1])
-            else:
-                self._batch_speculative([condition] * size, range(size), progress, lambda _, __, image: images.append(image), planner)
-            return sum(image.wall for image in images)
-
-        wall = self._steady(drafted)
-        ar_wall = self._steady(self._ar_wall, condition, progress)
-        scale = costs.step_scale(wall, sum(image.predicted_ms for image in images), ar_wall, size * self.target.num_tokens * model.ar_ms)
-        self.calibration_seconds = time.perf_counter() - start
-        return costs.with_calibration(model, name, scale, AcceptanceProfile.pooled([p.profile for p in planners]).rates())
-
-    def _ar_wall(self, condition: Condition, progress: Callable[[int], Any] | None = None) -> float:
-        """Wall seconds of ``batch_size`` images of ``condition`` decoded with AR steps
-        (one at a time, or as one batch): the yardstick of :meth:`_calibrated`."""
-        if self.batch_size == 1:
-            return self._image(condition, 0, progress, None, ar=True)[1].wall
-        return self.batch_size * self._batch([condition] * self.batch_size, range(self.batch_size), progress)[1][0].wall
+            drafted: list[ImageStats] = []
+            drafted_wall, ar_wall = self._steady(wall, drafted, planner), self._steady(wall, [], None, True)
+            scale = costs.step_scale(drafted_wall, sum(image.predicted_ms for image in drafted), ar_wall, size * self.target.num_tokens * model.ar_ms)
+            self.calibration_seconds = time.perf_counter() - start
+            return costs.with_calibration(model, name, scale, AcceptanceProfile.pooled([p.profile for p in planners]).rates())
 
     def _steady(self, decode: Callable[..., float], *args: Any) -> float:
         """The wall seconds ``decode`` returns, less what it spent compiling: one-off work
@@ -307,37 +279,68 @@ class Engine:
         compiled = CompileClock.seconds
         return decode(*args) - (CompileClock.seconds - compiled)
 
+    def _decode(
+        self, conditions: Sequence[Condition], seeds: Sequence[int], progress: Callable[[int], None] | None, done: OnImage,
+        planners: Callable[[], TreePlanner] | None = None, ar: bool = False,
+    ) -> None:
+        """One image per condition, each handed to ``done`` (index, tokens, statistics) when it
+        finishes: one at a time, or ``batch_size`` at a time (:meth:`_batch_speculative`,
+        :meth:`_batch`); with AR steps whatever the method, with ``ar``.  Auto trees plan with
+        ``planners``' planners, by default :meth:`planner`'s."""
+        if self.batch_size == 1:
+            for index, (condition, seed) in enumerate(zip(conditions, seeds)):
+                planner = (planners or self.planner)() if self.auto_tree and not ar else None
+                tokens, image = self._image(condition, seed, progress, planner, ar)
+                done(index, torch.tensor(tokens, dtype=torch.long), image)
+        elif self.stack is not None and not ar:
+            self._batch_speculative(conditions, seeds, progress, done, planners)
+        else:
+            for at in range(0, len(conditions), self.batch_size):
+                for row, image in enumerate(self._batch(conditions[at : at + self.batch_size], seeds[at : at + self.batch_size], progress)):
+                    done(at + row, torch.tensor(image.tokens), image.stats)
+
     def _image(self, condition: Condition, seed: int, progress: Callable[[int], None] | None, planner: TreePlanner | None,
                ar: bool = False) -> tuple[list[int], ImageStats]:
         """One image's tokens and statistics, drawn with a generator seeded ``seed`` (with
         AR steps whatever the method, with ``ar``)."""
-        generator = torch.Generator(self.device).manual_seed(seed)
-        stats = ImageStats()
+        stats = ImageStats(target_forwards=1)
         start = time.perf_counter()
         with torch.inference_mode():
-            tokens = self._decode(condition, generator, stats, progress, planner, ar)
-        stats.wall = time.perf_counter() - start
+            prefill = self.target.prefill(condition, self.sampling.cfg)
+            generator, first, tokens = self._first_token(prefill, seed, progress)
+            if ar or self.stack is None:
+                self._ar_alone(ARImage(generator, tokens, stats), progress)
+            else:
+                drafter = None if self.drafter_free else self.drafter
+                self._decode_speculative(Lane(self, drafter, condition, prefill, first, tokens, generator, stats, planner, progress))
+        stats.tokens, stats.wall = len(tokens), time.perf_counter() - start
         return tokens, stats
 
-    def _batch(self, conditions: Sequence[Condition], seeds: Sequence[int], progress: Callable[[int], None] | None) -> tuple[Tensor, list[ImageStats]]:
+    def _first_token(self, prefill: TargetOutput, seed: int, progress: Callable[[int], None] | None) -> tuple[torch.Generator, Tensor, list[int]]:
+        """An image's generator seeded ``seed``, its prefill's distribution and image token 0 drawn from it."""
+        generator = torch.Generator(self.device).manual_seed(seed)
+        first = self._probabilities(prefill.logits)
+        tokens = [self._draw(first[0], generator)]
+        if progress:
+            progress(1)
+        return generator, first, tokens
+
+    def _batch(self, conditions: Sequence[Condition], seeds: Sequence[int], progress: Callable[[int], None] | None) -> list[ARImage]:
         """AR for several images at once, image i drawn with its own generator seeded
-        ``seeds[i]`` exactly as one image's AR loop draws it: their tokens [B, num_tokens]
-        (on the CPU) and statistics, each image's wall time its share of the batch's."""
-        target, sampling, n = self.target, self.sampling, len(conditions)
-        assert isinstance(target, BatchSteps)
-        generators = [torch.Generator(self.device).manual_seed(s) for s in seeds]
+        ``seeds[i]`` exactly as one image's AR loop draws it (:meth:`_ar`, the prefill its
+        first step), each image's wall time its share of the batch's."""
+        target = cast(BatchSteps, self.target)
+        images = [ARImage(torch.Generator(self.device).manual_seed(s), [], ImageStats()) for s in seeds]
+
+        def forward(last: Tensor, step: int) -> Tensor:
+            return target.forward_batch(last) if step else target.prefill_batch(conditions, self.sampling.cfg).logits
+
         start = time.perf_counter()
         with torch.inference_mode():
-            drawn = [self._sample_rows(self._probabilities(target.prefill_batch(conditions, sampling.cfg).logits), generators)]
-            for index in range(1, target.num_tokens):
-                if progress:
-                    progress(n)
-                drawn.append(self._sample_rows(self._ar_step_probs(drawn[-1], cfg_active_at(index, sampling)), generators))
-            tokens = torch.stack(drawn, dim=1).cpu()  # the one read: the tokens stay on the device until here
-        if progress:
-            progress(n)
-        wall = (time.perf_counter() - start) / n
-        return tokens, [ImageStats(tokens=target.num_tokens, target_forwards=target.num_tokens, wall=wall) for _ in range(n)]
+            self._ar(images, None, target.num_tokens, 0, forward, None, progress)
+        for image in images:
+            image.stats.tokens, image.stats.wall = len(image.tokens), (time.perf_counter() - start) / len(images)
+        return images
 
     def _batch_speculative(
         self, conditions: Sequence[Condition], seeds: Sequence[int], progress: Callable[[int], None] | None,
@@ -355,18 +358,16 @@ class Engine:
         target, sampling = self.target, self.sampling
         assert isinstance(target, BatchTrees)
         size = min(self.batch_size, len(conditions))
-        lockstep = None if self.drafter_free else Lockstep(self.drafter.batch(size, sampling.cfg), self._lane_threads())  # type: ignore[union-attr]
+        if self._threads is None:  # the threads a batch's images propose in, one per image, kept for the engine's life
+            self._threads = ThreadPoolExecutor(max_workers=self.batch_size, thread_name_prefix="specimg-lane")
+        lockstep = None if self.drafter_free else Lockstep(self.drafter.batch(size, sampling.cfg), self._threads)  # type: ignore[union-attr]
         drafters = [None if lockstep is None else LaneDrafter(lockstep, place, self.drafter) for place in range(size)]
         decoding = list(range(size))  # the image at each place of the batch
         waiting = collections.deque(range(size, len(conditions)))
 
         def lane(place: int, out: TargetOutput) -> Lane:
             image = decoding[place]
-            generator = torch.Generator(self.device).manual_seed(seeds[image])
-            first = self._probabilities(out.logits)
-            tokens = [self._draw(first[0], generator)]
-            if progress:
-                progress(1)
+            generator, first, tokens = self._first_token(out, seeds[image], progress)
             planner = (planners or self.planner)() if self.auto_tree else None
             return Lane(self, drafters[place], conditions[image], out, first, tokens, generator, ImageStats(target_forwards=1), planner, progress)
 
@@ -399,12 +400,6 @@ class Engine:
                     self._finish_ar_batch(lanes, progress, min(left) if waiting else max(left))  # until a place frees, or to the end
                 else:
                     self._batch_step(lanes, running, riding, lockstep)
-
-    def _lane_threads(self) -> ThreadPoolExecutor:
-        """The threads a batch's images propose in, one per image, kept for the engine's life."""
-        if self._threads is None:
-            self._threads = ThreadPoolExecutor(max_workers=self.batch_size, thread_name_prefix="specimg-lane")
-        return self._threads
 
     def _batch_step(self, lanes: Sequence[Lane], running: Sequence[int], riding: Sequence[int], lockstep: Lockstep | None) -> None:
         """One step of every unfinished image (the places ``running``): draft every tree
@@ -485,7 +480,7 @@ class Engine:
                     trees.update((i, lanes[i].root_tree()) for i in images)
                     continue
 
-                if self._grows_fixed(batch, shape):
+                if getattr(batch, "step_mode", "eager") != "eager" and fixed_growth(shape, self.sampling):  # a DraftBatch at fixed shapes
                     grown = self._grow_every_place(cast(FixedBatch, batch), {i: lanes[i] for i in images}, roots, shape)
                     every_place = grown.trees()
                     trees.update((i, every_place[i]) for i in images)
@@ -505,13 +500,6 @@ class Engine:
                 forest = build_dynamic_batch(session, root_tokens, depth, topk, nodes, sample, generators)
                 trees.update(zip(images, forest.trees()))
         return {i: trees[i] for i in lanes}, forest if forest is not None and len(forest.sizes) == len(lanes) else None
-
-    def _grows_fixed(self, batch: BatchDrafting, shape: tuple[int, int, int, bool]) -> bool:
-        """Whether trees of ``shape`` grow as one fixed-shape program for every place of the
-        batch (:meth:`_grow_every_place`): the batch drafts at fixed shapes, the trees are of
-        top-k drafts (nothing drawn) and guidance never stops."""
-        fixed = getattr(batch, "step_mode", "eager") != "eager"  # a drafter's DraftBatch (tree.FixedBatch)
-        return fixed and fixed_growth(shape, self.sampling)
 
     def _grow_every_place(self, batch: FixedBatch, lanes: Mapping[int, Lane], roots: Mapping[int, Tensor], shape: tuple[int, int, int, bool]) -> DraftTree:
         """The forest of a tree of ``shape`` at every place of the batch, grown at fixed
@@ -581,53 +569,62 @@ class Engine:
 
     def _finish_ar_batch(self, lanes: Sequence[Lane], progress: Callable[[int], None] | None, steps: int) -> None:
         """``steps`` AR steps of every unfinished image (their planners found no tree that
-        pays), all in one forward per token: as :meth:`_decode_ar` for one image, each
-        image draws with its own generator and its tokens stay on the device until the
-        end.  An image that is finished rides along and commits nothing.  Images at one
-        length (all sent to AR from their first step) take the batched AR step, which
-        needs no per-image slots or mask."""
-        target, sampling, device = cast(BatchTrees, self.target), self.sampling, self.device
-        remaining = [target.num_tokens - len(lane.tokens) for lane in lanes]
-        level = len({len(lane.tokens) for lane in lanes}) == 1  # then they also finish together: level to the end
+        pays), all in one forward per token (:meth:`_ar`).  An image that is finished rides
+        along and commits nothing.  Images at one length (all sent to AR from their first
+        step) take the batched AR step, which needs no per-image slots or mask."""
+        target, device, size = cast(BatchTrees, self.target), self.device, len(lanes)
         last = stalls.on_device([lane.tokens[-1] for lane in lanes], device)  # each image's root
-        first = len(lanes[0].tokens) if level else stalls.on_device([len(lane.tokens) for lane in lanes], device)  # the token each draws first (one index where level: no tensor a step)
-        ragged = None if level else (torch.zeros(len(lanes), 1, dtype=torch.long, device=device), torch.ones(len(lanes), 1, 1, dtype=torch.bool, device=device))  # one-node trees
-        root, nothing = torch.zeros(1, dtype=torch.long, device=device), torch.zeros(0, dtype=torch.long, device=device)
+        with Booking("verify", [lane for lane in lanes if not lane.done]):
+            if len({len(lane.tokens) for lane in lanes}) == 1:  # then they also finish together: level to the end
+                self._ar(lanes, last, steps, len(lanes[0].tokens), lambda last, _: target.forward_batch(last), None, progress)
+                return
+            remaining = [target.num_tokens - len(lane.tokens) for lane in lanes]
+            depths, mask = torch.zeros(size, 1, dtype=torch.long, device=device), torch.ones(size, 1, 1, dtype=torch.bool, device=device)  # one-node trees
+            root, nothing = torch.zeros(1, dtype=torch.long, device=device), torch.zeros(0, dtype=torch.long, device=device)
+            self._ar(lanes, last, steps, stalls.on_device([len(lane.tokens) for lane in lanes], device),  # the token each draws first
+                     lambda last, _: target.forward_trees(last[:, None], depths, mask).logits[:, :, 0],
+                     lambda step: target.commit_trees([root if left > step else nothing for left in remaining]), progress)
+
+    def _ar(
+        self, images: Sequence[ARImage | Lane], last: Tensor | None, steps: int, first: int | Tensor, forward: Callable[[Tensor, int], Tensor],
+        commit: Callable[[int], None] | None, progress: Callable[[int], None] | None,
+    ) -> None:
+        """The AR loop, for one image or a batch: ``steps`` steps of ``images`` from their last
+        tokens ``last`` [B], the first drawing image token ``first`` (one index, or each
+        image's).  ``forward(last, step)`` gives every image's next-token logits, then
+        ``commit(step)`` commits the step where the forward does not.  Each image draws with
+        its own generator as it would alone, and an image with no tokens left rides along,
+        its draws dropped.  Each token stays on the device and feeds the next step; the host
+        reads them all at the end, so no step waits for the device (on a GPU the host runs
+        ahead and the launches overlap the work)."""
+        remaining = [self.target.num_tokens - len(image.tokens) for image in images]
         drawn: list[Tensor] = []  # per step, every image's last token (a finished image's stays as it was)
-        start = time.perf_counter()
         for step in range(steps):
             running = [i for i, left in enumerate(remaining) if left > step]
-            probs = self._ar_step_probs(last, cfg_active_at(first + step, sampling), ragged)  # the finished images' go unused
-            if len(running) == len(lanes):
-                last = self._sample_rows(probs, [lane.generator for lane in lanes])
+            probs = self._probabilities(forward(cast(Tensor, last), step), cfg_active_at(first + step, self.sampling))  # the finished images' go unused
+            if len(running) == len(images):
+                last = self._sample_rows(probs, [image.generator for image in images])
             else:
-                at = stalls.on_device(running, device)
-                last = last.index_copy(0, at, self._sample_rows(probs[at], [lanes[i].generator for i in running]))
-            if not level:
-                target.commit_trees([root if left > step else nothing for left in remaining])
+                at = stalls.on_device(running, self.device)
+                last = cast(Tensor, last).index_copy(0, at, self._sample_rows(probs[at], [images[i].generator for i in running]))
+            if commit:
+                commit(step)
             drawn.append(last)
             if progress:
                 progress(len(running))
-        share = (time.perf_counter() - start) / max(1, sum(1 for left in remaining if left))
         tokens = torch.stack(drawn, dim=1).tolist() if drawn else []  # the one read: [images, steps]
-        for lane, left, mine in zip(lanes, remaining, tokens):
-            count = min(steps, left)  # image i draws at the steps before its own end
+        for image, left, mine in zip(images, remaining, tokens):
+            count = min(steps, left)  # an image draws at the steps before its own end
             if count > 0:
-                lane.tokens.extend(mine[:count])
-                lane.stats.target_forwards += count
-                lane.stats.seconds["verify"] += share
+                image.tokens.extend(mine[:count])
+                image.stats.target_forwards += count
 
-    def _ar_step_probs(self, last: Tensor, cfg_active: bool | Tensor, ragged: tuple[Tensor, Tensor] | None = None) -> Tensor:
-        """Every image's distribution of its next token after its ``last`` [B]: the batched
-        AR step (which commits as it goes) for images at one length, or for images at
-        ``ragged`` lengths each last token as a one-node tree (its depths and mask: the
-        roots committed after it)."""
-        target = self.target
-        if ragged is None:
-            logits = cast(BatchSteps, target).forward_batch(last)
-        else:
-            logits = cast(BatchTrees, target).forward_trees(last[:, None], *ragged).logits[:, :, 0]
-        return self._probabilities(logits, cfg_active)
+    def _ar_alone(self, image: ARImage | Lane, progress: Callable[[int], None] | None) -> None:
+        """The rest of one image, one token per forward (:meth:`_ar`)."""
+        target, device = self.target, self.device
+        root, mask = torch.zeros(1, dtype=torch.long, device=device), torch.ones(1, 1, dtype=torch.bool, device=device)
+        self._ar([image], torch.tensor(image.tokens[-1:], device=device), target.num_tokens - len(image.tokens), len(image.tokens),
+                 lambda last, _: target.forward_tree(last, root, mask).logits, lambda _: target.commit(root), progress)
 
     def _sample_rows(self, probs: Tensor, generators: Sequence[torch.Generator]) -> Tensor:
         """One token per row of ``probs`` [B, V], row i drawn with ``generators[i]``: [B]."""
@@ -678,52 +675,9 @@ class Engine:
         fallback = self.tree_config.ar_fallback if ar_fallback is None else ar_fallback
         return TreePlanner(cost_model, max_nodes, max_fed, self.device, self.tree_config.sample, costs.scale_key(self.stack), fallback)
 
-    def _sample(self, probs: Tensor, generator: torch.Generator) -> Tensor:
-        """A token [1] drawn from ``probs`` [V], left on the device."""
-        if self.sampling.greedy:
-            return probs.argmax(dim=-1, keepdim=True)
-        return draw(probs, generator)
-
     def _draw(self, probs: Tensor, generator: torch.Generator) -> int:
-        return int(self._sample(probs, generator))
-
-    def _decode(
-        self, condition: Condition, generator: torch.Generator, stats: ImageStats, progress: Callable[[int], None] | None, planner: TreePlanner | None,
-        ar: bool = False,
-    ) -> list[int]:
-        target, sampling = self.target, self.sampling
-        prefill = target.prefill(condition, sampling.cfg)
-        stats.target_forwards = 1
-        first = self._probabilities(prefill.logits)
-        tokens = [self._draw(first[0], generator)]
-        if progress:
-            progress(1)
-        if ar or self.stack is None:
-            self._decode_ar(tokens, generator, stats, progress)
-        else:
-            drafter = None if self.drafter_free else self.drafter
-            self._decode_speculative(Lane(self, drafter, condition, prefill, first, tokens, generator, stats, planner, progress))
-        stats.tokens = len(tokens)
-        return tokens
-
-    def _decode_ar(self, tokens: list[int], generator: torch.Generator, stats: ImageStats, progress: Callable[[int], None] | None) -> None:
-        """The rest of the image one token per forward.  Each token stays on the device and
-        feeds the next step; the host reads them all at the end, so no step waits for the
-        device (on a GPU the host runs ahead and the launches overlap the work)."""
-        target, sampling, device = self.target, self.sampling, self.device
-        root = torch.zeros(1, dtype=torch.long, device=device)
-        mask = torch.ones(1, 1, dtype=torch.bool, device=device)
-        last, drawn = torch.tensor(tokens[-1:], device=device), []
-        for index in range(len(tokens), target.num_tokens):
-            probs = self._probabilities(target.forward_tree(last, root, mask).logits, cfg_active_at(index, sampling))[0]
-            target.commit(root)
-            last = self._sample(probs, generator)
-            drawn.append(last)
-            stats.target_forwards += 1
-            if progress:
-                progress(1)
-        if drawn:
-            tokens.extend(torch.cat(drawn).tolist())
+        """A token drawn from ``probs`` [V], read on the host."""
+        return int(probs.argmax() if self.sampling.greedy else draw(probs, generator))
 
     @property
     def exact(self) -> bool:
@@ -770,11 +724,6 @@ class Engine:
                 return dist
         return relax.fold(scores.probs, members, stack_delta, check=self.check_relax, unbudgeted=self.stack.unbudgeted)
 
-    def score(self, tree: DraftTree, token_index: int) -> Scores:
-        """The target's scores on one image's tree by the stack's score hook, else by the core's own."""
-        assert self.hooks is not None
-        return self.hooks.score(target=self.target, tree=tree, sampling=self.sampling, token_index=token_index)
-
     def accept(self, tree: DraftTree, dist: Tensor, scores: Scores, generator: torch.Generator) -> Acceptance:
         """One step's acceptance by the stack's accept hook, else (no member implements
         it, or it passes) by the core's own rule."""
@@ -802,11 +751,11 @@ class Engine:
         while not lane.done:
             if lane.goes_ar:
                 with lane.timed("verify"):
-                    self._decode_ar(lane.tokens, lane.generator, lane.stats, lane.progress)
+                    self._ar_alone(lane, lane.progress)
                 break
             tree = lane.propose()
-            with lane.timed("verify"):
-                scores = self.score(tree, len(lane.tokens))
+            with lane.timed("verify"):  # by the stack's score hook, else by the core's own
+                scores = self.hooks.score(target=self.target, tree=tree, sampling=self.sampling, token_index=len(lane.tokens))
             dist, result, walked = lane.accept(tree, scores)
             with lane.timed("commit"):
                 self.target.commit(walked.path)
