@@ -114,8 +114,7 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
         self._rows = 0
         self._len = 0  # committed pairs
         self._count = 0  # speculative nodes fed since the last start
-        self._root_pos = 0
-        self._start = torch.zeros((), dtype=torch.long)  # _len on the cache's device (fixed-shape steps read it there)
+        self._start = torch.zeros((), dtype=torch.long)  # _len on the cache's device (the step programs read it there)
         self._slots = torch.arange(0)  # [capacity] slot ids on the cache's device
         self._batches: dict[tuple[int, bool], DraftBatch] = {}  # kept: their buffers live on from batch to batch
 
@@ -183,7 +182,8 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
         if m > 1:
             mask = torch.ones(m, s0 + m, dtype=torch.bool, device=self.fc.weight.device).tril(s0)
         h = self._forward(self._lift(hidden), tokens, self.draft_rope()[s0 : s0 + m], mask, s0)
-        self._len, self._count, self._root_pos = s0 + m, 0, s0 + m - 1
+        self._len, self._count = s0 + m, 0
+        self._start.add_(m)
         self._feat[: self._rows, 0] = h[:, -1]
         return self._logits(h[:, -1]).float()
 
@@ -192,19 +192,15 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
         f, c, s0 = tokens.shape[0], self._count, self._len
         if c + f > self.max_tree_nodes:
             raise ValueError(f"{c + f} draft nodes exceed max_tree_nodes={self.max_tree_nodes}")
-        device = self.fc.weight.device
-        parents = parents.to(device)
-        if self.step_mode != "eager":
-            return self._expand_fixed(parents, tokens)
-        new = torch.arange(c + 1, c + f + 1, device=device)
-        depth = self._book(parents, new)
-        rope = self.draft_rope()
-        positions = (depth + self._root_pos).clamp_(max=rope.shape[0] - 1)  # past the image end: never accepted
-        mask = torch.cat([torch.ones(f, s0, dtype=torch.bool, device=device), self._anc[new, 1 : c + f + 1]], dim=1)
-        h = self._forward(self._feat[: self._rows, parents], tokens, rope[positions], mask, s0 + c)
-        self._feat[: self._rows, new] = h
+        parents, tokens = parents.to(self.fc.weight.device), tokens.to(self.fc.weight.device)
+        eager = self.step_mode == "eager"  # eager: the nodes at their exact shape, attention up to the last of them
+        size = f if eager else bucket(f, self.max_tree_nodes - c)
+        new = self._slots[c + 1 : c + 1 + size]  # ids c + 1, ... (a view: capacity > max_tree_nodes); padded nodes' ids are the next fed ones
+        if size > f:
+            parents, tokens = F.pad(parents, (0, size - f)), F.pad(tokens, (0, size - f))
+        _, logits = self.run_fixed(TreeDrafter._expand_step, parents, tokens, new, s0 + c + f if eager else None)
         self._count = c + f
-        return self._logits(h).float()
+        return logits[:, :f]
 
     def _book(self, parents: Tensor, new: Tensor) -> Tensor:
         """Book nodes ``new`` as the children of fed nodes ``parents``: their depths, which it
@@ -222,7 +218,7 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
         tokens = tokens.to(hidden.device)
         inputs = (F.pad(hidden, (0, 0, 0, size - m)), F.pad(tokens, (0, size - m))) if size > m else (hidden, tokens)
         h, logits = self.run_fixed(TreeDrafter._start_step, *inputs)
-        self._len, self._count, self._root_pos = self._len + m, 0, self._len + m - 1
+        self._len, self._count = self._len + m, 0
         self._start.add_(m)
         self._feat[: self._rows, 0] = h[:, m - 1]
         return logits[:, m - 1]
@@ -239,20 +235,12 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
         h = self._forward(self._lift(hidden), tokens, rope[slots.clamp(max=rope.shape[0] - 1)], attn, slots)
         return h, self._logits(h).float()
 
-    def _expand_fixed(self, parents: Tensor, tokens: Tensor) -> Tensor:
-        f, c = tokens.shape[0], self._count
-        size = bucket(f, self.max_tree_nodes - c)
-        new = self._slots[c + 1 : c + 1 + size]  # ids c + 1, ... (a view: capacity > max_tree_nodes); padded nodes' ids are the next fed ones
-        inputs = (F.pad(parents, (0, size - f)), F.pad(tokens.to(parents.device), (0, size - f)), new)
-        _, logits = self.run_fixed(TreeDrafter._expand_step, *inputs)
-        self._count = c + f
-        return logits[:, :f]
-
-    def _expand_step(self, parents: Tensor, tokens: Tensor, new: Tensor) -> tuple[Tensor, Tensor]:
+    def _expand_step(self, parents: Tensor, tokens: Tensor, new: Tensor, used: int | None = None) -> tuple[Tensor, Tensor]:
         """``expand`` on device tensors, its bookkeeping included: b nodes (padded ones last,
         children of the root) with ids ``new``, id j at slot prefix + j - 1; node i sees the
-        committed prefix and its speculative ancestors-or-self.  A padded node books and
-        writes what the real node of its id, fed later, overwrites before anyone reads it."""
+        committed prefix and its speculative ancestors-or-self among the first ``used`` slots
+        (None: the whole cache, a fixed shape).  A padded node books and writes what the real
+        node of its id, fed later, overwrites before anyone reads it."""
         n = self.max_tree_nodes
         prefix = self._start
         depth = self._book(parents, new)
@@ -261,7 +249,7 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
         attn[:, prefix + self._slots[:n]] = self._anc[new, 1:]
         rope = self.draft_rope()
         positions = (depth + prefix - 1).clamp(max=rope.shape[0] - 1)  # the root sits at prefix - 1
-        h = self._forward(self._feat[: self._rows, parents], tokens, rope[positions], attn, slots)
+        h = self._forward(self._feat[: self._rows, parents], tokens, rope[positions], attn[:, :used], slots)
         self._feat[: self._rows, new] = h
         return h, self._logits(h).float()
 

@@ -473,18 +473,20 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         if start + n > self.capacity:
             raise ValueError(f"tree of {n} nodes overflows the KV cache ({self.capacity - start} slots left)")
         self._pending = n
-        if self.step_mode != "eager":
-            return self._forward_fixed(tokens, depths, mask)
-        x = self.tok_embeddings(tokens.to(self._valid.device))[None].expand(self._rows, n, -1)
-        if n == 1:  # the AR path: the root alone, depth 0; no per-step tensors built
-            rope = self.rope[start : start + 1]
+        tokens, eager = tokens.to(self._valid.device), self.step_mode == "eager"
+        if eager and n == 1:  # the AR path: the root alone, depth 0; no per-step tensors built
+            x = self.tok_embeddings(tokens)[None].expand(self._rows, 1, -1)
             attn = None if self.config.model_type == "c2i" else self._valid[:, : start + 1]
-        else:
-            positions = (depths.to(self.rope.device) + start).clamp_(max=self.rope.shape[0] - 1)
-            rope = self.rope[positions]  # nodes past the image end reuse the last cell; never accepted
-            attn = torch.cat([self._valid[:, :start].expand(n, start), mask.to(self._valid.device)], dim=1)
-        h, fused = self._run(x, rope, attn, start)
-        return self._head(h, fused)
+            return self._head(*self._run(x, self.rope[start : start + 1], attn, start))
+        if n == 1:  # the root alone (AR's step) at a fixed shape: depth 0, seeing itself, made inside the step rather than copied in
+            outputs = self.run_fixed(LlamaGenTarget._root_step, tokens)
+        else:  # eager: the exact shape; else padded to a bucket (a padded node sees only itself and nobody sees it), one program each
+            size = n if eager else bucket(n, self.max_tree_nodes)
+            tree = torch.eye(size, dtype=torch.bool, device=tokens.device)
+            tree[:n, :n] = mask
+            inputs = (F.pad(tokens, (0, size - n)), F.pad(depths.to(tokens.device), (0, size - n)), tree)
+            outputs = self.run_fixed(LlamaGenTarget._fixed_step, *inputs, start + n if eager else None)
+        return TargetOutput(*(out[:, :n] for out in outputs))
 
     @torch.no_grad()
     def commit(self, nodes: Tensor) -> None:
@@ -498,37 +500,22 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         self._len, self._pending = start + m, 0
         self._start.add_(m)
 
-    def _forward_fixed(self, tokens: Tensor, depths: Tensor, mask: Tensor) -> TargetOutput:
-        """``forward_tree`` at a fixed shape: the nodes padded to a bucket (a padded node
-        sees only itself and nobody sees it, so it changes no real node's output), one
-        program per bucket."""
-        n, device = tokens.shape[0], self._valid.device
-        size = bucket(n, self.max_tree_nodes)
-        tokens = tokens.to(device)
-        if n == 1:  # the root alone (AR's step): depth 0, seeing itself, made inside the step rather than copied in
-            outputs = self.run_fixed(LlamaGenTarget._root_step, tokens)
-        else:
-            tree = torch.eye(size, dtype=torch.bool, device=device)
-            tree[:n, :n] = mask
-            outputs = self.run_fixed(LlamaGenTarget._fixed_step, F.pad(tokens, (0, size - n)), F.pad(depths.to(device), (0, size - n)), tree)
-        return TargetOutput(*(out[:, :n] for out in outputs))
-
     def _root_step(self, tokens: Tensor) -> tuple[Tensor, ...]:
         """:meth:`_fixed_step` of a one-node tree, the root [1]."""
         return self._fixed_step(tokens, torch.zeros_like(tokens), torch.ones(1, 1, dtype=torch.bool, device=tokens.device))
 
-    def _fixed_step(self, tokens: Tensor, depths: Tensor, tree: Tensor) -> tuple[Tensor, ...]:
+    def _fixed_step(self, tokens: Tensor, depths: Tensor, tree: Tensor, used: int | None = None) -> tuple[Tensor, ...]:
         """The step forward on device tensors only (a compiled program): tokens and
         depths [b], the tree's mask [b, b]; the committed length is read where it lives
         (``_start``, 0-dim).  Node i writes cache slot start + i and sees the valid prefix
-        and its tree ancestors."""
+        and its tree ancestors among the first ``used`` slots (None: the whole cache)."""
         b, start = tokens.shape[0], self._start
         slots = start + self._slots[:b]
         positions = (depths + start).clamp_(max=self.rope.shape[0] - 1)  # past the image end: never accepted
         attn = (self._valid[0] & (self._slots < start)).expand(b, -1).clone()
         attn[:, slots] = tree
         x = self.tok_embeddings(tokens)[None].expand(self._rows, b, -1)
-        h, fused = self._run(x, self.rope[positions], additive_mask(attn, x.dtype), slots)
+        h, fused = self._run(x, self.rope[positions], additive_mask(attn[:, :used], x.dtype), slots)
         out = self._head(h, fused)
         return (out.logits, out.hidden) if out.layers is None else tuple(out)
 
