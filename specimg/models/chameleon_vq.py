@@ -10,7 +10,6 @@ file are ignored.  Codes are looked up unnormalised, as taming's ``get_codebook_
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any
 
@@ -20,13 +19,8 @@ import torch.nn.functional as F
 from attrs import validators as v
 from torch import Tensor, nn
 
-from specimg.errors import SpecimgError
 from specimg.models.checkpoint import load_into, load_state_dict
-from specimg.models.vq import AttnBlock, ResnetBlock, Upsample
-
-
-def _ints(values: Any) -> tuple[int, ...]:
-    return tuple(int(x) for x in values)
+from specimg.models.vq import AttnBlock, Level, ResnetBlock, Upsample, code_grid, config_with, int_tuple
 
 
 @attrs.frozen
@@ -38,9 +32,9 @@ class ChameleonVQConfig:
     embed_dim: int = attrs.field(default=256, validator=v.ge(1))
     z_channels: int = attrs.field(default=256, validator=v.ge(1))
     ch: int = attrs.field(default=128, validator=v.ge(1))
-    ch_mult: tuple[int, ...] = attrs.field(default=(1, 1, 2, 2, 4), converter=_ints)
+    ch_mult: tuple[int, ...] = attrs.field(default=(1, 1, 2, 2, 4), converter=int_tuple)
     num_res_blocks: int = attrs.field(default=2, validator=v.ge(1))
-    attn_resolutions: tuple[int, ...] = attrs.field(default=(), converter=_ints)
+    attn_resolutions: tuple[int, ...] = attrs.field(default=(), converter=int_tuple)
     resolution: int = attrs.field(default=512, validator=v.ge(1))
     out_ch: int = attrs.field(default=3, validator=v.ge(1))
     norm_groups: int = attrs.field(default=32, validator=v.ge(1))
@@ -57,24 +51,6 @@ class _Mid(nn.Module):
         return self.block_2(self.attn_1(self.block_1(h)))
 
 
-class _Up(nn.Module):
-    """One resolution of the decoder: res blocks (each with attention when listed), then an
-    upsampler except at the finest level."""
-
-    def __init__(self, blocks: list[ResnetBlock], attn: bool, groups: int, upsample: bool) -> None:
-        super().__init__()
-        self.block = nn.ModuleList(blocks)
-        self.attn = nn.ModuleList([AttnBlock(b.conv2.out_channels, groups) for b in blocks] if attn else [])
-        self.upsample = Upsample(blocks[-1].conv2.out_channels) if upsample else None
-
-    def forward(self, h: Tensor) -> Tensor:
-        for i, block in enumerate(self.block):
-            h = block(h)
-            if len(self.attn):
-                h = self.attn[i](h)
-        return h if self.upsample is None else self.upsample(h)
-
-
 class _Decoder(nn.Module):
     def __init__(self, c: ChameleonVQConfig) -> None:
         super().__init__()
@@ -83,11 +59,11 @@ class _Decoder(nn.Module):
         res = c.resolution // 2 ** (levels - 1)
         self.conv_in = nn.Conv2d(c.z_channels, block_in, 3, padding=1)
         self.mid = _Mid(block_in, c.norm_groups)
-        ups: list[_Up] = []
+        ups: list[Level] = []
         for level in reversed(range(levels)):
             out = c.ch * c.ch_mult[level]
             blocks = [ResnetBlock(block_in if i == 0 else out, out, c.norm_groups, 0.0) for i in range(c.num_res_blocks + 1)]
-            ups.insert(0, _Up(blocks, res in c.attn_resolutions, c.norm_groups, level != 0))
+            ups.insert(0, Level(blocks, res in c.attn_resolutions, c.norm_groups, ("upsample", Upsample(out)) if level else None, "block"))
             block_in = out
             res = res * 2 if level != 0 else res
         self.up = nn.ModuleList(ups)
@@ -125,14 +101,7 @@ class ChameleonVQDecoder(nn.Module):
     def decode(self, codes: Tensor, grid: tuple[int, int] | None = None) -> Tensor:
         """codes [B, n] (row-major) -> images [B, 3, 16h, 16w] in about [-1, 1]; grid (h, w)
         defaults to square."""
-        if codes.dim() != 2:
-            raise SpecimgError(f"codes must be [B, n], got shape {tuple(codes.shape)}")
-        n = codes.shape[1]
-        h, w = grid if grid is not None else (math.isqrt(n), math.isqrt(n))
-        if h * w != n:
-            raise SpecimgError(f"{n} codes do not fill a {h}x{w} grid")
-        if n and (int(codes.min()) < 0 or int(codes.max()) >= self.vocab_size):
-            raise SpecimgError(f"codes must lie in [0, {self.vocab_size}) (the VQGAN codebook); vocabulary mismatch?")
+        h, w = code_grid(codes, grid, self.vocab_size, "the VQGAN codebook")
         weight = self.post_quant_conv.weight
         z = self.quantize.embedding(codes.to(weight.device, torch.long)).view(codes.shape[0], h, w, -1)
         return self.decoder(self.post_quant_conv(z.permute(0, 3, 1, 2).to(weight.dtype)))
@@ -154,11 +123,7 @@ _KEPT_PREFIXES = ("decoder.", "post_quant_conv.", "quantize.embedding.")
 def load_chameleon_vq_decoder(path: str | os.PathLike[str], **overrides: Any) -> ChameleonVQDecoder:
     """Load the decoder half of a released Chameleon ``vqgan.ckpt`` (``{"state_dict": ...}``)
     or of any file with its key names; ``overrides`` adjust :class:`ChameleonVQConfig`."""
-    try:
-        config = ChameleonVQConfig(**overrides)
-    except (TypeError, ValueError) as err:
-        fields = ", ".join(f.name for f in attrs.fields(ChameleonVQConfig))
-        raise SpecimgError(f"bad VQGAN option {sorted(overrides)}: {err} (options: {fields})") from None
+    config = config_with(ChameleonVQConfig(), overrides, "VQGAN")
     state = {k: t for k, t in load_state_dict(path).items() if k.startswith(_KEPT_PREFIXES)}
     model = ChameleonVQDecoder(config)
     load_into(model, state, origin=os.fspath(path))

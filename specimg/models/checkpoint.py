@@ -146,12 +146,14 @@ def agree(origin: str, *sources: Described) -> Described:
     return out
 
 
-def settle(described: Described, given: Mapping[str, Any], origin: str, via: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The described fields overlaid with the given ones; a given value that contradicts a
-    described one is a SpecimgError naming both (and ``via[key]``, what gave it, if not the caller)."""
+def settle(described: Described, overrides: Mapping[str, Any], origin: str, preset: str | None = None, preset_fields: Mapping[str, Any] = {}) -> dict[str, Any]:
+    """The described fields overlaid with the given ones: ``preset`` (as a field) and its
+    fields, then the caller's ``overrides``; a given value that contradicts a described one
+    is a SpecimgError naming both (and the preset, when it gave it)."""
+    given = {**({"preset": preset, **preset_fields} if preset is not None else {}), **overrides}
     for key, value in given.items():
         if key in described and described[key][0] != value:
             told, where = described[key]
-            via_note = f" (by {via[key]})" if via and key in via else ""
+            via_note = f" (by preset {preset})" if key in preset_fields and key not in overrides else ""
             raise SpecimgError(f"{origin}: {key} {value!r} was given{via_note}, but the checkpoint ({where}) has {told!r}; drop the override or use the right file")
     return {**{k: v for k, (v, _) in described.items()}, **given}

@@ -22,7 +22,7 @@ import abc
 import copy
 import json
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -114,8 +114,7 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
         self._rows = 0
         self._len = 0  # committed pairs
         self._count = 0  # speculative nodes fed since the last start
-        self._root_pos = 0
-        self._start = torch.zeros((), dtype=torch.long)  # _len on the cache's device (fixed-shape steps read it there)
+        self._start = torch.zeros((), dtype=torch.long)  # _len on the cache's device (the step programs read it there)
         self._slots = torch.arange(0)  # [capacity] slot ids on the cache's device
         self._batches: dict[tuple[int, bool], DraftBatch] = {}  # kept: their buffers live on from batch to batch
 
@@ -183,7 +182,8 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
         if m > 1:
             mask = torch.ones(m, s0 + m, dtype=torch.bool, device=self.fc.weight.device).tril(s0)
         h = self._forward(self._lift(hidden), tokens, self.draft_rope()[s0 : s0 + m], mask, s0)
-        self._len, self._count, self._root_pos = s0 + m, 0, s0 + m - 1
+        self._len, self._count = s0 + m, 0
+        self._start.add_(m)
         self._feat[: self._rows, 0] = h[:, -1]
         return self._logits(h[:, -1]).float()
 
@@ -192,19 +192,15 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
         f, c, s0 = tokens.shape[0], self._count, self._len
         if c + f > self.max_tree_nodes:
             raise ValueError(f"{c + f} draft nodes exceed max_tree_nodes={self.max_tree_nodes}")
-        device = self.fc.weight.device
-        parents = parents.to(device)
-        if self.step_mode != "eager":
-            return self._expand_fixed(parents, tokens)
-        new = torch.arange(c + 1, c + f + 1, device=device)
-        depth = self._book(parents, new)
-        rope = self.draft_rope()
-        positions = (depth + self._root_pos).clamp_(max=rope.shape[0] - 1)  # past the image end: never accepted
-        mask = torch.cat([torch.ones(f, s0, dtype=torch.bool, device=device), self._anc[new, 1 : c + f + 1]], dim=1)
-        h = self._forward(self._feat[: self._rows, parents], tokens, rope[positions], mask, s0 + c)
-        self._feat[: self._rows, new] = h
+        parents, tokens = parents.to(self.fc.weight.device), tokens.to(self.fc.weight.device)
+        eager = self.step_mode == "eager"  # eager: the nodes at their exact shape, attention up to the last of them
+        size = f if eager else bucket(f, self.max_tree_nodes - c)
+        new = self._slots[c + 1 : c + 1 + size]  # ids c + 1, ... (a view: capacity > max_tree_nodes); padded nodes' ids are the next fed ones
+        if size > f:
+            parents, tokens = F.pad(parents, (0, size - f)), F.pad(tokens, (0, size - f))
+        _, logits = self.run_fixed(TreeDrafter._expand_step, parents, tokens, new, s0 + c + f if eager else None)
         self._count = c + f
-        return self._logits(h).float()
+        return logits[:, :f]
 
     def _book(self, parents: Tensor, new: Tensor) -> Tensor:
         """Book nodes ``new`` as the children of fed nodes ``parents``: their depths, which it
@@ -216,21 +212,16 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
 
     # -- fixed shapes
 
-    def _run_fixed(self, step: Callable[..., tuple[Tensor, Tensor]], inputs: tuple[Tensor, ...], n: int) -> tuple[Tensor, Tensor]:
-        """States and logits [rows, n, ...] of a fixed-shape step (:meth:`run_fixed`)."""
-        h, logits = self.run_fixed(step, *inputs)
-        return h[:, :n], logits[:, :n]
-
     def _start_fixed(self, hidden: Tensor, tokens: Tensor) -> Tensor:
         m = tokens.shape[0]
         size = bucket(m, self.capacity - self._len)
         tokens = tokens.to(hidden.device)
         inputs = (F.pad(hidden, (0, 0, 0, size - m)), F.pad(tokens, (0, size - m))) if size > m else (hidden, tokens)
-        h, logits = self._run_fixed(TreeDrafter._start_step, inputs, m)
-        self._len, self._count, self._root_pos = self._len + m, 0, self._len + m - 1
+        h, logits = self.run_fixed(TreeDrafter._start_step, *inputs)
+        self._len, self._count = self._len + m, 0
         self._start.add_(m)
-        self._feat[: self._rows, 0] = h[:, -1]
-        return logits[:, -1]
+        self._feat[: self._rows, 0] = h[:, m - 1]
+        return logits[:, m - 1]
 
     def _start_step(self, hidden: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """``start`` on device tensors: b new pairs (padded ones last, so nobody real sees
@@ -244,20 +235,12 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
         h = self._forward(self._lift(hidden), tokens, rope[slots.clamp(max=rope.shape[0] - 1)], attn, slots)
         return h, self._logits(h).float()
 
-    def _expand_fixed(self, parents: Tensor, tokens: Tensor) -> Tensor:
-        f, c = tokens.shape[0], self._count
-        size = bucket(f, self.max_tree_nodes - c)
-        new = self._slots[c + 1 : c + 1 + size]  # ids c + 1, ... (a view: capacity > max_tree_nodes); padded nodes' ids are the next fed ones
-        inputs = (F.pad(parents, (0, size - f)), F.pad(tokens.to(parents.device), (0, size - f)), new)
-        _, logits = self._run_fixed(TreeDrafter._expand_step, inputs, f)
-        self._count = c + f
-        return logits
-
-    def _expand_step(self, parents: Tensor, tokens: Tensor, new: Tensor) -> tuple[Tensor, Tensor]:
+    def _expand_step(self, parents: Tensor, tokens: Tensor, new: Tensor, used: int | None = None) -> tuple[Tensor, Tensor]:
         """``expand`` on device tensors, its bookkeeping included: b nodes (padded ones last,
         children of the root) with ids ``new``, id j at slot prefix + j - 1; node i sees the
-        committed prefix and its speculative ancestors-or-self.  A padded node books and
-        writes what the real node of its id, fed later, overwrites before anyone reads it."""
+        committed prefix and its speculative ancestors-or-self among the first ``used`` slots
+        (None: the whole cache, a fixed shape).  A padded node books and writes what the real
+        node of its id, fed later, overwrites before anyone reads it."""
         n = self.max_tree_nodes
         prefix = self._start
         depth = self._book(parents, new)
@@ -266,7 +249,7 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
         attn[:, prefix + self._slots[:n]] = self._anc[new, 1:]
         rope = self.draft_rope()
         positions = (depth + prefix - 1).clamp(max=rope.shape[0] - 1)  # the root sits at prefix - 1
-        h = self._forward(self._feat[: self._rows, parents], tokens, rope[positions], attn, slots)
+        h = self._forward(self._feat[: self._rows, parents], tokens, rope[positions], attn[:, :used], slots)
         self._feat[: self._rows, new] = h
         return h, self._logits(h).float()
 
@@ -456,18 +439,9 @@ class DraftBatch:
         parents[image, col] = mine
         tokens[image, col] = torch.cat([fed.to(self.device) for _, fed in requests.values()])
         new[image, col] = node_id
-        every_image = torch.arange(self.size, device=self.device)[:, None]
-        first = self.starts[:, None]
-        slots = (first + self.fed[:, None] + torch.arange(width, device=self.device)).clamp_(max=self.capacity - 1)
-        positions = self.depth[every_image, new] + first - 1  # the root sits at lengths[i] - 1
+        slots = (self.starts[:, None] + self.fed[:, None] + torch.arange(width, device=self.device)).clamp_(max=self.capacity - 1)
         used = min(self.capacity, max(n + c for n, c in zip(self.lengths, self.counts)) + width)  # attention stops there
-        keys = torch.arange(used, device=self.device)
-        seen = (keys < first)[:, None, :].expand(-1, width, -1).clone()  # the committed prefix ...
-        node = keys - first + 1  # ... and the node at each later slot (id 0, never an ancestor, past them)
-        node = torch.where(node <= self.max_nodes, node.clamp(min=0), 0)[:, None, :].expand(-1, width, -1)
-        seen |= (keys >= first)[:, None, :] & self.anc[every_image, new].gather(2, node)
-        states = self.feat.gather(1, parents.repeat(self.rows, 1)[..., None].expand(-1, -1, self.feat.shape[-1]))
-        h = self._forward(states, tokens, slots, positions, seen)
+        h = self._feed(parents, tokens, new, slots, used)
         logits = self.core._logits(h).float().view(self.rows, self.size, width, -1)
         h = h.view(self.rows, self.size, width, -1)
         self.feat.view(self.rows, self.size, *self.feat.shape[1:])[:, image, node_id] = h[:, image, col]
@@ -501,18 +475,25 @@ class DraftBatch:
         new = (fed + 1 + torch.arange(width, device=self.device)).expand(self.size, -1)  # node ids fed + 1, ...
         self.depth[every_image, new] = self.depth.gather(1, parents) + 1
         self.anc[every_image, new] = self.anc[every_image, parents].scatter_(2, new[..., None], True)  # a scalar fill: graph-safe
-        first = self.starts[:, None]
-        slots = (first + new - 1).clamp_(max=self.capacity - 1)  # node id j at slot length + j - 1
-        positions = self.depth.gather(1, new) + first - 1  # the root sits at lengths[i] - 1
-        keys = torch.arange(self.capacity, device=self.device)
-        node = (keys - first + 1)[:, None, :].expand(-1, width, -1)  # the node at each slot past the prefix (ids past the tree: none)
-        inside = (node >= 1) & (node <= self.max_nodes)
-        seen = (keys < first)[:, None, :] | (inside & self.anc[every_image, new].gather(2, node.clamp(0, self.max_nodes)))
-        states = self.feat.gather(1, parents.repeat(self.rows, 1)[..., None].expand(-1, -1, self.feat.shape[-1]))
-        h = self._forward(states, tokens, slots, positions, seen)
+        slots = (self.starts[:, None] + new - 1).clamp_(max=self.capacity - 1)  # node id j at slot length + j - 1
+        h = self._feed(parents, tokens, new, slots, self.capacity)
         self.feat.view(self.rows, self.size, *self.feat.shape[1:])[:, every_image, new] = h.view(self.rows, self.size, width, -1)
         self.fed.fill_(fed + width)
         return self.core._logits(h).float().view(self.rows, self.size, width, -1)
+
+    def _feed(self, parents: Tensor, tokens: Tensor, new: Tensor, slots: Tensor, used: int) -> Tensor:
+        """The states [rows * B, w, D] of nodes ``new`` [B, w] (children of ``parents``, fed
+        ``tokens``) written at cache ``slots``, each seeing its image's committed prefix and its
+        ancestors-or-self among the first ``used`` slots (a padding node, id 0, the prefix)."""
+        every_image = torch.arange(self.size, device=self.device)[:, None]
+        first = self.starts[:, None]
+        keys = torch.arange(used, device=self.device)
+        node = (keys - first + 1)[:, None, :].expand(-1, tokens.shape[1], -1)  # the node at each slot past the prefix (ids past the tree: none)
+        inside = (node >= 1) & (node <= self.max_nodes)
+        seen = (keys < first)[:, None, :] | (inside & self.anc[every_image, new].gather(2, node.clamp(0, self.max_nodes)))
+        states = self.feat.gather(1, parents.repeat(self.rows, 1)[..., None].expand(-1, -1, self.feat.shape[-1]))
+        positions = self.depth[every_image, new] + first - 1  # the root sits at lengths[i] - 1
+        return self._forward(states, tokens, slots, positions, seen)
 
     def _forward(self, states: Tensor, tokens: Tensor, slots: Tensor, positions: Tensor, seen: Tensor) -> Tensor:
         """The draft layer over every image's pairs: states [rows * B, w, D], tokens, slots,
@@ -530,20 +511,15 @@ def per_row(embedded: Tensor, rows: int) -> Tensor:
     return embedded if embedded.dim() == 3 else embedded[None].expand(rows, -1, -1)
 
 
-def drafter_class(kind: str) -> type[TreeDrafter]:
-    """The drafter class of a type name (each subclass registers under its ``kind``)."""
-    if kind not in _DRAFTER_CLASSES:
-        raise SpecimgError(f"unknown drafter type {kind!r}; choose one of {', '.join(DRAFTER_TYPES)}")
-    return _DRAFTER_CLASSES[kind]
-
-
 def build_drafter(target: EagleTarget, *, seed: int = 0, max_tree_nodes: int = 128, kind: str = "eagle1", **settings: Any) -> TreeDrafter:
     """A randomly initialised drafter of type ``kind`` (with its ``settings``) on the
     target's device and dtype.  The target is frozen (requires_grad off): only the
     drafter's own weights train."""
     if not isinstance(target, EagleTarget) or not isinstance(target, nn.Module):
         raise SpecimgError(f"an EAGLE drafter needs a target that lends it its pieces (EagleTarget); {type(target).__name__} does not")
-    cls = drafter_class(kind)
+    if kind not in _DRAFTER_CLASSES:  # each subclass registers under its ``kind``
+        raise SpecimgError(f"unknown drafter type {kind!r}; choose one of {', '.join(DRAFTER_TYPES)}")
+    cls = _DRAFTER_CLASSES[kind]
     target.requires_grad_(False)
     w = target.input_embeddings()
     with torch.random.fork_rng(devices=[]):

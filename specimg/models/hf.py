@@ -1,24 +1,24 @@
 """What the targets over transformers models share: loading a local Hugging Face folder
 (never a download), checking prompt ids, the 4-D attention mask a draft tree needs, keeping a tree path in a
-``DynamicCache``, the shape and positions of their EAGLE draft layer, and their outputs
-as a TargetOutput."""
+``DynamicCache``, and what :class:`HFTarget` keeps: the shape and positions of their EAGLE
+draft layer, and their outputs as a TargetOutput."""
 
 from __future__ import annotations
 
 import operator
 import os
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import attrs
 import torch
 from safetensors import SafetensorError
-from torch import Tensor
+from torch import Tensor, nn
 
 from specimg.errors import SpecimgError
-from specimg.models.base import TargetOutput
+from specimg.models.base import TargetOutput, exposed_layers
 from specimg.models.checkpoint import check_finite
 from specimg.models.families import read_config
 from specimg.models.llamagen import GPTConfig, rope_1d
@@ -144,29 +144,66 @@ def keep_slots(cache: DynamicCache, start: int, src: Tensor) -> None:
     cache.crop(start + m)
 
 
-def draft_config(text_config: Any, vocab_size: int, num_tokens: int) -> GPTConfig:
-    """An EAGLE draft layer shaped like a layer of the Llama-style language model
-    ``text_config``: its width, heads, KV heads, norm epsilon, RoPE base and init scale (the
-    SwiGLU width as LlamaGen rounds it, 11008 for the 7B models' 4096, as theirs)."""
-    return GPTConfig(
-        dim=int(text_config.hidden_size), n_layer=1, n_head=int(text_config.num_attention_heads),
-        n_kv_head=int(text_config.num_key_value_heads), rope_base=float(text_config.rope_theta),
-        norm_eps=float(text_config.rms_norm_eps), initializer_range=float(text_config.initializer_range),
-        vocab_size=vocab_size, block_size=num_tokens,
-    )
+class HFTarget(nn.Module):
+    """A target over a transformers model (``text_config``: its language model's): the model
+    in eval mode, its folder's text tokenizer, the layers it exposes, the EAGLE draft layer it
+    lends and its outputs as TargetOutputs.  Moving the weights drops the cache and the draft RoPE."""
 
+    vocab_size: int
+    num_tokens: int
 
-def draft_rope(config: GPTConfig, positions: Tensor) -> Tensor:
-    """The draft layer's 1-D RoPE at the image tokens' sequence positions (any offset: RoPE
-    scores see only differences)."""
-    return rope_1d(positions, config.head_dim, config.rope_base)
+    def __init__(self, model: PreTrainedModel, text_config: Any, text_tokenizer: Any) -> None:
+        super().__init__()
+        self.model = model.eval()
+        self.text_tokenizer = text_tokenizer
+        self.text_config = text_config
+        self.hidden_size = int(text_config.hidden_size)
+        self.num_layers = int(text_config.num_hidden_layers)
+        self.exposed: tuple[int, ...] = ()
+        self._cache: DynamicCache | None = None
+        self._rope: Tensor | None = None  # draft_rope(), computed once per device
+        self._rows = 0
+        self._len = 0  # committed cache slots
 
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        super()._apply(fn, recurse)
+        self._cache, self._rope = None, None
+        return self
 
-def target_output(out: Any, index: Any, code_logits: Callable[[Tensor], Tensor], exposed: Sequence[int]) -> TargetOutput:
-    """A transformers language model's output at sequence slots ``index`` as a TargetOutput:
-    logits and last hidden states, and the ``exposed`` layers' inputs side by side (EAGLE-3;
-    ``hidden_states[i]`` is layer i's input) when there are any."""
-    hidden = out.last_hidden_state[:, index]
-    layers = torch.cat([out.hidden_states[i][:, index] for i in exposed], dim=-1) if exposed else None
-    return TargetOutput(code_logits(hidden).float(), hidden, layers)
+    def draft_config(self) -> GPTConfig:
+        """An EAGLE draft layer shaped like a layer of the Llama-style language model: its
+        width, heads, KV heads, norm epsilon, RoPE base and init scale (the SwiGLU width as
+        LlamaGen rounds it, 11008 for the 7B models' 4096, as theirs)."""
+        c = self.text_config
+        return GPTConfig(
+            dim=int(c.hidden_size), n_layer=1, n_head=int(c.num_attention_heads),
+            n_kv_head=int(c.num_key_value_heads), rope_base=float(c.rope_theta),
+            norm_eps=float(c.rms_norm_eps), initializer_range=float(c.initializer_range),
+            vocab_size=self.vocab_size, block_size=self.num_tokens,
+        )
 
+    def draft_rope(self) -> Tensor:
+        """The draft layer's 1-D RoPE at the image tokens' sequence positions
+        (:meth:`code_positions`; any offset: RoPE scores see only differences)."""
+        if self._rope is None:
+            config = self.draft_config()
+            self._rope = rope_1d(self.code_positions(), config.head_dim, config.rope_base)
+        return self._rope
+
+    def code_positions(self) -> Tensor:
+        """The sequence position of each image token [num_tokens], counted from image token 0."""
+        raise NotImplementedError
+
+    def expose_layers(self, layers: Sequence[int]) -> None:
+        self.exposed = exposed_layers(layers, self.num_layers)
+
+    def code_logits(self, hidden: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def _head(self, out: Any, index: Any) -> TargetOutput:
+        """The language model's output at sequence slots ``index``: logits and last hidden
+        states, and the exposed layers' inputs side by side (EAGLE-3; ``hidden_states[i]`` is
+        layer i's input) when there are any."""
+        hidden = out.last_hidden_state[:, index]
+        layers = torch.cat([out.hidden_states[i][:, index] for i in self.exposed], dim=-1) if self.exposed else None
+        return TargetOutput(self.code_logits(hidden).float(), hidden, layers)

@@ -29,11 +29,8 @@ from torch import Tensor, nn
 
 from specimg.config import Sampling
 from specimg.errors import SpecimgError
-from specimg.models.base import TargetOutput, cfg_rows, exposed_layers
-from specimg.models.hf import (
-    HFOptions, additive_mask, draft_config, draft_rope, given_prompt_ids, keep_slots, load_folder, parse_options, target_output,
-)
-from specimg.models.llamagen import GPTConfig
+from specimg.models.base import TargetOutput, cfg_rows
+from specimg.models.hf import HFOptions, HFTarget, additive_mask, given_prompt_ids, keep_slots, load_folder, parse_options
 
 from transformers import DynamicCache, JanusForConditionalGeneration  # isort: skip (hf explains a missing extra)
 
@@ -75,22 +72,17 @@ class JanusVQTokenizer:
         return self.vqmodel.quantize.embedding.weight.detach()
 
 
-class JanusTarget(nn.Module):
+class JanusTarget(HFTarget):
     """``JanusForConditionalGeneration`` with the :class:`~specimg.models.base.Target` interface."""
 
     default_sampling = Sampling(cfg_scale=5.0)
     """The released inference code's: CFG 5, temperature 1, no top-k."""
 
     def __init__(self, model: JanusForConditionalGeneration, text_tokenizer: Any = None) -> None:
-        super().__init__()
-        self.model = model.eval()
-        self.text_tokenizer = text_tokenizer
+        super().__init__(model, model.config.text_config, text_tokenizer)
         config = model.config
         self.vocab_size = int(config.vq_config.num_embeddings)
         self.num_tokens = int(config.vision_config.num_image_tokens)
-        self.hidden_size = int(config.text_config.hidden_size)
-        self.num_layers = int(config.text_config.num_hidden_layers)
-        self.exposed: tuple[int, ...] = ()
         side = model.model.vqmodel.quantize.quant_state_dims[0]
         if side * side != self.num_tokens:
             raise SpecimgError(f"Janus config: {self.num_tokens} image tokens do not fill the VQ model's {side}x{side} grid")
@@ -101,17 +93,13 @@ class JanusTarget(nn.Module):
         if missing:
             raise SpecimgError(f"the Janus generation config lacks {', '.join(missing)} (generation_config.json)")
         self.bos_id, self.pad_id, self.boi_id = int(gen.bos_token_id), int(gen.pad_token_id), int(boi)
-        self._cache: DynamicCache | None = None
         self._table: Tensor | None = None  # input_embeddings(), computed once per weights
-        self._rope: Tensor | None = None  # draft_rope(), computed once per device
-        self._rows = 0
-        self._len = 0  # committed cache entries (prompt + consumed image tokens)
         self._pending = 0  # nodes of the last forward_tree
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         """Moving the weights drops the cache and the tables made from them."""
         super()._apply(fn, recurse)
-        self._cache, self._table, self._rope = None, None, None
+        self._table = None
         return self
 
     def vq_tokenizer(self) -> JanusVQTokenizer:
@@ -176,20 +164,12 @@ class JanusTarget(nn.Module):
 
     # -- what an EAGLE drafter borrows (specimg.models.eagle.EagleTarget)
 
-    def draft_config(self) -> GPTConfig:
-        return draft_config(self.model.config.text_config, self.vocab_size, self.num_tokens)
-
-    def draft_rope(self) -> Tensor:
-        """1-D RoPE: image token k sits k positions after image token 0."""
-        if self._rope is None:
-            self._rope = draft_rope(self.draft_config(), torch.arange(self.num_tokens, device=self._device))
-        return self._rope
+    def code_positions(self) -> Tensor:
+        """Image token k sits k positions after image token 0."""
+        return torch.arange(self.num_tokens, device=self._device)
 
     def embed_codes(self, tokens: Tensor) -> Tensor:
         return self.model.prepare_embeddings_for_image_generation(tokens)
-
-    def expose_layers(self, layers: Sequence[int]) -> None:
-        self.exposed = exposed_layers(layers, self.num_layers)
 
     def code_logits(self, hidden: Tensor) -> Tensor:
         return self.model.model.generation_head(hidden)
@@ -219,9 +199,6 @@ class JanusTarget(nn.Module):
     @property
     def _device(self) -> torch.device:
         return self.model.model.generation_head.vision_head.weight.device
-
-    def _head(self, out: Any, index: Any) -> TargetOutput:
-        return target_output(out, index, self.code_logits, self.exposed)
 
 
 def load_janus_target(path: str | os.PathLike[str], **overrides: Any) -> JanusTarget:

@@ -283,24 +283,18 @@ class Attention(nn.Module):
         """x [B, S, D] at positions given by rope [S, ...]; with a cache, the new keys go to
         slots [start, start + S) and the queries see slots [0, start + S) under ``mask``
         (bool, True = attend, broadcast to [B, H, S, keys]; None = see all).  ``start`` a
-        tensor of S slots instead (a fixed-shape step): the keys go there and the queries
-        see the whole cache under ``mask``; a [B, S] tensor gives each row its own slots and
-        the queries see the cache's first ``mask.shape[-1]`` slots."""
+        tensor instead (a fixed-shape step) of S slots, or [B, S] each row its own: the keys
+        go there and the queries see the cache's first ``mask.shape[-1]`` slots."""
         s = x.shape[1]
         q, k, v = self.project(x, rope)
         if cache is not None:
             k_cache, v_cache = cache
             if isinstance(start, Tensor):
-                if start.dim() == 2:
-                    index = start[:, None, :, None].expand_as(k)
-                    k_cache.scatter_(2, index, k)
-                    v_cache.scatter_(2, index, v)
-                    assert mask is not None
-                    k, v = k_cache[:, :, : mask.shape[-1]], v_cache[:, :, : mask.shape[-1]]
-                else:
-                    k_cache.index_copy_(2, start, k)
-                    v_cache.index_copy_(2, start, v)
-                    k, v = k_cache, v_cache
+                index = start.expand(x.shape[0], -1)[:, None, :, None].expand_as(k)
+                k_cache.scatter_(2, index, k)
+                v_cache.scatter_(2, index, v)
+                assert mask is not None
+                k, v = k_cache[:, :, : mask.shape[-1]], v_cache[:, :, : mask.shape[-1]]
             else:
                 k_cache[:, :, start : start + s] = k
                 v_cache[:, :, start : start + s] = v
@@ -479,18 +473,20 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         if start + n > self.capacity:
             raise ValueError(f"tree of {n} nodes overflows the KV cache ({self.capacity - start} slots left)")
         self._pending = n
-        if self.step_mode != "eager":
-            return self._forward_fixed(tokens, depths, mask)
-        x = self.tok_embeddings(tokens.to(self._valid.device))[None].expand(self._rows, n, -1)
-        if n == 1:  # the AR path: the root alone, depth 0; no per-step tensors built
-            rope = self.rope[start : start + 1]
+        tokens, eager = tokens.to(self._valid.device), self.step_mode == "eager"
+        if eager and n == 1:  # the AR path: the root alone, depth 0; no per-step tensors built
+            x = self.tok_embeddings(tokens)[None].expand(self._rows, 1, -1)
             attn = None if self.config.model_type == "c2i" else self._valid[:, : start + 1]
-        else:
-            positions = (depths.to(self.rope.device) + start).clamp_(max=self.rope.shape[0] - 1)
-            rope = self.rope[positions]  # nodes past the image end reuse the last cell; never accepted
-            attn = torch.cat([self._valid[:, :start].expand(n, start), mask.to(self._valid.device)], dim=1)
-        h, fused = self._run(x, rope, attn, start)
-        return self._head(h, fused)
+            return self._head(*self._run(x, self.rope[start : start + 1], attn, start))
+        if n == 1:  # the root alone (AR's step) at a fixed shape: depth 0, seeing itself, made inside the step rather than copied in
+            outputs = self.run_fixed(LlamaGenTarget._root_step, tokens)
+        else:  # eager: the exact shape; else padded to a bucket (a padded node sees only itself and nobody sees it), one program each
+            size = n if eager else bucket(n, self.max_tree_nodes)
+            tree = torch.eye(size, dtype=torch.bool, device=tokens.device)
+            tree[:n, :n] = mask
+            inputs = (F.pad(tokens, (0, size - n)), F.pad(depths.to(tokens.device), (0, size - n)), tree)
+            outputs = self.run_fixed(LlamaGenTarget._fixed_step, *inputs, start + n if eager else None)
+        return TargetOutput(*(out[:, :n] for out in outputs))
 
     @torch.no_grad()
     def commit(self, nodes: Tensor) -> None:
@@ -504,37 +500,22 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         self._len, self._pending = start + m, 0
         self._start.add_(m)
 
-    def _forward_fixed(self, tokens: Tensor, depths: Tensor, mask: Tensor) -> TargetOutput:
-        """``forward_tree`` at a fixed shape: the nodes padded to a bucket (a padded node
-        sees only itself and nobody sees it, so it changes no real node's output), one
-        program per bucket."""
-        n, device = tokens.shape[0], self._valid.device
-        size = bucket(n, self.max_tree_nodes)
-        tokens = tokens.to(device)
-        if n == 1:  # the root alone (AR's step): depth 0, seeing itself, made inside the step rather than copied in
-            outputs = self.run_fixed(LlamaGenTarget._root_step, tokens)
-        else:
-            tree = torch.eye(size, dtype=torch.bool, device=device)
-            tree[:n, :n] = mask
-            outputs = self.run_fixed(LlamaGenTarget._fixed_step, F.pad(tokens, (0, size - n)), F.pad(depths.to(device), (0, size - n)), tree)
-        return TargetOutput(*(out[:, :n] for out in outputs))
-
     def _root_step(self, tokens: Tensor) -> tuple[Tensor, ...]:
         """:meth:`_fixed_step` of a one-node tree, the root [1]."""
         return self._fixed_step(tokens, torch.zeros_like(tokens), torch.ones(1, 1, dtype=torch.bool, device=tokens.device))
 
-    def _fixed_step(self, tokens: Tensor, depths: Tensor, tree: Tensor) -> tuple[Tensor, ...]:
+    def _fixed_step(self, tokens: Tensor, depths: Tensor, tree: Tensor, used: int | None = None) -> tuple[Tensor, ...]:
         """The step forward on device tensors only (a compiled program): tokens and
         depths [b], the tree's mask [b, b]; the committed length is read where it lives
         (``_start``, 0-dim).  Node i writes cache slot start + i and sees the valid prefix
-        and its tree ancestors."""
+        and its tree ancestors among the first ``used`` slots (None: the whole cache)."""
         b, start = tokens.shape[0], self._start
         slots = start + self._slots[:b]
         positions = (depths + start).clamp_(max=self.rope.shape[0] - 1)  # past the image end: never accepted
         attn = (self._valid[0] & (self._slots < start)).expand(b, -1).clone()
         attn[:, slots] = tree
         x = self.tok_embeddings(tokens)[None].expand(self._rows, b, -1)
-        h, fused = self._run(x, self.rope[positions], additive_mask(attn, x.dtype), slots)
+        h, fused = self._run(x, self.rope[positions], additive_mask(attn[:, :used], x.dtype), slots)
         out = self._head(h, fused)
         return (out.logits, out.hidden) if out.layers is None else tuple(out)
 
@@ -619,38 +600,16 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         if len(set(batch.lengths)) > 1:
             raise RuntimeError("forward_batch takes images at one length; tree steps left them apart (use forward_trees)")
         tokens = tokens.to(self.tok_embeddings.weight.device)
-        if self.step_mode != "eager":
-            return self._forward_batch_fixed(tokens)
+        if self.step_mode != "eager":  # a one-node tree per image, at the images' common length read on the device
+            starts = batch.device_lengths()
+            root, one = torch.zeros_like(tokens)[:, None], torch.ones(tokens.shape[0], 1, 1, dtype=torch.bool, device=tokens.device)
+            logits = self.run_fixed(LlamaGenTarget._trees_step, tokens[:, None], root, one, starts)[0]
+            starts.add_(1)
+            batch.lengths = [n + 1 for n in batch.lengths]
+            return logits[:, :, 0]
         x = self.tok_embeddings(tokens.repeat(batch.rows))[:, None]
         length = batch.lengths[0]
         return self._batch_last(x, None if batch.valid is None else batch.valid[:, None, None, : length + 1]).logits
-
-    def _forward_batch_fixed(self, tokens: Tensor) -> Tensor:
-        """``forward_batch`` at a fixed shape (the common length read on the device), run
-        one program per (rows, images)."""
-        batch = self._batch
-        assert batch is not None
-        starts = batch.device_lengths()
-        (logits,) = self.run_fixed(LlamaGenTarget._batch_ar_step, tokens, starts)
-        starts.add_(1)
-        batch.lengths = [n + 1 for n in batch.lengths]
-        return logits
-
-    def _batch_ar_step(self, tokens: Tensor, starts: Tensor) -> tuple[Tensor]:
-        """The batched AR step on device tensors only (a compiled program): each
-        image's token [B] written at the images' common length (``starts`` [B]), seeing the
-        valid slots up to it."""
-        batch = self._batch
-        assert batch is not None
-        start = starts[0]
-        slot = start.view(1)
-        seen = torch.arange(batch.capacity, device=start.device) <= start
-        if batch.valid is not None:
-            seen = seen & batch.valid
-        x = self.tok_embeddings(tokens.repeat(batch.rows))[:, None]
-        mask = additive_mask(seen.expand(x.shape[0], -1)[:, None, None], x.dtype)
-        h, fused = self._run(x, self.rope[slot], mask, slot, batch.caches)
-        return (self._head(h[:, -1], None if fused is None else fused[:, -1]).logits.view(batch.rows, tokens.shape[0], -1),)
 
     @torch.no_grad()
     def forward_trees(self, tokens: Tensor, depths: Tensor, mask: Tensor) -> TargetOutput:
@@ -666,30 +625,22 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         batch.pending = n
         if self.step_mode == "eager":
             return TargetOutput(*self._trees_step(tokens, depths, mask, start, max(batch.lengths) + n))
-        size = self._trees_bucket(n)
+        size = bucket(n, min(self.max_tree_nodes, batch.capacity - max(batch.lengths)))  # the room left bounds it near the end
         tree = torch.eye(size, dtype=torch.bool, device=device).repeat(b, 1, 1)
         tree[:, :n, :n] = mask
         inputs = (F.pad(tokens, (0, size - n)), F.pad(depths, (0, size - n)), tree, start)
-        return TargetOutput(*(out[:, :, :n] for out in self.run_fixed(LlamaGenTarget._trees_fixed, *inputs)))
+        return TargetOutput(*(out[:, :, :n] for out in self.run_fixed(LlamaGenTarget._trees_step, *inputs)))
 
-    def _trees_bucket(self, n: int) -> int:
-        """The bucket trees of ``n`` nodes take in the batch cache (the room left bounds it near the end)."""
-        batch = self._batch_cache("forward_trees")
-        return bucket(n, min(self.max_tree_nodes, batch.capacity - max(batch.lengths)))
-
-    def _trees_fixed(self, tokens: Tensor, depths: Tensor, mask: Tensor, start: Tensor) -> tuple[Tensor, ...]:
-        """``forward_trees`` at a fixed shape (a compiled program): trees padded to a
-        bucket (a padded node sees only itself), attention over the whole batch cache."""
-        assert self._batch is not None
-        return self._trees_step(tokens, depths, mask, start, self._batch.capacity)
-
-    def _trees_step(self, tokens: Tensor, depths: Tensor, mask: Tensor, start: Tensor, used: int) -> tuple[Tensor, ...]:
+    def _trees_step(self, tokens: Tensor, depths: Tensor, mask: Tensor, start: Tensor, used: int | None = None) -> tuple[Tensor, ...]:
         """Every image's tree (tokens, depths [B, n], mask [B, n, n]) at its own length
-        ``start`` [B], on device tensors only; queries see the first ``used`` slots.
+        ``start`` [B], on device tensors only; queries see the first ``used`` slots (None:
+        the whole batch cache, a fixed shape: a compiled program, trees padded to a bucket,
+        a padded node seeing only itself).
         Outputs [rows, B, n, ...]: logits, states and, where exposed, the layers' states."""
         batch = self._batch
         assert batch is not None
         (b, n), rows, device = tokens.shape, batch.rows, tokens.device
+        used = used or batch.capacity
         first = start[:, None]
         slots = (first + torch.arange(n, device=device)).repeat(rows, 1)  # [rows * B, n]: node j of image i at lengths[i] + j
         positions = (depths + first).clamp_(max=self.rope.shape[0] - 1).repeat(rows, 1)  # past the image end: never accepted
@@ -905,11 +856,7 @@ def config_for(described: Described, preset: str | None, overrides: dict[str, ob
     weights' width and depth (unique per preset; the head count is in no shape), else GPT-B.
     A fork's model that is no preset (its args name, say, "GPT-S") loads once its head
     count is given: width and depth come from its weights, the rest are ModelArgs' defaults."""
-    given = dict(overrides)
-    if preset is not None:
-        given = {"preset": preset, **preset_fields(preset), **given}
-    via = {k: f"preset {preset}" for k in PRESETS.get(preset or "", {}) if k not in overrides}
-    fields = settle(described, given, origin, via)
+    fields = settle(described, overrides, origin, preset, preset_fields(preset) if preset is not None else {})
     sized = [n for n, p in PRESETS.items() if (p["dim"], p["n_layer"]) == (fields.get("dim"), fields.get("n_layer"))]
     name = fields.pop("preset", sized[0] if len(sized) == 1 else "GPT-B")
     if name not in PRESETS:

@@ -29,15 +29,12 @@ from typing import Any, Union
 
 import attrs
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from specimg.config import Sampling
 from specimg.errors import SpecimgError
-from specimg.models.base import TargetOutput, cfg_rows, exposed_layers
-from specimg.models.hf import (
-    HFOptions, additive_mask, draft_config, draft_rope, given_prompt_ids, keep_slots, load_folder, parse_options, target_output,
-)
-from specimg.models.llamagen import GPTConfig
+from specimg.models.base import TargetOutput, cfg_rows
+from specimg.models.hf import HFOptions, HFTarget, additive_mask, given_prompt_ids, keep_slots, load_folder, parse_options
 
 from transformers import ChameleonForConditionalGeneration, DynamicCache  # isort: skip (hf explains a missing extra)
 
@@ -69,22 +66,17 @@ class LuminaOptions(HFOptions):
             raise ValueError(f"image_size must be a positive multiple of {PIXELS_PER_SIZE_UNIT}, not {value!r}")
 
 
-class LuminaTarget(nn.Module):
+class LuminaTarget(HFTarget):
     """Chameleon-architecture Lumina-mGPT with the :class:`~specimg.models.base.Target` interface."""
 
     default_sampling = Sampling(cfg_scale=4.0, top_k=2000)
     """Lumina-mGPT's demo: CFG 4, temperature 1, image top-k 2000."""
 
     def __init__(self, model: ChameleonForConditionalGeneration, image_size: int = 768, text_tokenizer: Any = None) -> None:
-        super().__init__()
-        self.model = model.eval()
-        self.text_tokenizer = text_tokenizer
+        super().__init__(model, model.config, text_tokenizer)
         self.image_size = image_size
         self.side = image_size // 16
         self.num_tokens = self.side * self.side
-        self.hidden_size = int(model.config.hidden_size)
-        self.num_layers = int(model.config.num_hidden_layers)
-        self.exposed: tuple[int, ...] = ()
         vocab = model.config.vocabulary_map or {}
         names = [IMAGE_START, NEW_LINE, size_token(image_size // PIXELS_PER_SIZE_UNIT)]
         missing = [name for name in names if name not in vocab]
@@ -96,12 +88,8 @@ class LuminaTarget(nn.Module):
         if sorted(img2bpe) != list(range(self.vocab_size)):
             raise SpecimgError("the Chameleon vocabulary's image tokens do not name codes 0..K-1")
         self._code_bpe = torch.tensor([img2bpe[c] for c in range(self.vocab_size)], device=self._device)
-        self._rope: Tensor | None = None  # draft_rope(), computed once per device
-        self._cache: DynamicCache | None = None
         self._pad = torch.zeros(1, dtype=torch.long)  # [rows]: masked slots before each row's sequence
         self._base = torch.zeros(1, dtype=torch.long)  # [rows]: position of image code 0
-        self._rows = 0
-        self._len = 0  # committed cache slots (padded prompt, image head, codes and newlines)
         self._codes = 0  # committed image codes
         self._pending: tuple[Tensor, Tensor] | None = None  # last tree: node slots, newline slots (-1: none)
 
@@ -109,7 +97,6 @@ class LuminaTarget(nn.Module):
         """Moving the weights drops the cache and the draft RoPE; the code-to-BPE table follows the device."""
         super()._apply(fn, recurse)
         self._code_bpe = self._code_bpe.to(self._device)
-        self._cache, self._rope = None, None
         return self
 
     # -- Target protocol
@@ -194,22 +181,14 @@ class LuminaTarget(nn.Module):
 
     # -- what an EAGLE drafter borrows (specimg.models.eagle.EagleTarget)
 
-    def draft_config(self) -> GPTConfig:
-        return draft_config(self.model.config, self.vocab_size, self.num_tokens)
-
-    def draft_rope(self) -> Tensor:
-        """1-D RoPE of the sequence position, counting the forced newline after every row:
-        image token k sits k + k // side positions after image token 0."""
-        if self._rope is None:
-            k = torch.arange(self.num_tokens, device=self._device)
-            self._rope = draft_rope(self.draft_config(), k + k // self.side)
-        return self._rope
+    def code_positions(self) -> Tensor:
+        """Counting the forced newline after every row: image token k sits k + k // side
+        positions after image token 0."""
+        k = torch.arange(self.num_tokens, device=self._device)
+        return k + k // self.side
 
     def embed_codes(self, tokens: Tensor) -> Tensor:
         return self.model.model.embed_tokens(self._code_bpe[tokens])
-
-    def expose_layers(self, layers: Sequence[int]) -> None:
-        self.exposed = exposed_layers(layers, self.num_layers)
 
     def code_logits(self, hidden: Tensor) -> Tensor:
         return self.model.lm_head(hidden)[..., self._code_bpe]
@@ -238,9 +217,6 @@ class LuminaTarget(nn.Module):
     @property
     def _dtype(self) -> torch.dtype:
         return self.model.lm_head.weight.dtype
-
-    def _head(self, out: Any, index: Any) -> TargetOutput:
-        return target_output(out, index, self.code_logits, self.exposed)
 
 
 UNUSED_WEIGHTS = ("model.vqmodel.",)

@@ -26,7 +26,7 @@ _METADATA_KEY = "specimg.vq_config"
 _USAGE_SLOTS = 65536  # size of LlamaGen's ``quantize.codebook_used`` buffer
 
 
-def _int_tuple(value: Any) -> tuple[int, ...]:
+def int_tuple(value: Any) -> tuple[int, ...]:
     return tuple(int(x) for x in value)
 
 
@@ -39,8 +39,8 @@ class VQConfig:
     codebook_l2_norm: bool = True
     commit_loss_beta: float = attrs.field(default=0.25, validator=v.ge(0.0))
     entropy_loss_ratio: float = attrs.field(default=0.0, validator=v.ge(0.0))
-    encoder_ch_mult: tuple[int, ...] = attrs.field(default=(1, 1, 2, 2, 4), converter=_int_tuple)
-    decoder_ch_mult: tuple[int, ...] = attrs.field(default=(1, 1, 2, 2, 4), converter=_int_tuple)
+    encoder_ch_mult: tuple[int, ...] = attrs.field(default=(1, 1, 2, 2, 4), converter=int_tuple)
+    decoder_ch_mult: tuple[int, ...] = attrs.field(default=(1, 1, 2, 2, 4), converter=int_tuple)
     z_channels: int = attrs.field(default=256, validator=v.ge(1))
     ch: int = attrs.field(default=128, validator=v.ge(1))
     num_res_blocks: int = attrs.field(default=2, validator=v.ge(1))
@@ -136,20 +136,21 @@ class Upsample(nn.Module):
         return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
 
 
-class _Level(nn.Module):
-    """One resolution: res blocks (each followed by attention at the lowest resolution), then
-    an optional resampler registered as ``downsample``/``upsample`` to match official keys."""
+class Level(nn.Module):
+    """One resolution: res blocks (each followed by attention where ``attn``: LlamaGen's lowest
+    resolution), then an optional resampler, registered under the names of the official keys:
+    ``res`` (``block`` in Chameleon's VQGAN), ``downsample``/``upsample``."""
 
-    def __init__(self, res: list[ResnetBlock], attn: bool, groups: int, resample: tuple[str, nn.Module] | None) -> None:
+    def __init__(self, res: list[ResnetBlock], attn: bool, groups: int, resample: tuple[str, nn.Module] | None, blocks: str = "res") -> None:
         super().__init__()
-        self.res = nn.ModuleList(res)
+        self._blocks, self._resample = blocks, resample[0] if resample else None
+        self.add_module(blocks, nn.ModuleList(res))
         self.attn = nn.ModuleList([AttnBlock(r.conv2.out_channels, groups) for r in res] if attn else [])
-        self._resample = resample[0] if resample else None
         if resample:
             self.add_module(*resample)
 
     def forward(self, h: Tensor) -> Tensor:
-        for i, block in enumerate(self.res):
+        for i, block in enumerate(getattr(self, self._blocks)):
             h = block(h)
             if len(self.attn):
                 h = self.attn[i](h)
@@ -173,7 +174,7 @@ class Encoder(nn.Module):
         for i, mult in enumerate(mults):
             c_out = cfg.ch * mult
             res = [ResnetBlock(c_in if j == 0 else c_out, c_out, g, cfg.dropout) for j in range(cfg.num_res_blocks)]
-            self.conv_blocks.append(_Level(res, i == n - 1, g, ("downsample", Downsample(c_out)) if i < n - 1 else None))
+            self.conv_blocks.append(Level(res, i == n - 1, g, ("downsample", Downsample(c_out)) if i < n - 1 else None))
             c_in = c_out
         self.mid = _mid(c_in, cfg)
         self.norm_out = _norm(c_in, g)
@@ -199,7 +200,7 @@ class Decoder(nn.Module):
         for i in reversed(range(n)):
             c_out = cfg.ch * mults[i]
             res = [ResnetBlock(c_in if j == 0 else c_out, c_out, g, cfg.dropout) for j in range(cfg.num_res_blocks + 1)]
-            self.conv_blocks.append(_Level(res, i == n - 1, g, ("upsample", Upsample(c_out)) if i > 0 else None))
+            self.conv_blocks.append(Level(res, i == n - 1, g, ("upsample", Upsample(c_out)) if i > 0 else None))
             c_in = c_out
         self.norm_out = _norm(c_in, g)
         self.conv_out = nn.Conv2d(c_in, 3, 3, padding=1)
@@ -300,19 +301,9 @@ class VQTokenizer(nn.Module):
     @torch.no_grad()
     def decode(self, codes: Tensor, grid: tuple[int, int] | None = None) -> Tensor:
         """codes [B,n] -> images [B,3,h*f,w*f] in about [-1,1]; grid (h, w) defaults to square."""
-        if codes.dim() != 2:
-            raise SpecimgError(f"codes must be [B, n], got shape {tuple(codes.shape)}")
-        n = codes.shape[1]
-        if grid is None:
-            side = math.isqrt(n)
-            grid = (side, side)
-        if grid[0] * grid[1] != n:
-            raise SpecimgError(f"{n} codes do not fill a {grid[0]}x{grid[1]} grid")
-        k = self.config.codebook_size
-        if n and (int(codes.min()) < 0 or int(codes.max()) >= k):
-            raise SpecimgError(f"codes must lie in [0, {k}) (tokenizer codebook size); vocabulary mismatch?")
+        h, w = code_grid(codes, grid, self.config.codebook_size, "tokenizer codebook size")
         z_q = self.quantize.codebook()[codes.to(device=self.quant_conv.weight.device, dtype=torch.long)]
-        z_q = z_q.view(codes.shape[0], grid[0], grid[1], -1).permute(0, 3, 1, 2)
+        z_q = z_q.view(codes.shape[0], h, w, -1).permute(0, 3, 1, 2)
         return self.decoder(self.post_quant_conv(z_q))
 
     @torch.no_grad()
@@ -344,17 +335,31 @@ class VQTokenizer(nn.Module):
         return self.decoder(self.post_quant_conv(z_q)), losses
 
 
-def _config_with(base: VQConfig, overrides: dict[str, Any]) -> VQConfig:
+def code_grid(codes: Tensor, grid: tuple[int, int] | None, vocab_size: int, codebook: str) -> tuple[int, int]:
+    """The grid (h, w) that codes [B, n] fill (default: square), once they are checked to lie in the codebook."""
+    if codes.dim() != 2:
+        raise SpecimgError(f"codes must be [B, n], got shape {tuple(codes.shape)}")
+    n = codes.shape[1]
+    h, w = grid if grid is not None else (math.isqrt(n), math.isqrt(n))
+    if h * w != n:
+        raise SpecimgError(f"{n} codes do not fill a {h}x{w} grid")
+    if n and (int(codes.min()) < 0 or int(codes.max()) >= vocab_size):
+        raise SpecimgError(f"codes must lie in [0, {vocab_size}) ({codebook}); vocabulary mismatch?")
+    return h, w
+
+
+def config_with(base: Any, overrides: dict[str, Any], what: str = "tokenizer") -> Any:
+    """The attrs config ``base`` with ``overrides``; a bad one is a SpecimgError listing the options."""
     try:
         return attrs.evolve(base, **overrides)
     except (TypeError, ValueError) as err:
-        fields = ", ".join(f.name for f in attrs.fields(VQConfig))
-        raise SpecimgError(f"bad tokenizer option {sorted(overrides)}: {err} (options: {fields})") from None
+        fields = ", ".join(f.name for f in attrs.fields(type(base)))
+        raise SpecimgError(f"bad {what} option {sorted(overrides)}: {err} (options: {fields})") from None
 
 
 def build_tokenizer(config: VQConfig | None = None, *, seed: int = 0, **overrides: Any) -> VQTokenizer:
     """A freshly initialised tokenizer (eval mode) whose weights depend only on ``seed``."""
-    cfg = _config_with(config or VQConfig(), overrides)
+    cfg = config_with(config or VQConfig(), overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return VQTokenizer(cfg).eval()
@@ -411,17 +416,13 @@ def load_tokenizer(path: str | os.PathLike[str], preset: str | None = None, **ov
             text = (f.metadata() or {}).get(_METADATA_KEY)
         if text is not None:
             header = VQConfig.from_json(text)
-    given = dict(overrides)
-    if preset is not None:
-        if preset not in VQ_PRESETS:
-            raise SpecimgError(f"unknown VQ preset {preset!r}; choose one of {', '.join(VQ_PRESETS)}")
-        given = {"preset": preset, **attrs.asdict(VQ_PRESETS[preset]), **given}
-    via = {k: f"preset {preset}" for k in attrs.asdict(VQ_PRESETS[preset]) if k not in overrides} if preset else {}
-    fields = settle(describe_tokenizer(checkpoint, header, path), given, path, via)
+    if preset is not None and preset not in VQ_PRESETS:
+        raise SpecimgError(f"unknown VQ preset {preset!r}; choose one of {', '.join(VQ_PRESETS)}")
+    fields = settle(describe_tokenizer(checkpoint, header, path), overrides, path, preset, attrs.asdict(VQ_PRESETS[preset]) if preset else {})
     name = fields.pop("preset", "VQ-16")
     if name not in VQ_PRESETS:
         raise SpecimgError(f"{path}: its args name the tokenizer {name!r}, which is no VQ preset ({', '.join(VQ_PRESETS)})")
-    model = VQTokenizer(_config_with(VQ_PRESETS[name], fields))
+    model = VQTokenizer(config_with(VQ_PRESETS[name], fields))
     state = checkpoint.state
     state.setdefault("quantize.codebook_used", model.quantize.codebook_used)  # absent from some exports
     load_into(model, state, origin=path)
