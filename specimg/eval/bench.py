@@ -72,8 +72,7 @@ class Variant:
     batch_size: int = 1
 
     def as_dict(self) -> dict[str, Any]:
-        return {"label": self.label, "method": self.method, "options": self.options, "delta": self.delta, "sweep": dict(self.sweep),
-                "batch_size": self.batch_size}
+        return {**attrs.asdict(self), "sweep": dict(self.sweep)}
 
 
 def stack_members(method: str, installed: Iterable[str]) -> list[str]:
@@ -143,8 +142,6 @@ def plan_variants(
     if AR not in seen:
         stacks.insert(0, (AR, [AR]))
         notes.append("added ar: it is the speedup baseline")
-    else:
-        stacks.sort(key=lambda s: s[0] != AR)
     options = {k: dict(v) for k, v in (options or {}).items()}
     parsed = [parse_sweep(s) for s in sweeps]
     if len({k for k, _ in parsed}) != len(parsed):
@@ -255,40 +252,32 @@ def run_bench(
 
         state = PartialState(cpu=True)
     engines = dict(engines) if engines is not None else build_engines(models, spec)
-    with open_run(out, {**spec.settings(models.name), **_placement(models, engines)}, state) as log:
-        return _run_claimed(models, spec, log, state, engines, progress, on_record)
-
-
-def _run_claimed(
-    models: Any, spec: BenchSpec, log: RunLog, state: Any, engines: dict[str, Engine],
-    progress: bool, on_record: Callable[[dict[str, Any]], None] | None,
-) -> BenchRun:
     nv = len(spec.variants)
     expected = [{"condition": spec.condition_keys[i], "label": v.label} for i in range(len(spec.conditions)) for v in spec.variants]
-    mismatch = log.first_mismatch(expected)
-    if mismatch is not None:  # every process checks every sample, so that all of them stop alike
-        index, _, _, _ = mismatch
-        held = log.done[index]
-        raise SpecimgError(
-            f"{log.out} holds sample {index // nv} for condition {held.get('condition')!r} ({held.get('label')}), this run asks for "
-            f"{spec.condition_keys[index // nv]!r} ({spec.variants[index % nv].label}); use another --out or remove it"
-        )
-    mine = list(range(state.process_index, len(spec.conditions), state.num_processes))
-    todo = _work(spec, mine, log)
-    for engine in engines.values():  # every process plans auto trees on the main process's cost model
-        engine.prepare(spec.conditions[0], state)
-    show = progress if state.is_main_process else False
-    if todo and spec.warmup > 0:
-        _warm_up(engines, spec, int(models.target.num_tokens), show)
-    computed = _generate(engines, spec, todo, log, int(models.target.num_tokens), show, on_record)
-    local = [_strip(log.done[i * nv + v]) for i in mine for v in range(nv)]
-    if state.num_processes > 1:
-        from accelerate.utils import gather_object
+    with open_run(out, {**spec.settings(models.name), **_placement(models, engines)}, state) as log:
+        mismatch = log.first_mismatch(expected)
+        if mismatch is not None:  # every process checks every sample, so that all of them stop alike
+            index, _, _, _ = mismatch
+            held = log.done[index]
+            raise SpecimgError(
+                f"{log.out} holds sample {index // nv} for condition {held.get('condition')!r} ({held.get('label')}), this run asks for "
+                f"{spec.condition_keys[index // nv]!r} ({spec.variants[index % nv].label}); use another --out or remove it"
+            )
+        mine = list(range(state.process_index, len(spec.conditions), state.num_processes))
+        todo = _work(spec, mine, log)
+        for engine in engines.values():  # every process plans auto trees on the main process's cost model
+            engine.prepare(spec.conditions[0], state)
+        show = progress if state.is_main_process else False
+        if todo and spec.warmup > 0:
+            _warm_up(engines, spec, int(models.target.num_tokens), show)
+        computed = _generate(engines, spec, todo, log, int(models.target.num_tokens), show, on_record)
+        local = [{k: x for k, x in log.done[i * nv + v].items() if k not in ("settings", "index")} for i in mine for v in range(nv)]
+        if state.num_processes > 1:
+            from accelerate.utils import gather_object
 
-        state.wait_for_everyone()
-        local = gather_object(local)
-    records = sorted(local, key=lambda r: (r["sample"], r["variant"]))
-    return BenchRun(records, computed, engines)
+            state.wait_for_everyone()
+            local = gather_object(local)
+    return BenchRun(sorted(local, key=lambda r: (r["sample"], r["variant"])), computed, engines)
 
 
 def _work(spec: BenchSpec, mine: Sequence[int], log: RunLog) -> list[tuple[list[int], int]]:
@@ -306,14 +295,9 @@ def _work(spec: BenchSpec, mine: Sequence[int], log: RunLog) -> list[tuple[list[
     return work
 
 
-def _bar(total: int, desc: str, show: bool) -> Any:
-    """A progress bar in tokens."""
-    return progress_bar(total=total, desc=desc, unit="tok", show=show)
-
-
 def _warm_up(engines: Mapping[str, Engine], spec: BenchSpec, per_image: int, show: bool) -> None:
     """``spec.warmup`` discarded images per engine, on seeds no sample uses."""
-    with _bar(sum(e.batch_size for e in engines.values()) * spec.warmup * per_image, "warm-up", show) as bar:
+    with progress_bar(total=sum(e.batch_size for e in engines.values()) * spec.warmup * per_image, desc="warm-up", unit="tok", show=show) as bar:
         for engine in engines.values():
             for k in range(spec.warmup):
                 engine.generate([spec.conditions[0]] * engine.batch_size, seeds=[spec.seed - 1 - k] * engine.batch_size, progress=bar.update)
@@ -331,7 +315,7 @@ def _generate(
     """Generate each (samples, variant) batch of ``todo``, adding a record per image to
     the run log; returns how many images."""
     nv, images = len(spec.variants), sum(len(samples) for samples, _ in todo)
-    with _bar(images * per_image, f"bench ({images} images)", show) as bar:
+    with progress_bar(total=images * per_image, desc=f"bench ({images} images)", unit="tok", show=show) as bar:
         for samples, v in todo:
             variant = spec.variants[v]
             bar.set_postfix_str(f"image {samples[0]} {variant.label}", refresh=False)
@@ -357,10 +341,6 @@ def _placement(models: Any, engines: Mapping[str, Engine]) -> dict[str, Any]:
     if auto is not None:
         out["cost_model"] = costs.cost_key(auto.target, auto.drafter, auto.sampling)[0]
     return out
-
-
-def _strip(entry: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in entry.items() if k not in ("settings", "index")}
 
 
 # ----------------------------------------------------------------------------- summary

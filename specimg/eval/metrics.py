@@ -97,9 +97,7 @@ class LogLikelihood:
 
 
 @torch.no_grad()
-def token_log_likelihood(
-    target: object, conditions: Sequence[Condition], tokens: Tensor, sampling: Sampling, batch_size: int | None = None
-) -> LogLikelihood:
+def token_log_likelihood(target: object, conditions: Sequence[Condition], tokens: Tensor, sampling: Sampling) -> LogLikelihood:
     """Teacher-forced mean log-likelihood per token of ``tokens`` [B, T] under ``target``.
 
     Definition: for image b with condition c and tokens x_1..x_T,
@@ -124,8 +122,7 @@ def token_log_likelihood(
     if len(conditions) != b:
         raise SpecimgError(f"{len(conditions)} conditions for {b} token rows")
     vocab = int(target.vocab_size)  # type: ignore[attr-defined]
-    if batch_size is None:  # keep the logits of one batch (both rows) near 256 MB
-        batch_size = max(1, (1 << 26) // max(1, 2 * t * vocab))
+    batch_size = max(1, (1 << 26) // max(1, 2 * t * vocab))  # keep the logits of one batch (both rows) near 256 MB
     active = cfg_active_at(torch.arange(t), sampling)
     processed, raw = [], []
     for s in range(0, b, batch_size):
