@@ -13,10 +13,7 @@ import torch
 from specimg import costs, payoff
 from specimg.cli.conditions import Conditions, conditions_for, grid_label
 from specimg.cli.loading import base_sampling, default_model, models_from, process_device, run_inputs
-from specimg.cli.options import (
-    THREADS, check_tree_fits, condition_options, compile_option, device_from, device_options, method_options, model_options,
-    prompt_options, sampling_from, sampling_options, tree_from, tree_options,
-)
+from specimg.cli.options import THREADS, check_tree_fits, device_from, run_options, sampling_from, tree_from
 from specimg.engine import Engine
 from specimg.errors import SpecimgError
 from specimg.methods import parse_options
@@ -27,14 +24,7 @@ from specimg.stats import ImageStats, RunStats
 
 @click.command()
 @click.option("--method", "-m", default="naive", show_default=True, help="'ar' or a method stack such as cascade+lantern")
-@method_options
-@model_options
-@condition_options(num_images=8)
-@prompt_options
-@sampling_options
-@tree_options
-@device_options
-@compile_option
+@run_options(num_images=8)
 @click.option("--batch-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="images decoded together on a LlamaGen target: one target forward per step verifies every image's tree (AR: one per token)")
 @click.option("--out", type=click.Path(file_okay=False), default="out", show_default=True)
