@@ -1,17 +1,8 @@
 """FID for real models, through torchmetrics' FrechetInceptionDistance, with a feature
-extractor from a local file (the ``eval`` extra; nothing is downloaded).
-
-``--fid-features`` names one of:
-
-- a TorchScript module (``torch.jit.save``) mapping uint8 images [B, 3, S, S] to features
-  [B, D]; clean-fid's ``inception-2015-12-05.pt`` works as is (its ``return_features``
-  argument is set when the module has one);
-- ``inception:PATH``: torch-fidelity's Inception-v3 weights file
-  (``weights-inception-2015-12-05-6726825d.pth``), i.e. the standard FID network; needs
-  torch-fidelity installed.
-
-Images reach the extractor as uint8 [B, 3, S, S] with S = ``image_size`` (299 by default,
-bilinear resize).  Reference images come from a folder (:func:`read_image_folder`).
+extractor from a local file (the ``eval`` extra; nothing is downloaded): ``--fid-features``
+names a TorchScript module mapping uint8 images [B, 3, S, S] to features [B, D] (clean-fid's
+``inception-2015-12-05.pt`` works as is), or ``inception:PATH``, torch-fidelity's
+Inception-v3 weights.  Images reach the extractor resized to S = ``image_size``.
 """
 
 from __future__ import annotations

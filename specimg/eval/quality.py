@@ -1,21 +1,7 @@
-"""Quality of a benchmark's samples, per method, next to its speed (docs/usage.md).
-
-:class:`Quality` scores each method's samples (token grids, one per condition, the same
-conditions and seeds for every method) with what is available:
-
-- always, when the target can teacher-force: ``loglik`` / ``loglik_raw``, the mean
-  log-likelihood per token under the target (:func:`specimg.eval.metrics.token_log_likelihood`);
-- with a classifier (the demo bundle's, or ``--classifier``) and class labels: ``accuracy``
-  on the requested class, ``frechet_ar`` (Fréchet distance in the classifier's feature space
-  to the AR samples of the same run) and, with real images (the demo's data generator),
-  ``frechet_real``;
-- with ``--fid-features`` and reference images: ``fid`` (torchmetrics);
-- with ``--clip-model`` and captions: ``clip``.
-
-Fréchet numbers carry their sample counts.  ``floors`` holds what an ideal sampler would
-score at the same counts, because with few samples the estimate is biased upwards: a
-second real set against the real reference, and AR samples on other seeds (the target's
-batched sampler) against the run's AR samples.
+"""Quality of a benchmark's samples, per method, next to its speed: :class:`Quality` scores
+each method's samples (token grids, one per condition, the same conditions and seeds for
+every method) with what is available, and the floors an ideal sampler would score at the
+same sample counts (docs/usage.md, "What the numbers mean" and "Quality sources").
 """
 
 from __future__ import annotations

@@ -11,10 +11,8 @@ distribution for token t + 1, ``softmax(output(F_t))`` (the frozen shared head, 
 distribution is recomputed exactly from the stored features).  Before the two parts are
 summed, the ``train_loss`` hooks of the method stack reweight them, in method-string
 order, each with its own options (``--method cascade`` boosts the cross-entropy at
-convergent positions); they receive the parts ``soft_ce`` and ``regression`` [B, T], the
-weights, ``features`` = F [B, T, D] (``features[:, t]`` is the state produced by consuming
-``tokens[:, t]``), ``tokens`` [B, T] and ``mask`` [B, T].  Finally the masked mean over the
-*global* batch.
+convergent positions; what they receive: docs/hooks.md).  Finally the masked mean over
+the *global* batch.
 
 EAGLE-3 (``drafter_type="eagle3"``, :func:`eagle3_terms`) drops the regression and trains
 with training-time test: K = ``ttt_steps`` unrolled steps, step i feeding the drafter its
@@ -25,10 +23,8 @@ own output states of step i - 1, and
 (EAGLE-3's decay: a deeper step's error matters less, as its node is reached less often).
 Entry t of step i consumes token t + i and matches the target's distribution for token
 t + i + 1; entries whose tokens lie past the image are masked.  The hooks get the parts per
-step, [K, B, T] (regression zero), with ``features`` [K, B, T, D], ``tokens`` and ``mask``
-[K, B, T] aligned to them as above: an elementwise reweighting over the last axis fits
-both types.  The masked mean divides by the step-0 positions, so the steps' weights stay
-0.8^i.
+step, [K, B, T] (regression zero).  The masked mean divides by the step-0 positions, so
+the steps' weights stay 0.8^i.
 
 ``batch_size`` is the global batch: each of P processes takes its own B / P examples of
 the same global batch, the local loss is scaled so that DDP's gradient average is the
