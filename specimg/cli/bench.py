@@ -127,7 +127,8 @@ def bench(**kw: Any) -> None:
         floor = summary["floors"].get(key)
         if floor is not None:
             click.echo(f"Frechet floor ({what} at n={floor['n_a']} vs {floor['n_b']}): {floor['value']:.2f}")
-    click.echo(f"{summary['images']} images per method, {len(spec.variants)} methods, {time.perf_counter() - start:.0f}s -> {', '.join(paths.values())}")
+    seconds = time.perf_counter() - start
+    click.echo(f"{summary['images']} images per method, {len(spec.variants)} methods, {seconds:.0f}s -> {', '.join(paths.values())}")
 
 
 def batch_sizes(text: str) -> list[int]:

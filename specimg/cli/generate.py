@@ -149,19 +149,17 @@ def _report(engine: Engine, models: Any, log: RunLog, run: RunStats, images: int
         f"{f' (after {engine.calibration_seconds:.1f}s measuring what trees cost on this machine; cached)' if engine.calibration_seconds else ''} "
         f"| cfg {s.cfg_scale:g}, temperature {s.temperature:g}, top-k {s.top_k}, top-p {s.top_p:g} -> {log.out}"
     )
-    if engine.stack is not None:
-        click.echo(f"tree: {_tree_summary(engine, run)}")
-
-
-def _tree_summary(engine: Engine, stats: RunStats) -> str:
-    """The tree a run used: auto trees by share of steps, with the cost model's prediction,
-    this run's own step times, and in plain words whether speculation paid."""
+    if engine.stack is None:
+        return
     if not engine.auto_tree or engine.own_tree:
-        return engine.tree_label
-    assert engine.cost_model is not None and stats.predicted_speedup is not None
-    summary = f"auto: {stats.tree_shares()}; predicted speedup {stats.predicted_speedup:.2f}x (cost model {engine.cost_model.key}: {engine.cost_model.machine})"
-    lines = [payoff.measured(stats), *payoff.verdict(engine.cost_model, stats, costs.scale_key(engine.stack))]
-    return "\n".join([summary, *lines])
+        click.echo(f"tree: {engine.tree_label}")
+        return
+    # auto trees by share of steps, with the cost model's prediction, this run's own step times, and in plain words whether speculation paid
+    assert engine.cost_model is not None and run.predicted_speedup is not None
+    cost = engine.cost_model
+    click.echo(f"tree: auto: {run.tree_shares()}; predicted speedup {run.predicted_speedup:.2f}x (cost model {cost.key}: {cost.machine})")
+    for line in [payoff.measured(run), *payoff.verdict(cost, run, costs.scale_key(engine.stack))]:
+        click.echo(line)
 
 
 def _decode(tokenizer: Any, codes: torch.Tensor) -> torch.Tensor:

@@ -52,12 +52,6 @@ def train_demo(out: str, scale: str, threads: int | None, keep_work: bool) -> No
     )
 
 
-def _label_list(text: str | None, target: Any) -> tuple[int, ...]:
-    if not text:
-        return ()
-    return tuple(class_labels(text, len(comma_items(text, "--class-labels")), target.config.num_classes))
-
-
 @click.command("make-drafter-data")
 @click.option("--target", required=True, help="a target checkpoint or folder (see `specimg models`), 'demo' or 'tiny-random'")
 @click.option("--preset", default=None, help="LlamaGen preset of the --target checkpoint (GPT-B ... GPT-7B) [default: what the checkpoint says, else GPT-B]")
@@ -90,9 +84,10 @@ def make_drafter_data_command(**kw: Any) -> None:
     target = train_target(kw["target"], kw["preset"], kw["target_config"]).to(process_device(device, state), dtype)
     sampling = sampling_from(kw, base_sampling(kw["target"], None, target))
     captions, prompts = sample_captions(target, kw)
+    labels = kw["class_labels"]  # checked against the target, each once
     spec = DataSpec(
-        num_samples=kw["num_samples"], labels=_label_list(kw["class_labels"], target),
-        captions=captions, prompts=prompts,
+        num_samples=kw["num_samples"], captions=captions, prompts=prompts,
+        labels=tuple(class_labels(labels, len(comma_items(labels, "--class-labels")), target.config.num_classes)) if labels else (),
         tokens_file=kw["tokens_file"], sampling=sampling, seed=kw["seed"], uncond=kw["uncond"], dtype=kw["feature_dtype"] or kw["dtype"],
         shard_size=kw["shard_size"], batch_size=kw["batch_size"], drafter_type=kw["drafter_type"],
     )

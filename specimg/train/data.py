@@ -105,16 +105,6 @@ def _atomic_write_json(path: str, obj: Any) -> None:
 
 
 @torch.inference_mode()
-def teacher_features(target: LlamaGenTarget, conditions: Tensor | Sequence[Caption], tokens: Tensor) -> tuple[Tensor, Tensor | None]:
-    """The target's last hidden states [B, N, D] teacher-forced on ``tokens`` [B, N] under
-    ``conditions`` (class ids [B] or one caption per row), and its exposed layers' [B, N, kD]
-    (None when it exposes none)."""
-    device = target.tok_embeddings.weight.device
-    out = target.forward_sequence(conditions.to(device) if isinstance(conditions, Tensor) else conditions, tokens.to(device))
-    return out.hidden, out.layers
-
-
-@torch.inference_mode()
 def chain_features(target: EagleTarget, conditions: Sequence[Any], tokens: Tensor, cfg: bool) -> tuple[Tensor, Tensor | None]:
     """Any target's last hidden states [rows, B, N, D] teacher-forced on ``tokens`` [B, N],
     one condition per image, through the Target contract: the prefill's state, then the
@@ -309,11 +299,16 @@ def _labels(target: EagleTarget, spec: DataSpec, kind: str, num: int, file_label
     the samples."""
     if kind == "text":
         if spec.captions or spec.labels or len(spec.prompts) != num:
-            raise SpecimgError(f"this target's drafter data needs one prompt text per sample ({len(spec.prompts)} for {num}), no captions or labels: give --prompts or --prompt")
+            raise SpecimgError(
+                f"this target's drafter data needs one prompt text per sample ({len(spec.prompts)} for {num}), no captions or labels: "
+                "give --prompts or --prompt"
+            )
         return torch.arange(num)
     if kind == "t2i":
         if len(spec.captions) != num:
-            raise SpecimgError(f"a t2i target's drafter data needs one caption per sample ({len(spec.captions)} for {num}): give --prompts and --text-encoder")
+            raise SpecimgError(
+                f"a t2i target's drafter data needs one caption per sample ({len(spec.captions)} for {num}): give --prompts and --text-encoder"
+            )
         return torch.arange(num)
     num_classes = target.config.num_classes
     if spec.captions:
@@ -424,7 +419,11 @@ def _llamagen_batch(target: LlamaGenTarget, idx: Tensor, plan: _Plan) -> tuple[T
         conditions = [plan.spec.captions[int(i)] for i in idx]
         given = [(labels, conditions), (torch.full_like(labels, -1), [Caption(target.cls_embedding.uncond_embedding, x.mask) for x in conditions])]
     tokens = plan.file_tokens[idx] if plan.file_tokens is not None else ar_tokens(target, conditions, _seeds(plan, idx), plan.spec.sampling)
-    return tokens, [(variant, *teacher_features(target, rows, tokens)) for variant, rows in given[: 1 + plan.uncond]]
+    device = target.tok_embeddings.weight.device
+    with torch.inference_mode():  # the last hidden states [B, N, D] and the exposed layers' [B, N, kD] (None: it exposes none)
+        given = given[: 1 + plan.uncond]
+        outs = [target.forward_sequence(rows.to(device) if isinstance(rows, Tensor) else rows, tokens.to(device)) for _, rows in given]
+    return tokens, [(variant, out.hidden, out.layers) for (variant, _), out in zip(given, outs)]
 
 
 def _prompt_batch(target: EagleTarget, idx: Tensor, plan: _Plan) -> tuple[Tensor, _Rows]:
