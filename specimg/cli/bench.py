@@ -14,12 +14,12 @@ from torch import Tensor
 
 from specimg import costs
 from specimg.cli.conditions import conditions_for
-from specimg.cli.lists import comma_items
 from specimg.cli.loading import base_sampling, default_model, models_from, run_inputs
 from specimg.cli.options import (
     THREADS, check_tree_fits, condition_options, compile_option, device_from, device_options, method_options, model_options,
     prompt_options, sampling_from, sampling_options, tree_from, tree_options,
 )
+from specimg.cli.prompts import comma_items
 from specimg.config import Sampling
 from specimg.errors import SpecimgError
 from specimg.eval.bench import DEFAULT_IMAGES, BenchSpec, build_engines, check_batch_sizes, markdown_table, plan_variants, run_bench, save_sample_grid, summarise, write_outputs

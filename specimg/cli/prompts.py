@@ -18,7 +18,6 @@ from typing import Any
 
 import attrs
 
-from specimg.cli.lists import comma_items
 from specimg.errors import SpecimgError
 from specimg.models.base import PromptIds
 
@@ -51,6 +50,17 @@ class Prompt:
 
 
 # ----------------------------------------------------------------------------- class labels
+
+
+def comma_items(text: str, flag: str) -> list[str]:
+    """``"a, b"`` -> ``["a", "b"]``; an empty item (``"a,,b"``, ``"a,"``) is refused: it is
+    a typo more often than not, and skipping it would run something else than was asked."""
+    if not text.strip():
+        raise SpecimgError(f"{flag} {text!r} names nothing: give one value or more, separated by commas")
+    items = [item.strip() for item in text.split(",")]
+    if not all(items):
+        raise SpecimgError(f"{flag} {text!r} has an empty item: separate values with single commas")
+    return items
 
 
 def class_labels(text: str | None, num_images: int, num_classes: int) -> list[int]:

@@ -10,10 +10,9 @@ import click
 import torch
 
 from specimg.cli.conditions import sample_captions
-from specimg.cli.lists import comma_items
 from specimg.cli.loading import base_sampling, process_device, train_target
 from specimg.cli.options import DTYPES, IMAGES, SEED, THREADS, FiniteFloat, device_from, device_options, prompt_options, sampling_from, sampling_options
-from specimg.cli.prompts import class_labels
+from specimg.cli.prompts import class_labels, comma_items
 from specimg.demo.recipe import DEFAULT_SCALE as DEFAULT_DEMO_SCALE
 from specimg.demo.recipe import SCALES as DEMO_SCALES
 from specimg.errors import SpecimgError
