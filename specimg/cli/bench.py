@@ -22,8 +22,7 @@ from specimg.cli.options import (
 from specimg.cli.prompts import comma_items
 from specimg.config import Sampling
 from specimg.errors import SpecimgError
-from specimg.eval.bench import DEFAULT_IMAGES, BenchSpec, build_engines, check_batch_sizes, markdown_table, plan_variants, run_bench, save_sample_grid, summarise, write_outputs
-from specimg.eval.plot import MISSING as MISSING_PLOT
+from specimg.eval.bench import DEFAULT_IMAGES, MISSING_PLOT, BenchSpec, build_engines, check_batch_sizes, markdown_table, plan_variants, run_bench, save_sample_grid, summarise, write_outputs
 from specimg.methods import parse_options
 from specimg.plugins import get_plugin_manager
 from specimg.files import writable_folder

@@ -40,6 +40,7 @@ DEFAULT_IMAGES = 16
 """Images per method of a default ``specimg bench``: the default run (7 methods plus a
 warm-up image each, one thread) stays within 15 minutes on 2 CPU cores on the demo."""
 FORMAT = "specimg-bench/1"
+MISSING_PLOT = "no bench.png: the plot needs matplotlib (pip install 'specimg[plot]')"
 
 
 # ----------------------------------------------------------------------------- variants
@@ -482,9 +483,47 @@ def _write_atomic(path: str, text: str) -> None:
         fh.write(text)
 
 
+def scatter_plot(
+    points: Sequence[tuple[str, float, float]],
+    path: str | os.PathLike[str],
+    x_label: str,
+    y_label: str,
+    title: str = "",
+    hline: float | None = None,
+) -> bool:
+    """Write an 800x560 PNG: one labelled point per ``(label, x, y)`` (points with a
+    non-finite coordinate are listed under the plot instead) and an optional dashed
+    horizontal line.  False, and nothing written, when matplotlib is not installed.  It draws
+    on a bare ``Figure`` (no pyplot), which renders with the Agg backend: headless, and
+    without touching the backend of a notebook that imports specimg."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return False
+    fig = Figure(figsize=(8, 5.6), dpi=100, layout="constrained")
+    ax = fig.add_subplot()
+    good = [(label, x, y) for label, x, y in points if math.isfinite(x) and math.isfinite(y)]
+    for i, (label, x, y) in enumerate(good):
+        colour = f"C{i % 10}"
+        ax.scatter([x], [y], color=colour, edgecolors="black", zorder=3)
+        ax.annotate(label, (x, y), xytext=(6, 4), textcoords="offset points", color=colour)
+    if hline is not None:
+        ax.axhline(hline, linestyle="--", color="0.55", linewidth=1)
+    ax.set_xlabel(x_label)
+    ax.set_ylabel(y_label)
+    ax.set_title(title)
+    ax.grid(True, color="0.92")
+    ax.margins(0.15)
+    bad = [label for label, x, y in points if not (math.isfinite(x) and math.isfinite(y))]
+    if bad:
+        fig.supxlabel("not plotted (no value): " + ", ".join(bad), color="#aa0000", fontsize=9)
+    with atomic_path(path, ".png") as tmp:
+        fig.savefig(tmp, format="png")
+    return True
+
+
 def _plot(summary: Mapping[str, Any], path: str) -> tuple[str | None, bool]:
     """Plot speedup against the primary quality metric; (that metric, whether a plot was written)."""
-    from specimg.eval.plot import scatter_plot
     from specimg.eval.quality import LOWER_IS_BETTER, primary_metric
 
     rows = summary["variants"]
