@@ -129,7 +129,7 @@ def plan_variants(
     if AR not in seen:
         stacks.insert(0, (AR, [AR]))
         notes.append("added ar: it is the speedup baseline")
-    options = {k: dict(v) for k, v in (options or {}).items()}
+    options = options or {}
     parsed = [parse_sweep(s) for s in sweeps]
     if len({k for k, _ in parsed}) != len(parsed):
         raise SpecimgError("two --sweep options for one key")
@@ -144,9 +144,8 @@ def plan_variants(
     variants: list[Variant] = []
     for (stack, members), batch in itertools.product(stacks, batch_sizes):
         mine = [(k, vals) for k, vals in parsed if (k == "delta" and AR not in members) or k.rpartition(".")[0] in members]
-        base = {m: dict(options[m]) for m in members if m in options}
         for combo in itertools.product(*[[(k, v) for v in vals] for k, vals in mine]):
-            opts = {m: dict(o) for m, o in base.items()}
+            opts = {m: dict(options[m]) for m in members if m in options}
             stack_delta = None if stack == AR else delta
             for key, val in combo:
                 if key == "delta":
