@@ -61,8 +61,25 @@ def write_run(engine: Engine, models: Any, conditions: Conditions, seed: int, ou
     """Generate the images ``out`` lacks, dealt over the processes of ``state`` (image i to
     process i mod N: per-image seeds make them those of one process); the main process
     writes the grid and the summary.  The run owns ``out`` while it works."""
-    with open_run(out, _settings(engine, models, seed, inputs), state) as log:
-        _refuse_other_conditions(log, conditions)
+    settings = {  # what decides the images: a folder holding images made otherwise is refused
+        "model": models.name, "inputs": inputs, "method": engine.method,
+        "options": engine.stack.options_dict() if engine.stack else {}, "delta": engine.stack.delta if engine.stack else 0.0,
+        "budgeted": engine.stack.budgeted if engine.stack else True,
+        "sampling": attrs.asdict(engine.sampling), "tree": attrs.asdict(engine.tree_config), "seed": seed,
+        "device": engine.device.type, "dtype": str(engine.target.input_embeddings().dtype),
+    }
+    if engine.auto_tree:  # auto trees depend on the cost model: a resumed run must use the same one
+        settings["tree"]["cost_model"] = costs.cost_key(engine.target, engine.drafter, engine.sampling)[0]
+    with open_run(out, settings, state) as log:
+        mismatch = log.first_mismatch([{conditions.field: k} for k in conditions.keys])
+        if mismatch is not None:
+            index, _, there, here = mismatch
+            if conditions.field == "condition":
+                held = f"of class {there}, this run asks for class {here}: its --class-labels"
+            else:  # the folder may hold the prompt as text and this run give it as ids, or the other way round
+                entry = log.done[index]
+                held = f"for the prompt {entry.get('prompt', entry.get('prompt_ids'))!r}, this run asks for {here!r}: its prompts"
+            raise SpecimgError(f"{log.out} holds image {index} {held} differ; give another --out or remove {log.out}")
         todo = [i for i in range(len(conditions.keys)) if i not in log.done]
         if not todo:
             if state.is_main_process:
@@ -78,33 +95,6 @@ def write_run(engine: Engine, models: Any, conditions: Conditions, seed: int, ou
             images = gather_object(images)
         if state.is_main_process:
             _report(engine, models, log, RunStats(tuple(images)), len(todo), time.perf_counter() - start)
-
-
-def _settings(engine: Engine, models: Any, seed: int, inputs: dict[str, Any]) -> dict[str, Any]:
-    """What decides the images: a folder holding images made otherwise is refused."""
-    settings = {
-        "model": models.name, "inputs": inputs, "method": engine.method,
-        "options": engine.stack.options_dict() if engine.stack else {}, "delta": engine.stack.delta if engine.stack else 0.0,
-        "budgeted": engine.stack.budgeted if engine.stack else True,
-        "sampling": attrs.asdict(engine.sampling), "tree": attrs.asdict(engine.tree_config), "seed": seed,
-        "device": engine.device.type, "dtype": str(engine.target.input_embeddings().dtype),
-    }
-    if engine.auto_tree:  # auto trees depend on the cost model: a resumed run must use the same one
-        settings["tree"]["cost_model"] = costs.cost_key(engine.target, engine.drafter, engine.sampling)[0]
-    return settings
-
-
-def _refuse_other_conditions(log: RunLog, conditions: Conditions) -> None:
-    key = conditions.field
-    mismatch = log.first_mismatch([{key: k} for k in conditions.keys])
-    if mismatch is not None:
-        index, _, there, here = mismatch
-        if key == "condition":
-            held = f"of class {there}, this run asks for class {here}: its --class-labels"
-        else:  # the folder may hold the prompt as text and this run give it as ids, or the other way round
-            entry = log.done[index]
-            held = f"for the prompt {entry.get('prompt', entry.get('prompt_ids'))!r}, this run asks for {here!r}: its prompts"
-        raise SpecimgError(f"{log.out} holds image {index} {held} differ; give another --out or remove {log.out}")
 
 
 def _write_images(engine: Engine, models: Any, conditions: Conditions, seed: int, log: RunLog, mine: list[int], main: bool) -> list[ImageStats]:

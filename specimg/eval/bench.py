@@ -240,7 +240,13 @@ def run_bench(
     engines = dict(engines) if engines is not None else build_engines(models, spec)
     nv = len(spec.variants)
     expected = [{"condition": spec.condition_keys[i], "label": v.label} for i in range(len(spec.conditions)) for v in spec.variants]
-    with open_run(out, {**spec.settings(models.name), **_placement(models, engines)}, state) as log:
+    # what changes the images besides the spec: device, dtype, and for auto trees the cost model that shapes them
+    weights = models.target.input_embeddings()
+    settings = {**spec.settings(models.name), "device": weights.device.type, "dtype": str(weights.dtype)}
+    auto = next((e for e in engines.values() if e.auto_tree), None)
+    if auto is not None:
+        settings["cost_model"] = costs.cost_key(auto.target, auto.drafter, auto.sampling)[0]
+    with open_run(out, settings, state) as log:
         mismatch = log.first_mismatch(expected)
         if mismatch is not None:  # every process checks every sample, so that all of them stop alike
             index, _, _, _ = mismatch
@@ -254,8 +260,12 @@ def run_bench(
         for engine in engines.values():  # every process plans auto trees on the main process's cost model
             engine.prepare(spec.conditions[0], state)
         show = progress if state.is_main_process else False
-        if todo and spec.warmup > 0:
-            _warm_up(engines, spec, int(models.target.num_tokens), show)
+        if todo and spec.warmup > 0:  # spec.warmup discarded images per engine, on seeds no sample uses
+            total = sum(e.batch_size for e in engines.values()) * spec.warmup * int(models.target.num_tokens)
+            with progress_bar(total=total, desc="warm-up", unit="tok", show=show) as bar:
+                for engine in engines.values():
+                    for k in range(spec.warmup):
+                        engine.generate([spec.conditions[0]] * engine.batch_size, seeds=[spec.seed - 1 - k] * engine.batch_size, progress=bar.update)
         computed = _generate(engines, spec, todo, log, int(models.target.num_tokens), show, on_record)
         local = [{k: x for k, x in log.done[i * nv + v].items() if k not in ("settings", "index")} for i in mine for v in range(nv)]
         if state.num_processes > 1:
@@ -279,14 +289,6 @@ def _work(spec: BenchSpec, mine: Sequence[int], log: RunLog) -> list[tuple[list[
             batch = spec.variants[v].batch_size
             work += [(left[k : k + batch], v) for k in range(0, len(left), batch)]
     return work
-
-
-def _warm_up(engines: Mapping[str, Engine], spec: BenchSpec, per_image: int, show: bool) -> None:
-    """``spec.warmup`` discarded images per engine, on seeds no sample uses."""
-    with progress_bar(total=sum(e.batch_size for e in engines.values()) * spec.warmup * per_image, desc="warm-up", unit="tok", show=show) as bar:
-        for engine in engines.values():
-            for k in range(spec.warmup):
-                engine.generate([spec.conditions[0]] * engine.batch_size, seeds=[spec.seed - 1 - k] * engine.batch_size, progress=bar.update)
 
 
 def _generate(
@@ -316,17 +318,6 @@ def _generate(
                 if on_record is not None:
                     on_record(record)
     return images
-
-
-def _placement(models: Any, engines: Mapping[str, Engine]) -> dict[str, Any]:
-    """Settings that change the images besides the spec: device, dtype, and for auto trees
-    the cost model that shapes them."""
-    weights = models.target.input_embeddings()
-    out: dict[str, Any] = {"device": weights.device.type, "dtype": str(weights.dtype)}
-    auto = next((e for e in engines.values() if e.auto_tree), None)
-    if auto is not None:
-        out["cost_model"] = costs.cost_key(auto.target, auto.drafter, auto.sampling)[0]
-    return out
 
 
 # ----------------------------------------------------------------------------- summary
