@@ -397,7 +397,16 @@ def _make_shard(target: EagleTarget, out: str, shard: int, plan: _Plan, progress
             part["sample"].append(idx)
         if progress:
             progress(len(idx))
-    _write_shard(path, {k: torch.cat([t for part in parts for t in part[k]]).contiguous() for k in parts[0]})
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    # whole or not at all; safetensors reports a full or read-only disk as a SafetensorError, which becomes
+    # one line: the shards already written are kept, and the same command resumes from this one
+    try:
+        with atomic_path(path, ".safetensors") as tmp:
+            save_file({k: torch.cat([t for part in parts for t in part[k]]).contiguous() for k in parts[0]}, tmp, metadata={"format": FORMAT})
+    except SafetensorError as err:
+        raise SpecimgError(f"{path} cannot be written ({err}); free space or fix the folder and run the same command again: it resumes") from None
 
 
 def _seeds(plan: _Plan, idx: Tensor) -> list[int]:
@@ -435,20 +444,6 @@ def _prompt_batch(target: EagleTarget, idx: Tensor, plan: _Plan) -> tuple[Tensor
     hidden, layers = chain_features(target, prompts, tokens, plan.uncond)
     variants = [(labels, 0), (torch.full_like(labels, -1), -1)]
     return tokens, [(variant, hidden[row], layers[row] if plan.eagle3 else None) for variant, row in variants][: 1 + plan.uncond]
-
-
-def _write_shard(path: str, tensors: dict[str, Tensor]) -> None:
-    """Write a shard whole or not at all; safetensors reports a full or read-only disk as a
-    SafetensorError, which becomes one line: the shards already written are kept, and the
-    same command resumes from this one."""
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file
-
-    try:
-        with atomic_path(path, ".safetensors") as tmp:
-            save_file(tensors, tmp, metadata={"format": FORMAT})
-    except SafetensorError as err:
-        raise SpecimgError(f"{path} cannot be written ({err}); free space or fix the folder and run the same command again: it resumes") from None
 
 
 # ----------------------------------------------------------------------------- reading
