@@ -510,7 +510,7 @@ def test_cli_bench_user_errors_are_one_line(tmp_path, capsys, extra, message):
 
 
 def test_the_plot_draws_each_finite_point_and_lists_the_others(tmp_path):
-    from specimg.eval.plot import scatter_plot
+    from specimg.eval.bench import scatter_plot
 
     path = tmp_path / "p.png"
     assert scatter_plot([("ar", 1.0, 1.0), ("naive", 2.0, 1.5), ("broken", float("nan"), 2.0)], path, "x", "y", hline=1.0)

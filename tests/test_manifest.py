@@ -3,7 +3,7 @@
 import pytest
 
 from specimg.errors import SpecimgError
-from specimg.runs.manifest import Manifest
+from specimg.runs.log import Manifest
 
 
 def test_a_line_cut_by_a_kill_is_dropped_and_redone(tmp_path):

@@ -15,7 +15,7 @@ import torch
 from cli_runner import run
 
 from specimg.errors import SpecimgError
-from specimg.runs.manifest import Manifest
+from specimg.runs.log import Manifest
 from specimg.models.eagle import build_drafter, save_drafter
 from specimg.models.llamagen import build_target
 from specimg.models.loading import TINY_GPT

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import sys
@@ -30,15 +31,6 @@ def main(argv: list[str] | None = None) -> None:
     with warnings.catch_warnings():
         warnings.showwarning = _one_line_warning
         _run(argv)
-
-
-def _quiet_stdout() -> None:
-    """Point standard output at /dev/null, so that the interpreter's last flush of what a
-    full disk refused does not add a traceback to the one error line."""
-    try:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    except (OSError, ValueError):
-        pass
 
 
 def _out_of_memory() -> NoReturn:
@@ -71,7 +63,10 @@ def _run(argv: list[str] | None) -> None:
         sys.exit(2)
     except OSError as err:
         if err.errno in (errno.ENOSPC, errno.EDQUOT):
-            _quiet_stdout()
+            # standard output to /dev/null, so that the interpreter's last flush of what a full
+            # disk refused does not add a traceback to the one error line
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             where = f"{err.filename}: " if err.filename else "writing the output: "
             click.echo(f"specimg: error: {where}{err.strerror}; free space and run the same command again: it resumes", err=True)
             sys.exit(2)

@@ -14,16 +14,15 @@ from torch import Tensor
 
 from specimg import costs
 from specimg.cli.conditions import conditions_for
-from specimg.cli.lists import comma_items
 from specimg.cli.loading import base_sampling, default_model, models_from, run_inputs
 from specimg.cli.options import (
     THREADS, check_tree_fits, condition_options, compile_option, device_from, device_options, method_options, model_options,
     prompt_options, sampling_from, sampling_options, tree_from, tree_options,
 )
-from specimg.config import Sampling, TreeConfig
+from specimg.cli.prompts import comma_items
+from specimg.config import Sampling
 from specimg.errors import SpecimgError
-from specimg.eval.bench import DEFAULT_IMAGES, BenchSpec, build_engines, check_batch_sizes, markdown_table, plan_variants, run_bench, save_sample_grid, summarise, write_outputs
-from specimg.eval.plot import MISSING as MISSING_PLOT
+from specimg.eval.bench import DEFAULT_IMAGES, MISSING_PLOT, BenchSpec, build_engines, check_batch_sizes, markdown_table, plan_variants, run_bench, save_sample_grid, summarise, write_outputs
 from specimg.methods import parse_options
 from specimg.plugins import get_plugin_manager
 from specimg.files import writable_folder
@@ -58,6 +57,8 @@ def bench(**kw: Any) -> None:
     """Benchmark methods side by side: tau, speedup against AR and quality, on the same
     conditions and seeds, interleaved.  Writes OUT/bench.{md,json,csv,png}.  Runs on
     several processes under `torchrun --nproc_per_node N -m specimg.cli bench ...`."""
+    from accelerate import PartialState
+
     from specimg.models.loading import placed
 
     torch.set_num_threads(kw["threads"])
@@ -66,7 +67,7 @@ def bench(**kw: Any) -> None:
     tree = tree_from(kw)
     models = placed(models_from(kw, model), device, dtype)
     check_tree_fits(tree, models.target, models.drafter)
-    batch_sizes(kw["batch_sizes"])  # bad input fails before the output folder is made
+    sizes = batch_sizes(kw["batch_sizes"])  # bad input fails before the output folder is made
     writable_folder(kw["out"])
     real = None
     if model.startswith("demo") and not kw["target"]:  # the demo's real images are the quality reference
@@ -74,7 +75,59 @@ def bench(**kw: Any) -> None:
 
         real = real_images
     sampling = sampling_from(kw, base_sampling(model, kw["target"], models.target))
-    bench_command(kw, models, model, sampling, tree, click.echo, real, inputs=run_inputs(kw, model))
+    start = time.perf_counter()
+    state = PartialState(cpu=True)
+    # accelerate sets (host physical cores / processes) threads on multi-CPU runs, far too
+    # many in a container: keep --threads (default 1)
+    torch.set_num_threads(kw["threads"])
+    methods = comma_items(kw["methods"], "--methods") if kw["methods"] is not None else None  # '' names no method, not the defaults
+    variants, notes = plan_variants(methods, get_plugin_manager().methods(), parse_options(kw["options"]), kw["sweep"], kw["delta"], sizes)
+    conditions, keys, captions = conditions_for(models.target, kw)
+    spec = BenchSpec(tuple(variants), tuple(conditions), tuple(keys), kw["seed"], sampling, tree, kw["warmup"], run_inputs(kw, model))
+    engines = build_engines(models, spec, compile=kw["compile"])
+    quality, error = None, None
+    if kw["quality"] and state.is_main_process:
+        try:
+            quality = build_quality(models, model, sampling, conditions, captions, kw, real)
+        except SpecimgError as err:
+            error = str(err)
+    if state.num_processes > 1:  # the other processes must stop too, not wait for the main one
+        from accelerate.utils import broadcast_object_list
+
+        error = broadcast_object_list([error])[0]
+    if error is not None:
+        raise SpecimgError(error)
+    if state.is_main_process:
+        for note in notes:
+            click.echo(f"note: {note}")
+    run = run_bench(models, spec, kw["out"], state=state, engines=engines)
+    if not state.is_main_process:
+        return
+    summary = summarise(run.records, spec, quality, run.engines)
+    extra = {
+        "model": models.name, "num_processes": state.num_processes, "computed_this_run": run.computed,
+        "runtime_s": round(time.perf_counter() - start, 1), "plan_notes": notes,
+        "relax_checks": checks_enabled(), "device": str(costs.device_of(models.target)), "threads": torch.get_num_threads(),
+    }
+    if hasattr(models.target, "step_mode"):
+        extra["step"] = {"mode": models.target.step_mode, "compile_s": round(CompileClock.seconds, 3)}
+    cost_model = next((e.cost_model for e in run.engines.values() if e.cost_model is not None), None)
+    if cost_model is not None:
+        extra["cost_model"] = {"key": cost_model.key, "machine": cost_model.machine}
+    paths = write_outputs(summary, spec, kw["out"], extra)
+    if models.tokenizer is not None:
+        save_sample_grid(run.records, spec, models.tokenizer, os.path.join(kw["out"], "samples.png"))
+    click.echo(markdown_table(summary))
+    for note in summary.get("notes", []):
+        click.echo(f"note: {note}")
+    if "png" not in paths:
+        click.echo(f"note: {MISSING_PLOT}")
+    for key, what in (("frechet_real", "real vs real"), ("frechet_ar", "AR vs AR on other seeds")):
+        floor = summary["floors"].get(key)
+        if floor is not None:
+            click.echo(f"Frechet floor ({what} at n={floor['n_a']} vs {floor['n_b']}): {floor['value']:.2f}")
+    seconds = time.perf_counter() - start
+    click.echo(f"{summary['images']} images per method, {len(spec.variants)} methods, {seconds:.0f}s -> {', '.join(paths.values())}")
 
 
 def batch_sizes(text: str) -> list[int]:
@@ -92,20 +145,15 @@ def build_quality(
 ) -> Any:
     """The :class:`~specimg.eval.quality.Quality` scorer the flags ask for; ``real(n, seed)``
     gives real reference images (the demo's), if the models have any."""
+    from specimg.eval.classifier import load_classifier
     from specimg.eval.quality import Quality
 
-    classifier = None
-    if kw.get("classifier"):
-        from specimg.eval.classifier import load_classifier
-
-        classifier = load_classifier(kw["classifier"])
-    elif model_name.startswith("demo") and not kw.get("target"):
-        from specimg.eval.classifier import load_classifier
+    classifier = load_classifier(kw["classifier"]) if kw["classifier"] else None
+    if classifier is None and model_name.startswith("demo") and not kw["target"]:
         from specimg.models.demo import bundle_dir
 
         path = os.path.join(bundle_dir(), "classifier.safetensors")
-        if os.path.isfile(path):
-            classifier = load_classifier(path)
+        classifier = load_classifier(path) if os.path.isfile(path) else None
     fid = None
     if kw.get("real_images") and not kw.get("fid_features"):
         raise SpecimgError("--real-images is the reference of FID: give --fid-features too")
@@ -131,70 +179,3 @@ def build_quality(
         models.target, models.tokenizer, sampling, conditions, classifier=classifier, real_images=real,
         num_real=kw.get("num_real", 1000), fid=fid, clip=clip, captions=captions,
     )
-
-
-def bench_command(
-    kw: dict[str, Any], models: Any, model_name: str, sampling: Sampling, tree: TreeConfig, echo: Callable[[str], None],
-    real: Callable[[int, int], Tensor] | None = None, inputs: dict[str, Any] | None = None,
-) -> dict[str, Any] | None:
-    """Run the benchmark the flags describe; on the main process write the outputs, print
-    the table and return the summary (None on the other processes).  ``real(n, seed)``
-    gives real reference images for the quality metrics, if the models have any;
-    ``inputs`` fingerprints the model files (a resumed run must have loaded the same)."""
-    from accelerate import PartialState
-
-    start = time.perf_counter()
-    threads = torch.get_num_threads()
-    state = PartialState(cpu=True)
-    # accelerate sets (host physical cores / processes) threads on multi-CPU runs, far too
-    # many in a container: keep --threads (default 1), else what this process had
-    torch.set_num_threads(kw.get("threads") or threads)
-    methods = comma_items(kw["methods"], "--methods") if kw.get("methods") is not None else None  # '' names no method, not the defaults
-    variants, notes = plan_variants(methods, get_plugin_manager().methods(), parse_options(kw.get("options", ())), kw.get("sweep", ()), kw.get("delta"),
-                                    batch_sizes(kw.get("batch_sizes", "1")))
-    conditions, keys, captions = conditions_for(models.target, kw)
-    spec = BenchSpec(tuple(variants), tuple(conditions), tuple(keys), kw["seed"], sampling, tree, kw.get("warmup", 1), inputs or {})
-    engines = build_engines(models, spec, compile=kw.get("compile", "auto"))
-    quality, error = None, None
-    if kw.get("quality", True) and state.is_main_process:
-        try:
-            quality = build_quality(models, model_name, sampling, conditions, captions, kw, real)
-        except SpecimgError as err:
-            error = str(err)
-    if state.num_processes > 1:  # the other processes must stop too, not wait for the main one
-        from accelerate.utils import broadcast_object_list
-
-        error = broadcast_object_list([error])[0]
-    if error is not None:
-        raise SpecimgError(error)
-    if state.is_main_process:
-        for note in notes:
-            echo(f"note: {note}")
-    run = run_bench(models, spec, kw["out"], state=state, engines=engines)
-    if not state.is_main_process:
-        return None
-    summary = summarise(run.records, spec, quality, run.engines)
-    extra = {
-        "model": models.name, "num_processes": state.num_processes, "computed_this_run": run.computed,
-        "runtime_s": round(time.perf_counter() - start, 1), "plan_notes": notes,
-        "relax_checks": checks_enabled(), "device": str(costs.device_of(models.target)), "threads": torch.get_num_threads(),
-    }
-    if hasattr(models.target, "step_mode"):
-        extra["step"] = {"mode": models.target.step_mode, "compile_s": round(CompileClock.seconds, 3)}
-    cost_model = next((e.cost_model for e in run.engines.values() if e.cost_model is not None), None)
-    if cost_model is not None:
-        extra["cost_model"] = {"key": cost_model.key, "machine": cost_model.machine}
-    paths = write_outputs(summary, spec, kw["out"], extra)
-    if models.tokenizer is not None:
-        save_sample_grid(run.records, spec, models.tokenizer, os.path.join(kw["out"], "samples.png"))
-    echo(markdown_table(summary))
-    for note in summary.get("notes", []):
-        echo(f"note: {note}")
-    if "png" not in paths:
-        echo(f"note: {MISSING_PLOT}")
-    for key, what in (("frechet_real", "real vs real"), ("frechet_ar", "AR vs AR on other seeds")):
-        floor = summary["floors"].get(key)
-        if floor is not None:
-            echo(f"Frechet floor ({what} at n={floor['n_a']} vs {floor['n_b']}): {floor['value']:.2f}")
-    echo(f"{summary['images']} images per method, {len(variants)} methods, {time.perf_counter() - start:.0f}s -> {', '.join(paths.values())}")
-    return summary

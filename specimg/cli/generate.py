@@ -13,10 +13,7 @@ import torch
 from specimg import costs, payoff
 from specimg.cli.conditions import Conditions, conditions_for, grid_label
 from specimg.cli.loading import base_sampling, default_model, models_from, process_device, run_inputs
-from specimg.cli.options import (
-    THREADS, check_tree_fits, condition_options, compile_option, device_from, device_options, method_options, model_options,
-    prompt_options, sampling_from, sampling_options, tree_from, tree_options,
-)
+from specimg.cli.options import THREADS, check_tree_fits, device_from, run_options, sampling_from, tree_from
 from specimg.engine import Engine
 from specimg.errors import SpecimgError
 from specimg.methods import parse_options
@@ -27,14 +24,7 @@ from specimg.stats import ImageStats, RunStats
 
 @click.command()
 @click.option("--method", "-m", default="naive", show_default=True, help="'ar' or a method stack such as cascade+lantern")
-@method_options
-@model_options
-@condition_options(num_images=8)
-@prompt_options
-@sampling_options
-@tree_options
-@device_options
-@compile_option
+@run_options(num_images=8)
 @click.option("--batch-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="images decoded together on a LlamaGen target: one target forward per step verifies every image's tree (AR: one per token)")
 @click.option("--out", type=click.Path(file_okay=False), default="out", show_default=True)
@@ -71,8 +61,25 @@ def write_run(engine: Engine, models: Any, conditions: Conditions, seed: int, ou
     """Generate the images ``out`` lacks, dealt over the processes of ``state`` (image i to
     process i mod N: per-image seeds make them those of one process); the main process
     writes the grid and the summary.  The run owns ``out`` while it works."""
-    with open_run(out, _settings(engine, models, seed, inputs), state) as log:
-        _refuse_other_conditions(log, conditions)
+    settings = {  # what decides the images: a folder holding images made otherwise is refused
+        "model": models.name, "inputs": inputs, "method": engine.method,
+        "options": engine.stack.options_dict() if engine.stack else {}, "delta": engine.stack.delta if engine.stack else 0.0,
+        "budgeted": engine.stack.budgeted if engine.stack else True,
+        "sampling": attrs.asdict(engine.sampling), "tree": attrs.asdict(engine.tree_config), "seed": seed,
+        "device": engine.device.type, "dtype": str(engine.target.input_embeddings().dtype),
+    }
+    if engine.auto_tree:  # auto trees depend on the cost model: a resumed run must use the same one
+        settings["tree"]["cost_model"] = costs.cost_key(engine.target, engine.drafter, engine.sampling)[0]
+    with open_run(out, settings, state) as log:
+        mismatch = log.first_mismatch([{conditions.field: k} for k in conditions.keys])
+        if mismatch is not None:
+            index, _, there, here = mismatch
+            if conditions.field == "condition":
+                held = f"of class {there}, this run asks for class {here}: its --class-labels"
+            else:  # the folder may hold the prompt as text and this run give it as ids, or the other way round
+                entry = log.done[index]
+                held = f"for the prompt {entry.get('prompt', entry.get('prompt_ids'))!r}, this run asks for {here!r}: its prompts"
+            raise SpecimgError(f"{log.out} holds image {index} {held} differ; give another --out or remove {log.out}")
         todo = [i for i in range(len(conditions.keys)) if i not in log.done]
         if not todo:
             if state.is_main_process:
@@ -88,33 +95,6 @@ def write_run(engine: Engine, models: Any, conditions: Conditions, seed: int, ou
             images = gather_object(images)
         if state.is_main_process:
             _report(engine, models, log, RunStats(tuple(images)), len(todo), time.perf_counter() - start)
-
-
-def _settings(engine: Engine, models: Any, seed: int, inputs: dict[str, Any]) -> dict[str, Any]:
-    """What decides the images: a folder holding images made otherwise is refused."""
-    settings = {
-        "model": models.name, "inputs": inputs, "method": engine.method,
-        "options": engine.stack.options_dict() if engine.stack else {}, "delta": engine.stack.delta if engine.stack else 0.0,
-        "budgeted": engine.stack.budgeted if engine.stack else True,
-        "sampling": attrs.asdict(engine.sampling), "tree": attrs.asdict(engine.tree_config), "seed": seed,
-        "device": engine.device.type, "dtype": str(engine.target.input_embeddings().dtype),
-    }
-    if engine.auto_tree:  # auto trees depend on the cost model: a resumed run must use the same one
-        settings["tree"]["cost_model"] = costs.cost_key(engine.target, engine.drafter, engine.sampling)[0]
-    return settings
-
-
-def _refuse_other_conditions(log: RunLog, conditions: Conditions) -> None:
-    key = conditions.field
-    mismatch = log.first_mismatch([{key: k} for k in conditions.keys])
-    if mismatch is not None:
-        index, _, there, here = mismatch
-        if key == "condition":
-            held = f"of class {there}, this run asks for class {here}: its --class-labels"
-        else:  # the folder may hold the prompt as text and this run give it as ids, or the other way round
-            entry = log.done[index]
-            held = f"for the prompt {entry.get('prompt', entry.get('prompt_ids'))!r}, this run asks for {here!r}: its prompts"
-        raise SpecimgError(f"{log.out} holds image {index} {held} differ; give another --out or remove {log.out}")
 
 
 def _write_images(engine: Engine, models: Any, conditions: Conditions, seed: int, log: RunLog, mine: list[int], main: bool) -> list[ImageStats]:
@@ -159,19 +139,17 @@ def _report(engine: Engine, models: Any, log: RunLog, run: RunStats, images: int
         f"{f' (after {engine.calibration_seconds:.1f}s measuring what trees cost on this machine; cached)' if engine.calibration_seconds else ''} "
         f"| cfg {s.cfg_scale:g}, temperature {s.temperature:g}, top-k {s.top_k}, top-p {s.top_p:g} -> {log.out}"
     )
-    if engine.stack is not None:
-        click.echo(f"tree: {_tree_summary(engine, run)}")
-
-
-def _tree_summary(engine: Engine, stats: RunStats) -> str:
-    """The tree a run used: auto trees by share of steps, with the cost model's prediction,
-    this run's own step times, and in plain words whether speculation paid."""
+    if engine.stack is None:
+        return
     if not engine.auto_tree or engine.own_tree:
-        return engine.tree_label
-    assert engine.cost_model is not None and stats.predicted_speedup is not None
-    summary = f"auto: {stats.tree_shares()}; predicted speedup {stats.predicted_speedup:.2f}x (cost model {engine.cost_model.key}: {engine.cost_model.machine})"
-    lines = [payoff.measured(stats), *payoff.verdict(engine.cost_model, stats, costs.scale_key(engine.stack))]
-    return "\n".join([summary, *lines])
+        click.echo(f"tree: {engine.tree_label}")
+        return
+    # auto trees by share of steps, with the cost model's prediction, this run's own step times, and in plain words whether speculation paid
+    assert engine.cost_model is not None and run.predicted_speedup is not None
+    cost = engine.cost_model
+    click.echo(f"tree: auto: {run.tree_shares()}; predicted speedup {run.predicted_speedup:.2f}x (cost model {cost.key}: {cost.machine})")
+    for line in [payoff.measured(run), *payoff.verdict(cost, run, costs.scale_key(engine.stack))]:
+        click.echo(line)
 
 
 def _decode(tokenizer: Any, codes: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,7 @@ def models_from(kw: dict[str, Any], model: str) -> Any:
     """The models from paths (``--target``), else the built-in ``model``, whose drafter
     ``--drafter FILE`` may replace (one ``train-drafter --target demo`` made, say)."""
     from specimg.models import loading
+    from specimg.models.families import BUILT_IN_MODELS
 
     target, drafter, tokenizer = kw["target"], kw["drafter"], kw["tokenizer"]
     if target:
@@ -54,21 +55,12 @@ def models_from(kw: dict[str, Any], model: str) -> Any:
     for flag, given in (("--preset", kw["preset"]), ("--target-config", kw["target_config"]), ("--tokenizer-config", kw["tokenizer_config"])):
         if given:
             raise SpecimgError(f"{flag} shapes a --target checkpoint; --model {model} is built in and takes none")
-    built_in = _built_in(model)
-    if not drafter:
-        return built_in
-    from specimg.models.loading import load_drafter
-
-    return attrs.evolve(built_in, drafter=load_drafter(built_in.target, drafter), name=f"{built_in.name} with drafter {drafter}")
-
-
-def _built_in(model: str) -> Any:
-    from specimg.models.families import BUILT_IN_MODELS
-    from specimg.models.loading import built_in
-
     if model not in BUILT_IN_MODELS:
         raise SpecimgError(f"unknown --model {model!r}; choose {', '.join(BUILT_IN_MODELS)}")
-    return built_in(model)
+    built_in = loading.built_in(model)
+    if not drafter:
+        return built_in
+    return attrs.evolve(built_in, drafter=loading.load_drafter(built_in.target, drafter), name=f"{built_in.name} with drafter {drafter}")
 
 
 def train_target(spec: str, preset: str | None, config: tuple[str, ...] = ()) -> Any:

@@ -30,19 +30,18 @@ def option_list(registry: dict[str, MethodSpec], plugins: PluginManager) -> list
         lines.append(f"{name:<12} {spec.description}")
         lines += [f"    {name}.{field.name} = {field.default!r}" for field in attrs.fields(spec.options)]
         if spec.paper:
-            flags = " ".join(f"-o {name}.{key}={value}" for key, value in spec.paper.items())
-            unbudgeted = _unbudgeted(spec)
+            flags, unbudgeted = _published(name, spec)
             lines.append(f"    as published: {flags}{f' ({unbudgeted})' if unbudgeted else ''}  (specimg methods --paper)")
-        if plugins.implementers("build_relaxed_dist", [Member(spec, spec.defaults)]):
-            if not spec.batch:
-                lines.append("    in a batch: relaxes image by image (its MethodSpec does not declare batch=True)")
+        if not spec.batch and plugins.implementers("build_relaxed_dist", [Member(spec, spec.defaults)]):
+            lines.append("    in a batch: relaxes image by image (its MethodSpec does not declare batch=True)")
     return lines
 
 
-def _unbudgeted(spec: MethodSpec) -> str:
-    """What the published settings keep instead of a TVD budget, if they keep none."""
+def _published(name: str, spec: MethodSpec) -> tuple[str, str]:
+    """The published settings as flags, and what they keep instead of a TVD budget, if they keep none."""
+    flags = " ".join(f"-o {name}.{key}={value}" for key, value in (spec.paper or {}).items())
     published = Member(spec, make_options(spec, spec.paper or {}))
-    return "" if published.budgeted else "no TVD budget, held to its paper's law, not to delta"
+    return flags, "" if published.budgeted else "no TVD budget, held to its paper's law, not to delta"
 
 
 def paper_table(registry: dict[str, MethodSpec]) -> list[str]:
@@ -57,8 +56,7 @@ def paper_table(registry: dict[str, MethodSpec]) -> list[str]:
         differ = [(option, ours, theirs) for option, ours, theirs in paper_rows(spec) if ours != theirs]
         lines += [f"| {name} | {option} | {_show(ours)} | {_show(theirs)} |" for option, ours, theirs in differ] or [f"| {name} | (none differ) | | |"]
         if spec.departures:
-            unbudgeted = _unbudgeted(spec)
-            flags = " ".join(f"-o {name}.{key}={value}" for key, value in spec.paper.items())
+            flags, unbudgeted = _published(name, spec)
             notes.append(f"{name}: {spec.departures}" + (f". As published ({flags}): {unbudgeted}" if unbudgeted else ""))
     eagle1, eagle3 = TrainConfig(drafter_type="eagle1"), TrainConfig(drafter_type="eagle3")
     tree = ", ".join(f"{key} {value}" for key, value in DYNAMIC_DEFAULTS.items())

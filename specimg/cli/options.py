@@ -171,6 +171,15 @@ def compile_option(fn: F) -> F:
     )(fn)
 
 
+def run_options(num_images: int, tree: bool = True) -> Callable[[F], F]:
+    """The options of the commands that decode with one method (generate; tune, which
+    values auto trees, without the tree's)."""
+    trees = [tree_options] if tree else []
+    return _apply([
+        method_options, model_options, condition_options(num_images), prompt_options, sampling_options, *trees, device_options, compile_option,
+    ])
+
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -1,21 +1,12 @@
 """Conditions as the command line reads them: class labels for c2i targets, caption files for t2i.
 
-Caption files are read from local paths as UTF-8 (a leading byte-order mark is skipped), in
-four formats (chosen by the file name); lines end at line feeds (CRLF too), empty lines are
-skipped, and a blank caption, one longer than :data:`MAX_PROMPT_CHARS` or a file larger
-than :data:`MAX_PROMPT_FILE_BYTES` is refused:
-
-- ``*.txt`` (or anything not listed below): one caption per line;
-- ``*.jsonl``: one JSON value per line, a string or an object with a ``caption``,
-  ``prompt`` or ``text`` field (the first of these it has; other fields are kept as metadata),
-  or instead an ``ids`` field: the whole prompt as token ids (``{"ids": [1, 2, 3]}``, non-negative
-  integers), for a target that tokenizes prompts itself but whose folder has no tokenizer;
-- ``*.json``: the COCO captions annotations format (``captions_train2017.json``,
-  ``captions_val2014.json``...): ``{"images": [...], "annotations": [{"image_id", "id",
-  "caption"}, ...]}``; one caption per image (the one with the lowest annotation id), in
-  image-id order, as FID-on-COCO evaluations use;
-- ``*.tsv``: PartiPrompts (``PartiPrompts.tsv``: columns Prompt, Category, Challenge, Note),
-  split at tabs with no quote processing, so a prompt that starts with ``"`` keeps it.
+Caption files are read from local paths as UTF-8, in four formats chosen by the file name
+(docs/usage.md, "Conditions"): ``*.txt`` (or anything not listed here), one caption a line;
+``*.jsonl``, a string or an object with a ``caption``, ``prompt`` or ``text`` field (other
+fields kept as metadata) or an ``ids`` field, the whole prompt as token ids; ``*.json``,
+COCO captions annotations, one caption per image (the lowest annotation id), in image-id
+order, as FID-on-COCO evaluations use; ``*.tsv``, PartiPrompts, split at tabs with no
+quote processing, so a prompt that starts with ``"`` keeps it.
 """
 
 from __future__ import annotations
@@ -27,7 +18,6 @@ from typing import Any
 
 import attrs
 
-from specimg.cli.lists import comma_items
 from specimg.errors import SpecimgError
 from specimg.models.base import PromptIds
 
@@ -60,6 +50,17 @@ class Prompt:
 
 
 # ----------------------------------------------------------------------------- class labels
+
+
+def comma_items(text: str, flag: str) -> list[str]:
+    """``"a, b"`` -> ``["a", "b"]``; an empty item (``"a,,b"``, ``"a,"``) is refused: it is
+    a typo more often than not, and skipping it would run something else than was asked."""
+    if not text.strip():
+        raise SpecimgError(f"{flag} {text!r} names nothing: give one value or more, separated by commas")
+    items = [item.strip() for item in text.split(",")]
+    if not all(items):
+        raise SpecimgError(f"{flag} {text!r} has an empty item: separate values with single commas")
+    return items
 
 
 def class_labels(text: str | None, num_images: int, num_classes: int) -> list[int]:

@@ -10,10 +10,9 @@ import click
 import torch
 
 from specimg.cli.conditions import sample_captions
-from specimg.cli.lists import comma_items
 from specimg.cli.loading import base_sampling, process_device, train_target
 from specimg.cli.options import DTYPES, IMAGES, SEED, THREADS, FiniteFloat, device_from, device_options, prompt_options, sampling_from, sampling_options
-from specimg.cli.prompts import class_labels
+from specimg.cli.prompts import class_labels, comma_items
 from specimg.demo.recipe import DEFAULT_SCALE as DEFAULT_DEMO_SCALE
 from specimg.demo.recipe import SCALES as DEMO_SCALES
 from specimg.errors import SpecimgError
@@ -52,12 +51,6 @@ def train_demo(out: str, scale: str, threads: int | None, keep_work: bool) -> No
     )
 
 
-def _label_list(text: str | None, target: Any) -> tuple[int, ...]:
-    if not text:
-        return ()
-    return tuple(class_labels(text, len(comma_items(text, "--class-labels")), target.config.num_classes))
-
-
 @click.command("make-drafter-data")
 @click.option("--target", required=True, help="a target checkpoint or folder (see `specimg models`), 'demo' or 'tiny-random'")
 @click.option("--preset", default=None, help="LlamaGen preset of the --target checkpoint (GPT-B ... GPT-7B) [default: what the checkpoint says, else GPT-B]")
@@ -90,9 +83,10 @@ def make_drafter_data_command(**kw: Any) -> None:
     target = train_target(kw["target"], kw["preset"], kw["target_config"]).to(process_device(device, state), dtype)
     sampling = sampling_from(kw, base_sampling(kw["target"], None, target))
     captions, prompts = sample_captions(target, kw)
+    labels = kw["class_labels"]  # checked against the target, each once
     spec = DataSpec(
-        num_samples=kw["num_samples"], labels=_label_list(kw["class_labels"], target),
-        captions=captions, prompts=prompts,
+        num_samples=kw["num_samples"], captions=captions, prompts=prompts,
+        labels=tuple(class_labels(labels, len(comma_items(labels, "--class-labels")), target.config.num_classes)) if labels else (),
         tokens_file=kw["tokens_file"], sampling=sampling, seed=kw["seed"], uncond=kw["uncond"], dtype=kw["feature_dtype"] or kw["dtype"],
         shard_size=kw["shard_size"], batch_size=kw["batch_size"], drafter_type=kw["drafter_type"],
     )

@@ -9,10 +9,7 @@ import torch
 
 from specimg.cli.conditions import conditions_for
 from specimg.cli.loading import base_sampling, default_model, models_from
-from specimg.cli.options import (
-    THREADS, condition_options, compile_option, device_from, device_options, method_options, model_options, prompt_options,
-    sampling_from, sampling_options,
-)
+from specimg.cli.options import THREADS, device_from, run_options, sampling_from
 from specimg.config import TreeConfig
 from specimg.engine import Engine
 from specimg.errors import SpecimgError
@@ -22,13 +19,7 @@ from specimg.methods import AR, parse_options
 
 @click.command()
 @click.option("--method", "-m", default="naive", show_default=True, help="the method stack whose acceptance profile the candidate trees are valued with")
-@method_options
-@model_options
-@condition_options(num_images=4)
-@prompt_options
-@sampling_options
-@device_options
-@compile_option
+@run_options(num_images=4, tree=False)
 @click.option("--batch-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="plan for decoding this many images together (the cost model measured at that size)")
 @click.option("--remeasure", is_flag=True, help="measure the cost model again instead of reading the cached one")

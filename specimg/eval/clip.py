@@ -55,8 +55,7 @@ class CLIPScorer:
         """``images`` in [-1, 1] (or uint8) [N, 3, H, W], one caption each."""
         if images.shape[0] != len(captions):
             raise SpecimgError(f"{images.shape[0]} images for {len(captions)} captions")
-        if images.dtype != torch.uint8:
-            images = to_uint8(images)
+        images = to_uint8(images)
         self.metric.reset()
         for s in range(0, images.shape[0], self.batch_size):
             self.metric.update(images[s : s + self.batch_size], list(captions[s : s + self.batch_size]))

@@ -1,17 +1,8 @@
 """FID for real models, through torchmetrics' FrechetInceptionDistance, with a feature
-extractor from a local file (the ``eval`` extra; nothing is downloaded).
-
-``--fid-features`` names one of:
-
-- a TorchScript module (``torch.jit.save``) mapping uint8 images [B, 3, S, S] to features
-  [B, D]; clean-fid's ``inception-2015-12-05.pt`` works as is (its ``return_features``
-  argument is set when the module has one);
-- ``inception:PATH``: torch-fidelity's Inception-v3 weights file
-  (``weights-inception-2015-12-05-6726825d.pth``), i.e. the standard FID network; needs
-  torch-fidelity installed.
-
-Images reach the extractor as uint8 [B, 3, S, S] with S = ``image_size`` (299 by default,
-bilinear resize).  Reference images come from a folder (:func:`read_image_folder`).
+extractor from a local file (the ``eval`` extra; nothing is downloaded): ``--fid-features``
+names a TorchScript module mapping uint8 images [B, 3, S, S] to features [B, D] (clean-fid's
+``inception-2015-12-05.pt`` works as is), or ``inception:PATH``, torch-fidelity's
+Inception-v3 weights.  Images reach the extractor resized to S = ``image_size``.
 """
 
 from __future__ import annotations
@@ -25,14 +16,6 @@ from specimg.errors import SpecimgError
 from specimg.eval.metrics import Frechet
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
-
-
-def _torchmetrics_fid():  # type: ignore[no-untyped-def]
-    try:
-        from torchmetrics.image.fid import FrechetInceptionDistance
-    except ImportError:
-        raise SpecimgError("FID needs torchmetrics: pip install 'specimg[eval]'") from None
-    return FrechetInceptionDistance
 
 
 class ScriptedFeatures(nn.Module):
@@ -73,8 +56,8 @@ def load_feature_extractor(spec: str, image_size: int = 299) -> nn.Module | tupl
 
 
 def to_uint8(images: Tensor) -> Tensor:
-    """Images in [-1, 1] (specimg's convention) -> uint8 [0, 255]."""
-    return ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    """Images in [-1, 1] (specimg's convention) -> uint8 [0, 255]; uint8 images as they are."""
+    return images if images.dtype == torch.uint8 else ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
 
 
 class FID:
@@ -82,12 +65,15 @@ class FID:
     computed once (``reset_real_features=False``)."""
 
     def __init__(self, features: nn.Module | tuple[int, str], real: Tensor, batch_size: int = 64) -> None:
-        cls = _torchmetrics_fid()
+        try:
+            from torchmetrics.image.fid import FrechetInceptionDistance
+        except ImportError:
+            raise SpecimgError("FID needs torchmetrics: pip install 'specimg[eval]'") from None
         try:
             if isinstance(features, tuple):
-                self.metric = cls(feature=features[0], feature_extractor_weights_path=features[1], reset_real_features=False)
+                self.metric = FrechetInceptionDistance(feature=features[0], feature_extractor_weights_path=features[1], reset_real_features=False)
             else:
-                self.metric = cls(feature=features, reset_real_features=False)
+                self.metric = FrechetInceptionDistance(feature=features, reset_real_features=False)
         except (ModuleNotFoundError, ImportError) as err:
             raise SpecimgError(f"FID: {err}") from None
         self.batch_size = batch_size
@@ -96,7 +82,7 @@ class FID:
             raise SpecimgError(f"FID needs at least 2 reference images, got {self.num_real}")
         with torch.no_grad():
             for s in range(0, real.shape[0], batch_size):
-                self.metric.update(_as_uint8(real[s : s + batch_size]), real=True)
+                self.metric.update(to_uint8(real[s : s + batch_size]), real=True)
 
     @torch.no_grad()
     def __call__(self, images: Tensor) -> Frechet:
@@ -105,12 +91,8 @@ class FID:
             raise SpecimgError(f"FID needs at least 2 samples, got {images.shape[0]}")
         self.metric.reset()
         for s in range(0, images.shape[0], self.batch_size):
-            self.metric.update(_as_uint8(images[s : s + self.batch_size]), real=False)
+            self.metric.update(to_uint8(images[s : s + self.batch_size]), real=False)
         return Frechet(float(self.metric.compute()), int(images.shape[0]), self.num_real)
-
-
-def _as_uint8(images: Tensor) -> Tensor:
-    return images if images.dtype == torch.uint8 else to_uint8(images)
 
 
 def read_image_folder(path: str | os.PathLike[str], size: int, limit: int | None = None) -> Tensor:

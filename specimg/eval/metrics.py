@@ -1,15 +1,8 @@
-"""Quality metrics reported next to speed (what they mean: docs/usage.md).
-
-- :func:`frechet_distance`: the Fréchet distance between Gaussians fitted to two feature
-  sets, in pure torch (float64), exact for any sample count;
-- :func:`class_accuracy`: how often a classifier recognises the requested class;
-- :func:`token_log_likelihood`: the mean log-probability of generated tokens under the
-  target, teacher-forced.
-
-Every Fréchet number should be reported with its sample counts: with few samples the
+"""Quality metrics reported next to speed: the Fréchet distance between two feature sets,
+class accuracy, and the target's log-likelihood per token (what they mean: docs/usage.md).
+Every Fréchet number carries its sample counts (:class:`Frechet`): with few samples the
 estimate is biased upwards (a perfect sampler does not score 0), so two numbers are only
-comparable at equal counts.  :func:`frechet_distance` returns a :class:`Frechet` that
-carries them.
+comparable at equal counts.
 """
 
 from __future__ import annotations
@@ -97,25 +90,14 @@ class LogLikelihood:
 
 
 @torch.no_grad()
-def token_log_likelihood(
-    target: object, conditions: Sequence[Condition], tokens: Tensor, sampling: Sampling, batch_size: int | None = None
-) -> LogLikelihood:
-    """Teacher-forced mean log-likelihood per token of ``tokens`` [B, T] under ``target``.
-
-    Definition: for image b with condition c and tokens x_1..x_T,
-
-        processed_b = 1/T sum_t log p_t(x_t),   p_t = the processed next-token distribution
-                      at the run's sampling settings (CFG with the null condition, CFG
-                      interval, temperature, top-k, top-p; ``specimg.sampling.probabilities``)
-        raw_b       = 1/T sum_t log softmax(conditional logits)_t(x_t)
-
-    ``processed`` is the distribution AR decoding samples from exactly, so for AR samples it
-    estimates minus the sampler's entropy; relaxed methods, which shift each token's
-    distribution by at most delta in total variation, move it.  At temperature 0 the
-    temperature-1 distribution after top-k/top-p is used (as the relaxations do).  A token
+def token_log_likelihood(target: object, conditions: Sequence[Condition], tokens: Tensor, sampling: Sampling) -> LogLikelihood:
+    """Teacher-forced mean log-likelihood per token of ``tokens`` [B, T] under ``target``:
+    ``processed`` under the distribution AR decoding samples from at ``sampling`` (CFG with
+    the null condition, CFG interval, temperature, top-k, top-p; at temperature 0 the
+    temperature-1 distribution after top-k/top-p, as the relaxations use), ``raw`` under the
+    conditional row's plain softmax (docs/usage.md, "Log-likelihood per token").  A token
     outside the processed support (possible only through round-off at a top-k/top-p edge)
-    counts as log(1e-30).  Needs ``target.forward_sequence`` (LlamaGen targets).
-    """
+    counts as log(1e-30).  Needs ``target.forward_sequence`` (LlamaGen targets)."""
     forward = getattr(target, "forward_sequence", None)
     if forward is None:
         raise SpecimgError(f"{type(target).__name__} cannot teacher-force sequences (no forward_sequence)")
@@ -124,8 +106,7 @@ def token_log_likelihood(
     if len(conditions) != b:
         raise SpecimgError(f"{len(conditions)} conditions for {b} token rows")
     vocab = int(target.vocab_size)  # type: ignore[attr-defined]
-    if batch_size is None:  # keep the logits of one batch (both rows) near 256 MB
-        batch_size = max(1, (1 << 26) // max(1, 2 * t * vocab))
+    batch_size = max(1, (1 << 26) // max(1, 2 * t * vocab))  # keep the logits of one batch (both rows) near 256 MB
     active = cfg_active_at(torch.arange(t), sampling)
     processed, raw = [], []
     for s in range(0, b, batch_size):

@@ -1,21 +1,7 @@
-"""Quality of a benchmark's samples, per method, next to its speed (docs/usage.md).
-
-:class:`Quality` scores each method's samples (token grids, one per condition, the same
-conditions and seeds for every method) with what is available:
-
-- always, when the target can teacher-force: ``loglik`` / ``loglik_raw``, the mean
-  log-likelihood per token under the target (:func:`specimg.eval.metrics.token_log_likelihood`);
-- with a classifier (the demo bundle's, or ``--classifier``) and class labels: ``accuracy``
-  on the requested class, ``frechet_ar`` (Fréchet distance in the classifier's feature space
-  to the AR samples of the same run) and, with real images (the demo's data generator),
-  ``frechet_real``;
-- with ``--fid-features`` and reference images: ``fid`` (torchmetrics);
-- with ``--clip-model`` and captions: ``clip``.
-
-Fréchet numbers carry their sample counts.  ``floors`` holds what an ideal sampler would
-score at the same counts, because with few samples the estimate is biased upwards: a
-second real set against the real reference, and AR samples on other seeds (the target's
-batched sampler) against the run's AR samples.
+"""Quality of a benchmark's samples, per method, next to its speed: :class:`Quality` scores
+each method's samples (token grids, one per condition, the same conditions and seeds for
+every method) with what is available, and the floors an ideal sampler would score at the
+same sample counts (docs/usage.md, "What the numbers mean" and "Quality sources").
 """
 
 from __future__ import annotations
@@ -60,15 +46,12 @@ class Quality:
         fid: Any = None,
         clip: Any = None,
         captions: Sequence[str] | None = None,
-        loglik: bool = True,
-        log: Callable[[str], None] = lambda m: None,
     ) -> None:
         self.target, self.tokenizer, self.sampling = target, tokenizer, sampling
         self.conditions = list(conditions)
         self.classifier, self.real_images, self.num_real = classifier, real_images, num_real
         self.fid, self.clip, self.captions = fid, clip, captions
-        self.loglik = loglik and hasattr(target, "forward_sequence")
-        self.log = log
+        self.loglik = hasattr(target, "forward_sequence")
         self.notes: list[str] = []
         self._real_features: Tensor | None = None
 
@@ -77,8 +60,7 @@ class Quality:
             return torch.cat([self.tokenizer.decode(tokens[s : s + batch]).float().clamp(-1, 1) for s in range(0, tokens.shape[0], batch)])
 
     def _features(self, images: Tensor) -> Tensor:
-        with torch.no_grad():
-            return self.classifier.all_features(images) if hasattr(self.classifier, "all_features") else self.classifier.features(images).float()
+        return self.classifier.all_features(images)
 
     def _real(self) -> Tensor | None:
         if self._real_features is None and self.real_images is not None and self.classifier is not None:
@@ -120,7 +102,6 @@ class Quality:
         if real is not None and self.real_images is not None and n >= 2:
             floors["frechet_real"] = frechet_distance(self._features(self.real_images(n, DEMO_REAL_SEED + 1)), real)
         if baseline in feats and n >= 2 and isinstance(self.target, BatchSteps):
-            self.log(f"AR floor: {n} AR samples on other seeds")
             again = ar_tokens(self.target, self.conditions, [AR_FLOOR_SEED + i for i in range(n)], self.sampling)
             floors["frechet_ar"] = frechet_distance(self._features(self.decode(again)), feats[baseline])
         return out, floors
@@ -132,8 +113,3 @@ def primary_metric(quality: Mapping[str, Mapping[str, Any]]) -> str | None:
         if quality and all(name in q for q in quality.values()):
             return name
     return None
-
-
-def value(metric: Any) -> float:
-    return metric.value if isinstance(metric, Frechet) else float(metric)
-

@@ -26,19 +26,6 @@ WIDE = TreeConfig(kind="dynamic", depth=MAX_DEPTH, topk=8, total_tokens=64)
 """The tree tune drafts with: wide and deep, so that the profile sees many ranks and depths."""
 
 
-def learn_profile(engine: Engine, conditions: Sequence[Condition], seed: int) -> AcceptanceProfile:
-    """The acceptance profile of ``engine``'s method, pooled over one image per condition
-    drafted with the wide tree."""
-    profile = AcceptanceProfile(engine.device)
-    engine.on_step = lambda tree, dist, path: profile.observe(tree, dist, path, engine.sampling.greedy)
-    planned, engine.tree_config = engine.tree_config, WIDE
-    try:
-        engine.generate(list(conditions), seed=seed)
-    finally:
-        engine.on_step, engine.tree_config = None, planned
-    return profile
-
-
 def tune(engine: Engine, conditions: Sequence[Condition], seed: int, out: str, echo: Callable[[str], None], remeasure: bool = False) -> dict[str, Any]:
     """Print the cost curve and the ranked candidate trees of ``engine`` (on auto trees);
     write OUT/tune.json and OUT/tune.png."""
@@ -48,7 +35,14 @@ def tune(engine: Engine, conditions: Sequence[Condition], seed: int, out: str, e
     costs.load_or_measure(engine.target, engine.drafter, engine.sampling, conditions[0], log=echo, batch=size)
     cost = engine.prepare(conditions[0])  # with the method's step scale
     scale_name = costs.scale_key(engine.stack)
-    rates = learn_profile(engine, conditions, seed).rates()
+    profile = AcceptanceProfile(engine.device)  # pooled over one image per condition drafted with the wide tree
+    engine.on_step = lambda tree, dist, path: profile.observe(tree, dist, path, engine.sampling.greedy)
+    planned, engine.tree_config = engine.tree_config, WIDE
+    try:
+        engine.generate(list(conditions), seed=seed)
+    finally:
+        engine.on_step, engine.tree_config = None, planned
+    rates = profile.rates()
     max_nodes = getattr(engine.target, "max_tree_nodes", 128)
     max_fed = getattr(engine.drafter, "max_tree_nodes", 128)
     ranked = sorted(planner.plans(cost, rates, max_nodes, max_fed=max_fed, method=scale_name), key=lambda p: -p.speedup)

@@ -160,7 +160,11 @@ def file_digest(path: str) -> str:
         for block in iter(lambda: fh.read(1 << 22), b""):
             digest.update(block)
     known[key] = [stat.st_size, stat.st_mtime_ns, digest.hexdigest()]
-    _save_digests(known)
+    try:
+        with atomic_path(_digests_path(), ".json") as tmp, open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(known, fh)
+    except OSError:  # an unwritable cache only costs reading the file again next time
+        pass
     return digest.hexdigest()
 
 
@@ -175,11 +179,3 @@ def _digests() -> dict[str, Any]:
     except (OSError, ValueError, RecursionError):
         return {}
     return known if isinstance(known, dict) else {}
-
-
-def _save_digests(known: dict[str, Any]) -> None:
-    try:
-        with atomic_path(_digests_path(), ".json") as tmp, open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(known, fh)
-    except OSError:  # an unwritable cache only costs reading the file again next time
-        pass

@@ -105,16 +105,6 @@ def _atomic_write_json(path: str, obj: Any) -> None:
 
 
 @torch.inference_mode()
-def teacher_features(target: LlamaGenTarget, conditions: Tensor | Sequence[Caption], tokens: Tensor) -> tuple[Tensor, Tensor | None]:
-    """The target's last hidden states [B, N, D] teacher-forced on ``tokens`` [B, N] under
-    ``conditions`` (class ids [B] or one caption per row), and its exposed layers' [B, N, kD]
-    (None when it exposes none)."""
-    device = target.tok_embeddings.weight.device
-    out = target.forward_sequence(conditions.to(device) if isinstance(conditions, Tensor) else conditions, tokens.to(device))
-    return out.hidden, out.layers
-
-
-@torch.inference_mode()
 def chain_features(target: EagleTarget, conditions: Sequence[Any], tokens: Tensor, cfg: bool) -> tuple[Tensor, Tensor | None]:
     """Any target's last hidden states [rows, B, N, D] teacher-forced on ``tokens`` [B, N],
     one condition per image, through the Target contract: the prefill's state, then the
@@ -246,9 +236,14 @@ def make_drafter_data(
     source, num, file_tokens, file_labels = _source(target, spec, kind)
     labels = _labels(target, spec, kind, num, file_labels)
     plan = _Plan(spec, kind, num, labels, _with_null_examples(target, spec, kind), file_tokens)
-    fingerprint = target_fingerprint(target)
-    layers = _expose_eagle3_layers(target) if plan.eagle3 else None
-    meta = _meta(target, plan, _settings(plan, source, layers), fingerprint)
+    layers = list(eagle3_layers(target.num_layers)) if plan.eagle3 else None
+    if layers is not None:  # the target outputs its EAGLE-3 layers' inputs, an EAGLE-3 drafter's input
+        target.expose_layers(layers)
+    meta = {  # the settings and the target's fingerprint (what a resumed run must match), and the sizes a reader needs
+        "format": FORMAT, "settings": _settings(plan, source, layers), "target": target_fingerprint(target), "num_shards": plan.num_shards,
+        "num_examples": plan.num * (1 + plan.uncond), "num_tokens": target.num_tokens, "hidden_size": target.hidden_size,
+        "vocab_size": target.vocab_size, "num_classes": target.config.num_classes if isinstance(target, LlamaGenTarget) else None,
+    }
     _open_folder(out, meta, process_index, barrier)
     shards = range(process_index, plan.num_shards, num_processes)
     if progress_total:
@@ -297,31 +292,24 @@ def _source(target: EagleTarget, spec: DataSpec, kind: str) -> tuple[dict[str, A
 
 
 def _labels(target: EagleTarget, spec: DataSpec, kind: str, num: int, file_labels: Tensor | None) -> Tensor:
-    """Each sample's label, once the spec is checked to give the conditions the target's kind takes."""
+    """Each sample's label, once the spec is checked to give the conditions the target's kind
+    takes: a target that tokenizes texts, one prompt per sample, and a LlamaGen t2i target,
+    one caption per sample, each labelled by its index; a class-conditional target, its
+    classes: a tokens file's own, else ``spec.labels`` (by default every class) cycled over
+    the samples."""
     if kind == "text":
-        return _prompt_labels(spec, num)
+        if spec.captions or spec.labels or len(spec.prompts) != num:
+            raise SpecimgError(
+                f"this target's drafter data needs one prompt text per sample ({len(spec.prompts)} for {num}), no captions or labels: "
+                "give --prompts or --prompt"
+            )
+        return torch.arange(num)
     if kind == "t2i":
-        return _caption_labels(spec, num)
-    return _class_labels(target, spec, num, file_labels)
-
-
-def _prompt_labels(spec: DataSpec, num: int) -> Tensor:
-    """A target that tokenizes texts takes one prompt per sample, labelled by its index."""
-    if spec.captions or spec.labels or len(spec.prompts) != num:
-        raise SpecimgError(f"this target's drafter data needs one prompt text per sample ({len(spec.prompts)} for {num}), no captions or labels: give --prompts or --prompt")
-    return torch.arange(num)
-
-
-def _caption_labels(spec: DataSpec, num: int) -> Tensor:
-    """A LlamaGen t2i target takes one caption per sample, labelled by its index."""
-    if len(spec.captions) != num:
-        raise SpecimgError(f"a t2i target's drafter data needs one caption per sample ({len(spec.captions)} for {num}): give --prompts and --text-encoder")
-    return torch.arange(num)
-
-
-def _class_labels(target: LlamaGenTarget, spec: DataSpec, num: int, file_labels: Tensor | None) -> Tensor:
-    """A class-conditional target's classes: a tokens file's own, else ``spec.labels`` (by
-    default every class) cycled over the samples."""
+        if len(spec.captions) != num:
+            raise SpecimgError(
+                f"a t2i target's drafter data needs one caption per sample ({len(spec.captions)} for {num}): give --prompts and --text-encoder"
+            )
+        return torch.arange(num)
     num_classes = target.config.num_classes
     if spec.captions:
         raise SpecimgError("captions go with a t2i target; this one is class-conditional: give --class-labels")
@@ -344,13 +332,6 @@ def _with_null_examples(target: EagleTarget, spec: DataSpec, kind: str) -> bool:
     return uncond
 
 
-def _expose_eagle3_layers(target: EagleTarget) -> list[int]:
-    """Have the target output its EAGLE-3 layers' inputs (an EAGLE-3 drafter's input); returns those layers."""
-    layers = eagle3_layers(target.num_layers)
-    target.expose_layers(layers)
-    return list(layers)
-
-
 def _settings(plan: _Plan, source: dict[str, Any], layers: list[int] | None) -> dict[str, Any]:
     """Everything the examples depend on besides the target: a folder resumes only under equal settings."""
     spec = plan.spec
@@ -367,37 +348,24 @@ def _settings(plan: _Plan, source: dict[str, Any], layers: list[int] | None) -> 
     return settings
 
 
-def _meta(target: EagleTarget, plan: _Plan, settings: dict[str, Any], fingerprint: dict[str, Any]) -> dict[str, Any]:
-    """meta.json: the settings and the target's fingerprint (what a resumed run must match) and the sizes a reader needs."""
-    return {
-        "format": FORMAT, "settings": settings, "target": fingerprint, "num_shards": plan.num_shards,
-        "num_examples": plan.num * (1 + plan.uncond), "num_tokens": target.num_tokens, "hidden_size": target.hidden_size,
-        "vocab_size": target.vocab_size, "num_classes": target.config.num_classes if isinstance(target, LlamaGenTarget) else None,
-    }
-
-
 # ----------------------------------------------------------------------------- the folder
 
 
 def _open_folder(out: str, meta: dict[str, Any], process_index: int, barrier: Callable[[], None]) -> None:
-    """The main process starts or resumes the folder; the others wait for it and stop when it refused the folder."""
-    if process_index == 0:
-        _start_or_resume(out, meta)
-    barrier()
-    if process_index != 0 and not os.path.exists(os.path.join(out, META)):
-        raise SpecimgError(f"{out} could not be prepared by the main process")
-
-
-def _start_or_resume(out: str, meta: dict[str, Any]) -> None:
-    """Write the folder's meta, or accept a folder whose meta has the same settings and target (its shards are kept)."""
-    os.makedirs(out, exist_ok=True)
+    """The main process writes the folder's meta, or accepts a folder whose meta has the same
+    settings and target (its shards are kept); the others wait for it and stop when it refused the folder."""
     meta_path = os.path.join(out, META)
-    if not os.path.exists(meta_path):
-        _atomic_write_json(meta_path, meta)
-        return
-    old = _read_meta(out)
-    if old.get("settings") != meta["settings"] or old.get("target") != meta["target"]:
-        raise SpecimgError(f"{out} holds drafter data made with other settings or another target; use another --out or remove it")
+    if process_index == 0:
+        os.makedirs(out, exist_ok=True)
+        if not os.path.exists(meta_path):
+            _atomic_write_json(meta_path, meta)
+        else:
+            old = _read_meta(out)
+            if old.get("settings") != meta["settings"] or old.get("target") != meta["target"]:
+                raise SpecimgError(f"{out} holds drafter data made with other settings or another target; use another --out or remove it")
+    barrier()
+    if process_index != 0 and not os.path.exists(meta_path):
+        raise SpecimgError(f"{out} could not be prepared by the main process")
 
 
 # ----------------------------------------------------------------------------- generating
@@ -419,23 +387,26 @@ def _make_shard(target: EagleTarget, out: str, shard: int, plan: _Plan, progress
     parts = [{"features": [], "tokens": [], "labels": [], "sample": [], **({"layers": []} if plan.eagle3 else {})} for _ in range(1 + plan.uncond)]
     for start in range(lo, hi, plan.spec.batch_size):
         idx = torch.arange(start, min(hi, start + plan.spec.batch_size))
-        tokens, rows = _BATCHES[plan.kind](target, idx, plan)
-        _append_rows(parts, idx, tokens, rows, plan)
+        tokens, rows = (_prompt_batch if plan.kind == "text" else _llamagen_batch)(target, idx, plan)
+        for part, (labels, features, layers) in zip(parts, rows):  # row r to part r, the states in the spec's dtype on the CPU
+            part["features"].append(features.to("cpu", DTYPES[plan.spec.dtype]))
+            if plan.eagle3:
+                part["layers"].append(layers.to("cpu", DTYPES[plan.spec.dtype]))
+            part["tokens"].append(tokens)
+            part["labels"].append(labels)
+            part["sample"].append(idx)
         if progress:
             progress(len(idx))
-    _write_shard(path, {k: torch.cat([t for part in parts for t in part[k]]).contiguous() for k in parts[0]})
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
 
-
-def _append_rows(parts: list[dict[str, list[Tensor]]], idx: Tensor, tokens: Tensor, rows: _Rows, plan: _Plan) -> None:
-    """Add a batch's examples to the shard, row r to part r, the states in the spec's dtype on the CPU."""
-    dtype = DTYPES[plan.spec.dtype]
-    for part, (labels, features, layers) in zip(parts, rows):
-        part["features"].append(features.to("cpu", dtype))
-        if plan.eagle3:
-            part["layers"].append(layers.to("cpu", dtype))
-        part["tokens"].append(tokens)
-        part["labels"].append(labels)
-        part["sample"].append(idx)
+    # whole or not at all; safetensors reports a full or read-only disk as a SafetensorError, which becomes
+    # one line: the shards already written are kept, and the same command resumes from this one
+    try:
+        with atomic_path(path, ".safetensors") as tmp:
+            save_file({k: torch.cat([t for part in parts for t in part[k]]).contiguous() for k in parts[0]}, tmp, metadata={"format": FORMAT})
+    except SafetensorError as err:
+        raise SpecimgError(f"{path} cannot be written ({err}); free space or fix the folder and run the same command again: it resumes") from None
 
 
 def _seeds(plan: _Plan, idx: Tensor) -> list[int]:
@@ -443,25 +414,25 @@ def _seeds(plan: _Plan, idx: Tensor) -> list[int]:
     return [plan.spec.seed + int(i) for i in idx]
 
 
-def _class_batch(target: LlamaGenTarget, idx: Tensor, plan: _Plan) -> tuple[Tensor, _Rows]:
-    """A c2i target's samples: its sequences (sampled, or a tokens file's) teacher-forced under their classes and the null class ``num_classes``."""
+def _llamagen_batch(target: LlamaGenTarget, idx: Tensor, plan: _Plan) -> tuple[Tensor, _Rows]:
+    """A LlamaGen target's samples (sampled, or a tokens file's), teacher-forced under their
+    conditions and the null condition: a c2i target's classes and the null class
+    ``num_classes``; a t2i target's captions and ``uncond_embedding`` with each caption's mask
+    (label -1)."""
     labels = plan.labels[idx]
-    nulls = torch.full_like(labels, target.config.num_classes)
-    tokens = plan.file_tokens[idx] if plan.file_tokens is not None else ar_tokens(target, labels.tolist(), _seeds(plan, idx), plan.spec.sampling)
-    given = [(labels, labels), (nulls, nulls)][: 1 + plan.uncond]
-    return tokens, [(variant, *teacher_features(target, conditions, tokens)) for variant, conditions in given]
-
-
-def _caption_batch(target: LlamaGenTarget, idx: Tensor, plan: _Plan) -> tuple[Tensor, _Rows]:
-    """A LlamaGen t2i target's samples, teacher-forced under their captions and under
-    ``uncond_embedding`` with each caption's mask (label -1)."""
-    labels = plan.labels[idx]
-    captions = [plan.spec.captions[int(i)] for i in idx]
-    tokens = ar_tokens(target, captions, _seeds(plan, idx), plan.spec.sampling)
-    given: list[tuple[Tensor, list[Caption]]] = [(labels, captions)]
-    if plan.uncond:
-        given.append((torch.full_like(labels, -1), [Caption(target.cls_embedding.uncond_embedding, x.mask) for x in captions]))
-    return tokens, [(variant, *teacher_features(target, conditions, tokens)) for variant, conditions in given]
+    if plan.kind == "c2i":
+        conditions: Any = labels.tolist()
+        nulls = torch.full_like(labels, target.config.num_classes)
+        given = [(labels, labels), (nulls, nulls)]
+    else:
+        conditions = [plan.spec.captions[int(i)] for i in idx]
+        given = [(labels, conditions), (torch.full_like(labels, -1), [Caption(target.cls_embedding.uncond_embedding, x.mask) for x in conditions])]
+    tokens = plan.file_tokens[idx] if plan.file_tokens is not None else ar_tokens(target, conditions, _seeds(plan, idx), plan.spec.sampling)
+    device = target.tok_embeddings.weight.device
+    with torch.inference_mode():  # the last hidden states [B, N, D] and the exposed layers' [B, N, kD] (None: it exposes none)
+        given = given[: 1 + plan.uncond]
+        outs = [target.forward_sequence(rows.to(device) if isinstance(rows, Tensor) else rows, tokens.to(device)) for _, rows in given]
+    return tokens, [(variant, out.hidden, out.layers) for (variant, _), out in zip(given, outs)]
 
 
 def _prompt_batch(target: EagleTarget, idx: Tensor, plan: _Plan) -> tuple[Tensor, _Rows]:
@@ -473,23 +444,6 @@ def _prompt_batch(target: EagleTarget, idx: Tensor, plan: _Plan) -> tuple[Tensor
     hidden, layers = chain_features(target, prompts, tokens, plan.uncond)
     variants = [(labels, 0), (torch.full_like(labels, -1), -1)]
     return tokens, [(variant, hidden[row], layers[row] if plan.eagle3 else None) for variant, row in variants][: 1 + plan.uncond]
-
-
-_BATCHES: dict[str, Callable[[Any, Tensor, _Plan], tuple[Tensor, _Rows]]] = {"c2i": _class_batch, "t2i": _caption_batch, "text": _prompt_batch}
-
-
-def _write_shard(path: str, tensors: dict[str, Tensor]) -> None:
-    """Write a shard whole or not at all; safetensors reports a full or read-only disk as a
-    SafetensorError, which becomes one line: the shards already written are kept, and the
-    same command resumes from this one."""
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file
-
-    try:
-        with atomic_path(path, ".safetensors") as tmp:
-            save_file(tensors, tmp, metadata={"format": FORMAT})
-    except SafetensorError as err:
-        raise SpecimgError(f"{path} cannot be written ({err}); free space or fix the folder and run the same command again: it resumes") from None
 
 
 # ----------------------------------------------------------------------------- reading

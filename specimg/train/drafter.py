@@ -11,10 +11,8 @@ distribution for token t + 1, ``softmax(output(F_t))`` (the frozen shared head, 
 distribution is recomputed exactly from the stored features).  Before the two parts are
 summed, the ``train_loss`` hooks of the method stack reweight them, in method-string
 order, each with its own options (``--method cascade`` boosts the cross-entropy at
-convergent positions); they receive the parts ``soft_ce`` and ``regression`` [B, T], the
-weights, ``features`` = F [B, T, D] (``features[:, t]`` is the state produced by consuming
-``tokens[:, t]``), ``tokens`` [B, T] and ``mask`` [B, T].  Finally the masked mean over the
-*global* batch.
+convergent positions; what they receive: docs/hooks.md).  Finally the masked mean over
+the *global* batch.
 
 EAGLE-3 (``drafter_type="eagle3"``, :func:`eagle3_terms`) drops the regression and trains
 with training-time test: K = ``ttt_steps`` unrolled steps, step i feeding the drafter its
@@ -25,10 +23,8 @@ own output states of step i - 1, and
 (EAGLE-3's decay: a deeper step's error matters less, as its node is reached less often).
 Entry t of step i consumes token t + i and matches the target's distribution for token
 t + i + 1; entries whose tokens lie past the image are masked.  The hooks get the parts per
-step, [K, B, T] (regression zero), with ``features`` [K, B, T, D], ``tokens`` and ``mask``
-[K, B, T] aligned to them as above: an elementwise reweighting over the last axis fits
-both types.  The masked mean divides by the step-0 positions, so the steps' weights stay
-0.8^i.
+step, [K, B, T] (regression zero).  The masked mean divides by the step-0 positions, so
+the steps' weights stay 0.8^i.
 
 ``batch_size`` is the global batch: each of P processes takes its own B / P examples of
 the same global batch, the local loss is scaled so that DDP's gradient average is the
@@ -342,7 +338,13 @@ def train_drafter(
     }
     state = _open_run(out, settings, config.keep_checkpoints, accelerator)
     training = _Training.build(target, init, config, hooks, accelerator, data.feature_layers)
-    step = _resume(out, state, accelerator)
+    step = 0
+    if state is not None:  # restore the checkpoint the state points to
+        ckpt = os.path.join(out, state["checkpoint"])
+        if not os.path.isdir(ckpt):
+            raise SpecimgError(f"{os.path.join(out, STATE)} points to {ckpt}, which is missing")
+        accelerator.load_state(ckpt)
+        step = int(state["step"])
     if state is not None and state.get("done") and os.path.exists(os.path.join(out, FINAL)):
         return TrainResult(training.drafter().eval(), step, os.path.join(out, FINAL))
     training.start_schedule(step)
@@ -357,7 +359,8 @@ def train_drafter(
         metrics["seconds"], tick = now - tick, now
         if accelerator.is_main_process:
             if (step - 1) % config.log_every == 0 or step == config.steps:
-                _log(out, step - 1, epoch, metrics)
+                with open(os.path.join(out, LOG), "a", encoding="utf-8") as fh:
+                    fh.write(json.dumps({"step": step - 1, "epoch": epoch, **metrics}) + "\n")
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.4f}", acc=f"{metrics['acc']:.3f}")
         if step % config.checkpoint_every == 0 or step == config.steps:
@@ -395,22 +398,6 @@ def _open_run(out: str, settings: dict[str, Any], keep: int, accelerator: Any) -
     return state
 
 
-def _resume(out: str, state: dict[str, Any] | None, accelerator: Any) -> int:
-    """Restore the checkpoint the state points to; the step it stood at (0: a fresh run)."""
-    if state is None:
-        return 0
-    ckpt = os.path.join(out, state["checkpoint"])
-    if not os.path.isdir(ckpt):
-        raise SpecimgError(f"{os.path.join(out, STATE)} points to {ckpt}, which is missing")
-    accelerator.load_state(ckpt)
-    return int(state["step"])
-
-
-def _log(out: str, step: int, epoch: int, metrics: Mapping[str, float]) -> None:
-    with open(os.path.join(out, LOG), "a", encoding="utf-8") as fh:
-        fh.write(json.dumps({"step": step, "epoch": epoch, **metrics}) + "\n")
-
-
 class _Batches:
     """Which examples each step trains on: the global batch depends only on (seed, step),
     and each process takes its own slice of it."""
@@ -440,7 +427,8 @@ def _noise(config: TrainConfig, step: int, indices: list[int], shape: torch.Size
     example and step: the same whatever the number of processes."""
     if config.noise <= 0:
         return None
-    noise = torch.stack([torch.rand(shape, generator=_generator(config.seed, step, i)) for i in indices])
+    seeds = [hashlib.sha256(f"{config.seed}/{step}/{i}".encode()).digest() for i in indices]
+    noise = torch.stack([torch.rand(shape, generator=torch.Generator().manual_seed(int.from_bytes(seed[:7], "little"))) for seed in seeds])
     return (noise[:, :-1] - 0.5) * config.noise
 
 
@@ -529,11 +517,6 @@ class _Training:
             "loss": float(sums[0]), "ce": float(sums[1]), "kl": float(sums[2]), "reg": float(sums[3]), "acc": float(sums[4]),
             **{f"acc{i}": float(a) for i, a in enumerate(step_acc) if i > 0}, "lr": lr, "grad_norm": float(grad_norm),
         }
-
-
-def _generator(*key: int) -> torch.Generator:
-    digest = hashlib.sha256("/".join(map(str, key)).encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:7], "little"))
 
 
 def _checkpoint(accelerator: Any, out: str, step: int, epoch: int, done: bool, keep: int) -> None:
