@@ -27,7 +27,7 @@ from specimg.train.drafter import TrainConfig
 @click.command("train-demo")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="folder for the bundle (resumed if it holds a partial run)")
 @click.option("--scale", type=click.Choice(list(DEMO_SCALES)), default=DEFAULT_DEMO_SCALE, show_default=True,
-              help="near-duplicate: the shipped demo; compact: the earlier 512-code one; diffuse: a 4096-code variant not shipped; toy: the same recipe at toy size, in seconds (see docs/demo.md)")
+              help="interchangeable: the shipped demo; near-duplicate: the same codebook, the target trained on the encoder's siblings; compact: 512 codes; toy: the same recipe at toy size, in seconds (see docs/demo.md)")
 @click.option("--threads", type=THREADS, default=None, help="torch CPU threads [default: torch's choice]")
 @click.option("--keep-work", is_flag=True, help="keep the intermediate token sets and samples in OUT/work")
 def train_demo(out: str, scale: str, threads: int | None, keep_work: bool) -> None:
