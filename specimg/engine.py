@@ -650,20 +650,6 @@ class Engine:
         """Whether a method of the stack brings its own tree (lantern++'s static trees)."""
         return self.hooks is not None and self.hooks.propose.owner is not None
 
-    @property
-    def tree_label(self) -> str:
-        """The tree this engine drafts, in words."""
-        config = self.tree_config
-        if self.hooks is None:
-            return "-"
-        if self.own_tree:
-            return f"{self.hooks.propose.owner}'s own" + (", auto-sized" if self.auto_tree else "")
-        if config.kind == "auto":
-            return "auto"
-        if config.kind == "dynamic":
-            return f"depth {config.depth}, top-k {config.topk}, {config.total_tokens} nodes"
-        return f"chain of {config.depth}" if config.kind == "chain" else f"static, {len(config.rank_paths)} paths"
-
     def planner(self, cost_model: costs.CostModel | None = None, ar_fallback: bool | None = None) -> TreePlanner:
         """A fresh tree planner for one image (auto trees): each image adapts on its own, so
         an image does not depend on the images decoded before it or beside it in a batch.

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from specimg import DraftTree, Engine, MethodSpec, Sampling, SpecimgError, hookimpl
+from specimg.eval.bench import tree_label
 from specimg.plugins import PluginManager
 from specimg.testing import statistics
 from specimg.testing.statistics import accept_resampling_from_p
@@ -74,7 +75,7 @@ def test_windows_carry_the_last_step_and_accept_more_than_one_token():
     engine = _sjd(problem, window=4, sampling=statistics.SAMPLING)
     run = engine.generate([0] * 10, seed=0).stats
     assert sum(s.target_forwards for s in run.images) < 10 * 12 and max(run.images[0].tree_sizes) == 5
-    assert engine.tree_label == "sjd's own"
+    assert tree_label(engine) == "sjd's own"
 
 
 def test_a_drafter_free_method_must_bring_its_tree():

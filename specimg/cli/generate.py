@@ -16,6 +16,7 @@ from specimg.cli.loading import base_sampling, default_model, models_from, proce
 from specimg.cli.options import THREADS, check_tree_fits, device_from, run_options, sampling_from, tree_from
 from specimg.engine import Engine
 from specimg.errors import SpecimgError
+from specimg.eval.bench import tree_label
 from specimg.methods import parse_options
 from specimg.progress import progress_bar
 from specimg.runs.log import RunLog, open_run
@@ -142,7 +143,7 @@ def _report(engine: Engine, models: Any, log: RunLog, run: RunStats, images: int
     if engine.stack is None:
         return
     if not engine.auto_tree or engine.own_tree:
-        click.echo(f"tree: {engine.tree_label}")
+        click.echo(f"tree: {tree_label(engine)}")
         return
     # auto trees by share of steps, with the cost model's prediction, this run's own step times, and in plain words whether speculation paid
     assert engine.cost_model is not None and run.predicted_speedup is not None

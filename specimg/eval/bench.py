@@ -384,7 +384,21 @@ def _tree_used(run: RunStats, engine: Engine | None) -> str:
     if steps and not (engine is not None and engine.own_tree):
         depth, topk, nodes = next(iter(steps))
         return "AR" if nodes == 1 else f"auto {depth}/{topk}/{nodes}"
-    return engine.tree_label if engine is not None else "-"
+    return tree_label(engine) if engine is not None else "-"
+
+
+def tree_label(engine: Engine) -> str:
+    """The tree ``engine`` drafts, in words."""
+    config, hooks = engine.tree_config, engine.hooks
+    if hooks is None:
+        return "-"
+    if engine.own_tree:
+        return f"{hooks.propose.owner}'s own" + (", auto-sized" if engine.auto_tree else "")
+    if config.kind == "auto":
+        return "auto"
+    if config.kind == "dynamic":
+        return f"depth {config.depth}, top-k {config.topk}, {config.total_tokens} nodes"
+    return f"chain of {config.depth}" if config.kind == "chain" else f"static, {len(config.rank_paths)} paths"
 
 
 # ----------------------------------------------------------------------------- outputs
