@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
-import itertools
-import operator
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -18,14 +15,13 @@ import torch
 from torch import Tensor
 
 from specimg import accept as acceptance
-from specimg import costs, relax, stalls
+from specimg import batching, costs, relax, stalls
 from specimg.config import Sampling, TreeConfig
 from specimg.errors import SpecimgError
 from specimg.compiled import Compile, CompileClock, Refused, compiles, run, step_mode
-from specimg.lane import Booking, Lane
-from specimg.lockstep import BatchDrafting, LaneDrafter, Lockstep
+from specimg.lane import Lane, Rules
 from specimg.methods import AR, Stack
-from specimg.models.base import BatchSteps, BatchTrees, Condition, Drafter, Target, TargetOutput, draft_features, placed
+from specimg.models.base import BatchSteps, BatchTrees, Condition, Drafter, Target, TargetOutput, placed
 from specimg.planner import TreePlanner
 from specimg.profile import AcceptanceProfile
 from specimg.progress import progress_bar
@@ -33,25 +29,14 @@ from specimg.plugins import PluginManager, get_plugin_manager
 from specimg.sampling import cfg_active_at, draw, draw_rows, probabilities
 from specimg.stackhooks import MemberHook, StackHooks
 from specimg.stats import ImageStats, RunStats
-from specimg.step import Acceptance, Scores, Walked
-from specimg.tree import BatchSession, DraftTree, FixedBatch, build_dynamic_batch, dynamic_shape, fixed_growth, grow_forest, stack_trees
+from specimg.step import Acceptance, Scores
+from specimg.tree import DraftTree
 
 OnImage = Callable[[int, Tensor, ImageStats], None]
 """Called with an image's index among the conditions, its tokens and statistics when it is done."""
 
 MEASURING = "measuring this machine's step costs for auto trees (once, then cached)"
 """The bar on stderr while an engine's first use measures (see :meth:`Engine.prepare`)."""
-
-
-class LaneStep(NamedTuple):
-    """One image's step in a batch once accepted: its tree, its own scores, q_R, the
-    acceptance and its walk (the path the target commits, on the device)."""
-
-    tree: DraftTree
-    scores: Scores
-    dist: Tensor
-    result: Acceptance
-    walked: Walked
 
 
 class ARImage(NamedTuple):
@@ -284,7 +269,7 @@ class Engine:
         planners: Callable[[], TreePlanner] | None = None, ar: bool = False,
     ) -> None:
         """One image per condition, each handed to ``done`` (index, tokens, statistics) when it
-        finishes: one at a time, or ``batch_size`` at a time (:meth:`_batch_speculative`,
+        finishes: one at a time, or ``batch_size`` at a time (:func:`specimg.batching.decode`,
         :meth:`_batch`); with AR steps whatever the method, with ``ar``.  Auto trees plan with
         ``planners``' planners, by default :meth:`planner`'s."""
         if self.batch_size == 1:
@@ -293,7 +278,7 @@ class Engine:
                 tokens, image = self._image(condition, seed, progress, planner, ar)
                 done(index, torch.tensor(tokens, dtype=torch.long), image)
         elif self.stack is not None and not ar:
-            self._batch_speculative(conditions, seeds, progress, done, planners)
+            batching.decode(self, conditions, seeds, progress, done, planners)
         else:
             for at in range(0, len(conditions), self.batch_size):
                 for row, image in enumerate(self._batch(conditions[at : at + self.batch_size], seeds[at : at + self.batch_size], progress)):
@@ -312,9 +297,14 @@ class Engine:
                 self._ar_alone(ARImage(generator, tokens, stats), progress)
             else:
                 drafter = None if self.drafter_free else self.drafter
-                self._decode_speculative(Lane(self, drafter, condition, prefill, first, tokens, generator, stats, planner, progress))
+                self._decode_speculative(Lane(self._rules(), drafter, condition, prefill, first, tokens, generator, stats, planner, progress))
         stats.tokens, stats.wall = len(tokens), time.perf_counter() - start
         return tokens, stats
+
+    def _rules(self) -> Rules:
+        """What the lanes of a decode need of this engine (its ``on_step`` as set now)."""
+        assert self.hooks is not None
+        return Rules(self.target, self.sampling, self.tree_config, self.hooks.propose, self.on_step)
 
     def _first_token(self, prefill: TargetOutput, seed: int, progress: Callable[[int], None] | None) -> tuple[torch.Generator, Tensor, list[int]]:
         """An image's generator seeded ``seed``, its prefill's distribution and image token 0 drawn from it."""
@@ -341,249 +331,6 @@ class Engine:
         for image in images:
             image.stats.tokens, image.stats.wall = len(image.tokens), (time.perf_counter() - start) / len(images)
         return images
-
-    def _batch_speculative(
-        self, conditions: Sequence[Condition], seeds: Sequence[int], progress: Callable[[int], None] | None,
-        done: OnImage, planners: Callable[[], TreePlanner] | None = None,
-    ) -> None:
-        """Speculative decoding of the images ``batch_size`` at a time, each handed to
-        ``done`` (index, tokens, statistics) when it finishes.  Each image drafts, relaxes
-        and accepts in its own lane (its own generator and planner, from ``planners``, by
-        default :meth:`planner`) as it would alone; the lanes' trees are grown, verified and
-        relaxed together (:meth:`_batch_step`).  When
-        an image finishes, the next takes its place (``refill``), so the batch stays full
-        until the images run out; a finished lane with none to follow rides along as a
-        one-node tree that commits nothing, as does a lane its planner sent to AR.  An
-        image's wall time is its share of the batch's while it decoded."""
-        target, sampling = self.target, self.sampling
-        assert isinstance(target, BatchTrees)
-        size = min(self.batch_size, len(conditions))
-        if self._threads is None:  # the threads a batch's images propose in, one per image, kept for the engine's life
-            self._threads = ThreadPoolExecutor(max_workers=self.batch_size, thread_name_prefix="specimg-lane")
-        lockstep = None if self.drafter_free else Lockstep(self.drafter.batch(size, sampling.cfg), self._threads)  # type: ignore[union-attr]
-        drafters = [None if lockstep is None else LaneDrafter(lockstep, place, self.drafter) for place in range(size)]
-        decoding = list(range(size))  # the image at each place of the batch
-        waiting = collections.deque(range(size, len(conditions)))
-
-        def lane(place: int, out: TargetOutput) -> Lane:
-            image = decoding[place]
-            generator, first, tokens = self._first_token(out, seeds[image], progress)
-            planner = (planners or self.planner)() if self.auto_tree else None
-            return Lane(self, drafters[place], conditions[image], out, first, tokens, generator, ImageStats(target_forwards=1), planner, progress)
-
-        with torch.inference_mode():
-            prefill = target.prefill_batch(conditions[:size], sampling.cfg, tree_nodes=getattr(target, "max_tree_nodes", 128))
-            lanes = [lane(place, TargetOutput(*(t if t is None else t[:, place : place + 1] for t in prefill))) for place in range(size)]
-            live = set(range(size))  # places whose image is not handed over yet
-            while live:
-                running = []  # the places with an unfinished image
-                for place in sorted(live):
-                    if not lanes[place].done:
-                        running.append(place)
-                        continue
-                    finished = lanes[place]
-                    finished.close(size)
-                    finished.stats.wall = (time.perf_counter() - finished.started) / size
-                    done(decoding[place], torch.tensor(finished.tokens), finished.stats)
-                    live.discard(place)
-                    if waiting:
-                        decoding[place] = waiting.popleft()
-                        lanes[place] = lane(place, target.refill(place, conditions[decoding[place]]))
-                        live.add(place)
-                        if not lanes[place].done:  # (an image of one token is done with its first)
-                            running.append(place)
-                if not running:
-                    continue
-                riding = [place for place in running if lanes[place].goes_ar]  # sent to AR by their planners
-                if len(riding) == len(running):
-                    left = [target.num_tokens - len(lanes[place].tokens) for place in running]
-                    self._finish_ar_batch(lanes, progress, min(left) if waiting else max(left))  # until a place frees, or to the end
-                else:
-                    self._batch_step(lanes, running, riding, lockstep)
-
-    def _batch_step(self, lanes: Sequence[Lane], running: Sequence[int], riding: Sequence[int], lockstep: Lockstep | None) -> None:
-        """One step of every unfinished image (the places ``running``): draft every tree
-        (grown together where the core grows EAGLE-2 trees, else side by side with the
-        drafter calls batched), verify them all in one forward, relax their forest at once (a
-        member that takes no batch, tree by tree), accept each, commit them all.  The places
-        ``riding`` (sent to AR by their planners) verify a one-node tree each."""
-        target = cast(BatchTrees, self.target)  # checked once, when the batch began
-        drafting = {i: lanes[i] for i in running if i not in riding}
-        together = self._draft_together(drafting, lockstep.batch) if lockstep else None
-        if together is None:
-            proposing = {i: lane.propose for i, lane in drafting.items()}
-            proposed, forest = lockstep.run(proposing) if lockstep else {i: propose() for i, propose in proposing.items()}, None
-        else:
-            proposed, forest = together
-        drafted = list(proposed.values())
-        if drafted and forest is None:
-            forest = DraftTree.forest(drafted)
-        stepping = [lanes[i] for i in running]
-        with Booking("verify", stepping):
-            if forest is not None and len(proposed) == len(lanes):
-                stacked = forest.stacked()
-            else:  # a finished or riding image's place verifies its root
-                stacked = stack_trees([proposed[i] if i in proposed else lane.root_tree() for i, lane in enumerate(lanes)])
-            scores, root_probs = self._verify_batch(stacked, forest.sizes if forest is not None else (), lanes, list(proposed), riding)
-        paths = [torch.zeros(0, dtype=torch.long, device=self.device)] * len(lanes)  # a finished image commits nothing
-        with Booking("verify", [lanes[i] for i in riding]):  # every riding image's token drawn from its own generator, read once
-            root_tokens = self._sample_rows(root_probs, [lanes[i].generator for i in riding]).tolist() if riding else []
-        for i, token in zip(riding, root_tokens):
-            lane = lanes[i]
-            lane.tokens.append(token)
-            lane.stats.target_forwards += 1
-            paths[i] = torch.zeros(1, dtype=torch.long, device=self.device)  # the root alone
-            if lane.progress:
-                lane.progress(1)
-        steps: dict[int, LaneStep] = {}
-        if drafted:
-            assert forest is not None
-            steps = self._relax_and_accept(scores, list(proposed), [lanes[i] for i in proposed], forest, drafted)
-        for i, step in steps.items():
-            paths[i] = step.walked.path
-        with Booking("commit", stepping):
-            target.commit_trees(paths)
-            features = self._path_features(scores, forest, [step.result for step in steps.values()]) if steps else []
-            for (i, step), hidden in zip(steps.items(), features):
-                lanes[i].advance(step.tree, step.scores, step.result, step.walked, hidden)
-        for i, step in steps.items():
-            lanes[i].learn(step.tree, step.dist, step.result, step.walked)
-
-    def _path_features(self, scores: Scores, forest: DraftTree, results: Sequence[Acceptance]) -> list[Tensor | None]:
-        """The drafter's features at each tree's accepted path (``results``, tree after tree
-        in the ``forest`` that ``scores`` score), picked for every tree in one gather."""
-        if self.drafter is None:
-            return [None] * len(results)
-        nodes = stalls.on_device([start + node for (start, _), result in zip(forest.spans, results) for node in result.path], self.device)
-        return list(draft_features(self.drafter, scores)[:, nodes].split_with_sizes([len(result.path) for result in results], 1))
-
-    def _draft_together(self, lanes: Mapping[int, Lane], batch: BatchDrafting) -> tuple[dict[int, DraftTree], DraftTree | None] | None:
-        """Every drafting lane's tree, grown together where the core grows EAGLE-2 trees
-        (no method brings its own, no static tree): one drafter call and one top-k per level
-        for all the lanes that draft one shape (:func:`specimg.tree.build_dynamic_batch`;
-        at fixed shapes one program for every place, :meth:`_grow_every_place`), each tree
-        the one its lane grows alone; and where every lane drafted one shape, their forest.
-        None otherwise: the lanes then propose side by side (:mod:`specimg.lockstep`)."""
-        assert self.hooks is not None
-        shapes = {i: dynamic_shape(lane.tree_config, lane.max_depth) for i, lane in lanes.items()}
-        if not lanes or self.hooks.propose.owner is not None or None in shapes.values():
-            return None
-        with Booking("draft", list(lanes.values())):
-            roots = batch.start({i: (lane.hidden, lane.new_ids) for i, lane in lanes.items()})
-            trees: dict[int, DraftTree] = {}
-            forest = None
-            for shape in dict.fromkeys(shapes.values()):
-                assert shape is not None
-                depth, topk, nodes, sample = shape
-                images = [i for i in lanes if shapes[i] == shape]
-                if depth == 0:  # the image's last token: the root alone
-                    trees.update((i, lanes[i].root_tree()) for i in images)
-                    continue
-
-                if getattr(batch, "step_mode", "eager") != "eager" and fixed_growth(shape, self.sampling):  # a DraftBatch at fixed shapes
-                    grown = self._grow_every_place(cast(FixedBatch, batch), {i: lanes[i] for i in images}, roots, shape)
-                    every_place = grown.trees()
-                    trees.update((i, every_place[i]) for i in images)
-                    forest = grown if len(images) == len(every_place) else None  # a forest of these images' trees alone
-                    continue
-
-                root_logits = torch.stack([roots[i] for i in images], dim=1)
-                root_tokens = stalls.on_device([lanes[i].tokens[-1] for i in images], self.device)
-
-                def expand(parents: Tensor, tokens: Tensor, images: list[int] = images) -> Tensor:
-                    fed = batch.expand(dict(zip(images, zip(parents.unbind(), tokens.unbind()))))
-                    return torch.stack([fed[i] for i in images], dim=1)
-
-                root_index = stalls.on_device([len(lanes[i].tokens) - 1 for i in images], self.device)
-                session = BatchSession(expand, self.sampling, root_logits, root_index, filtered=sample)
-                generators = [lanes[i].generator for i in images] if sample else None
-                forest = build_dynamic_batch(session, root_tokens, depth, topk, nodes, sample, generators)
-                trees.update(zip(images, forest.trees()))
-        return {i: trees[i] for i in lanes}, forest if forest is not None and len(forest.sizes) == len(lanes) else None
-
-    def _grow_every_place(self, batch: FixedBatch, lanes: Mapping[int, Lane], roots: Mapping[int, Tensor], shape: tuple[int, int, int, bool]) -> DraftTree:
-        """The forest of a tree of ``shape`` at every place of the batch, grown at fixed
-        shapes (:func:`~specimg.tree.grow_forest`) for the ``lanes`` that draft that shape.  Any other place (its image
-        finished, sent to AR, or drafting another shape, grown before or after) grows a
-        scratch tree from a uniform root, so that the program keeps its shape; that tree
-        is never used."""
-        scratch = torch.zeros_like(next(iter(roots.values()))) if len(lanes) < batch.size else None  # one uniform root for every other place
-        root_logits = torch.stack([roots[place] if place in lanes else scratch for place in range(batch.size)], dim=1)
-        root_tokens = stalls.on_device([lanes[place].tokens[-1] if place in lanes else 0 for place in range(batch.size)], self.device)
-        return grow_forest(batch, self.sampling, root_logits, root_tokens, shape)
-
-    def _verify_batch(
-        self, stacked: tuple[Tensor, Tensor, Tensor], sizes: Sequence[int], lanes: Sequence[Lane], places: Sequence[int], riding: Sequence[int]
-    ) -> tuple[Scores, Tensor]:
-        """Every place's tree (``stacked``: tokens, depths [B, n], masks [B, n, n]) verified
-        in one forward: the scores of the trees drafted at ``places`` (``sizes`` nodes each:
-        their forest's nodes, tree after tree), and the distributions at the roots of the
-        places ``riding``."""
-        target, sampling, device, width = cast(BatchTrees, self.target), self.sampling, self.device, stacked[0].shape[1]
-        verified, counts = [*places, *riding], [*sizes, *[1] * len(riding)]  # the drafted trees, then the riding roots
-        starts = [place * width for place in verified]
-        nodes = stalls.on_device(list(itertools.chain.from_iterable(map(range, starts, map(operator.add, starts, counts)))), device)  # each tree's first count places
-        picked = TargetOutput(*[t if t is None else t.flatten(1, 2)[:, nodes] for t in target.forward_trees(*stacked)])
-        active: bool | Tensor = True  # guidance throughout: no token index needed
-        if sampling.cfg_interval >= 0:
-            predicted = stalls.on_device([len(lanes[place].tokens) for place in verified], device)  # the image token each tree's root predicts
-            per_node = predicted.repeat_interleave(stalls.on_device(counts, device), output_size=sum(counts))
-            active = cfg_active_at(stacked[1].flatten()[nodes], sampling, per_node)
-        scores = Scores(self._probabilities(picked.logits, active), picked.hidden, picked.logits, picked.layers)
-        if not riding:
-            return scores, scores.probs[:0]
-        drafted, roots = scores.split([sum(sizes), len(riding)])
-        return drafted, roots.probs
-
-    def _relax_and_accept(
-        self, scores: Scores, places: Sequence[int], lanes: Sequence[Lane], forest: DraftTree, trees: Sequence[DraftTree]
-    ) -> dict[int, LaneStep]:
-        """The batch's drafted ``trees`` (of ``lanes`` at ``places``) as their ``forest``,
-        its ``scores`` from the verify: its q_R in one pass, then every lane's acceptance
-        of its own rows, all in one call under the core's own rule
-        (:func:`specimg.accept.accept_forest`: one device program on a device) where the
-        stack's ``accept`` passes on every tree, else lane by lane.  Per place, its step."""
-        sizes, starts = forest.sizes, [a for a, _ in forest.spans]
-        with Booking("relax", lanes):
-            dist = self.relax(forest, scores)
-        own = scores.split(sizes)  # each image's scores, and its q_R (p itself where nothing relaxed)
-        dists = [mine.probs for mine in own] if dist is scores.probs else list(dist.split_with_sizes(sizes))
-        assert self.hooks is not None
-        with Booking("accept", lanes):
-            methods = [] if self.hooks.accept.owner is None else [self._method_accept(*step, lane.generator) for lane, step in zip(lanes, zip(trees, dists, own))]
-            if all(result is None for result in methods):  # the core's own rule (no member's, or it passed on every tree): every lane at once
-                results = acceptance.accept_forest(forest, starts, dist, scores.probs, self.sampling, self.exact, [lane.generator for lane in lanes],
-                                                   self.compiled)
-                walks = [result.walked for result in results]
-                if dist is not scores.probs:
-                    spent = [walk.spent for walk in walks]  # measured by a device walk
-                    if None in spent:
-                        spent = list(relax.spent_per_path(dist, scores.probs, starts, [result.path for result in results]))
-                    for lane, mine in zip(lanes, spent):
-                        lane.spent.append(mine)
-            else:
-                results = [self._core_accept(*step, lane.generator) if result is None else result
-                           for lane, step, result in zip(lanes, zip(trees, dists, own), methods)]
-                walks = [lane.walked(*step) for lane, step in zip(lanes, zip(trees, own, dists, results))]
-        return {place: LaneStep(*step) for place, step in zip(places, zip(trees, own, dists, results, walks))}
-
-    def _finish_ar_batch(self, lanes: Sequence[Lane], progress: Callable[[int], None] | None, steps: int) -> None:
-        """``steps`` AR steps of every unfinished image (their planners found no tree that
-        pays), all in one forward per token (:meth:`_ar`).  An image that is finished rides
-        along and commits nothing.  Images at one length (all sent to AR from their first
-        step) take the batched AR step, which needs no per-image slots or mask."""
-        target, device, size = cast(BatchTrees, self.target), self.device, len(lanes)
-        last = stalls.on_device([lane.tokens[-1] for lane in lanes], device)  # each image's root
-        with Booking("verify", [lane for lane in lanes if not lane.done]):
-            if len({len(lane.tokens) for lane in lanes}) == 1:  # then they also finish together: level to the end
-                self._ar(lanes, last, steps, len(lanes[0].tokens), lambda last, _: target.forward_batch(last), None, progress)
-                return
-            remaining = [target.num_tokens - len(lane.tokens) for lane in lanes]
-            depths, mask = torch.zeros(size, 1, dtype=torch.long, device=device), torch.ones(size, 1, 1, dtype=torch.bool, device=device)  # one-node trees
-            root, nothing = torch.zeros(1, dtype=torch.long, device=device), torch.zeros(0, dtype=torch.long, device=device)
-            self._ar(lanes, last, steps, stalls.on_device([len(lane.tokens) for lane in lanes], device),  # the token each draws first
-                     lambda last, _: target.forward_trees(last[:, None], depths, mask).logits[:, :, 0],
-                     lambda step: target.commit_trees([root if left > step else nothing for left in remaining]), progress)
 
     def _ar(
         self, images: Sequence[ARImage | Lane], last: Tensor | None, steps: int, first: int | Tensor, forward: Callable[[Tensor, int], Tensor],
@@ -742,7 +489,11 @@ class Engine:
             tree = lane.propose()
             with lane.timed("verify"):  # by the stack's score hook, else by the core's own
                 scores = self.hooks.score(target=self.target, tree=tree, sampling=self.sampling, token_index=len(lane.tokens))
-            dist, result, walked = lane.accept(tree, scores)
+            with lane.timed("relax"):
+                dist = self.relax(tree, scores)
+            with lane.timed("accept"):
+                result = self.accept(tree, dist, scores, lane.generator)
+            walked = lane.walked(tree, scores, dist, result)
             with lane.timed("commit"):
                 self.target.commit(walked.path)
                 lane.advance(tree, scores, result, walked)

@@ -1,17 +1,15 @@
 """One image under speculative decoding: what its steps carry from one to the next.
 
 A step is draft -> verify -> relax -> accept -> commit.  The engine verifies (one
-image alone, or every image of a batch in one forward) and commits the target, and
-grows, relaxes and (where it can) walks a batch's trees together; the image's lane
-drafts, relaxes and accepts an image decoded alone, and keeps the rest: its tokens,
-generator, statistics, planner and drafter."""
+image alone, or every image of a batch in one forward), relaxes, accepts and commits,
+and grows a batch's trees together; the image's lane drafts its tree and keeps the
+rest: its tokens, generator, statistics, planner and drafter.  A lane never calls back
+into the engine: what it needs of it comes as :class:`Rules`."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
-
 import attrs
 import torch
 from torch import Tensor
@@ -20,25 +18,22 @@ from specimg import relax, stalls
 from specimg.config import Sampling, TreeConfig
 from specimg.models.base import Condition, Drafter, Target, TargetOutput, draft_features
 from specimg.planner import TreePlanner
-from specimg.stackhooks import StackHooks
 from specimg.stats import ImageStats
 from specimg.step import Acceptance, Scores, Step, Walked
 from specimg.tree import DraftSession, DraftTree
 
 
-class Decoder(Protocol):
-    """What a lane needs of the engine that drives it (:class:`specimg.engine.Engine`)."""
+@attrs.frozen
+class Rules:
+    """What every lane of a decode shares, handed over by the engine that drives them: the
+    target, the sampling, the tree where no planner shapes it, the stack's propose_tree and
+    the observer of each step (:attr:`specimg.engine.Engine.on_step`)."""
 
     target: Target
     sampling: Sampling
     tree_config: TreeConfig
-    device: torch.device
-    hooks: StackHooks | None
+    propose: Callable[..., DraftTree]
     on_step: Callable[[DraftTree, Tensor, list[int]], None] | None
-
-    def relax(self, tree: DraftTree, scores: Scores) -> Tensor: ...
-
-    def accept(self, tree: DraftTree, dist: Tensor, scores: Scores, generator: torch.Generator) -> Acceptance: ...
 
 
 class Lane:
@@ -46,7 +41,7 @@ class Lane:
 
     def __init__(
         self,
-        engine: Decoder,
+        rules: Rules,
         drafter: Drafter | None,
         condition: Condition,
         prefill: TargetOutput,
@@ -57,11 +52,11 @@ class Lane:
         planner: TreePlanner | None,
         progress: Callable[[int], None] | None,
     ):
-        self.engine, self.drafter, self.tokens, self.generator = engine, drafter, tokens, generator
+        self.rules, self.drafter, self.tokens, self.generator = rules, drafter, tokens, generator
         self.stats, self.planner, self.progress = stats, planner, progress
-        device = engine.device
+        self.device = device = first.device
         if drafter is not None:
-            drafter.prefill(condition, engine.sampling.cfg)
+            drafter.prefill(condition, rules.sampling.cfg)
             self.hidden = draft_features(drafter, prefill)
         self._one_node = DraftTree.from_tensors(torch.tensor(tokens[-1:], device=device), torch.tensor([-1], device=device),
                                                 torch.zeros(1, dtype=torch.long, device=device), torch.zeros(1, device=device), width=0, height=0)
@@ -78,12 +73,12 @@ class Lane:
 
     @property
     def done(self) -> bool:
-        return len(self.tokens) >= self.engine.target.num_tokens
+        return len(self.tokens) >= self.rules.target.num_tokens
 
     def root_tree(self) -> DraftTree:
         """The one-node tree of the last token: an AR step (the first one's columns, the token
         copied in)."""
-        return attrs.evolve(self._one_node, tokens=stalls.on_device(self.tokens[-1:], self.engine.device))
+        return attrs.evolve(self._one_node, tokens=stalls.on_device(self.tokens[-1:], self.device))
 
     def timed(self, phase: str) -> Booking:
         """Book the block's time to ``phase``."""
@@ -92,38 +87,27 @@ class Lane:
     @property
     def tree_config(self) -> TreeConfig:
         """This step's tree: the planner's, else the engine's."""
-        return self.planner.tree if self.planner else self.engine.tree_config
+        return self.planner.tree if self.planner else self.rules.tree_config
 
     @property
     def max_depth(self) -> int:
         """The deepest tree this step may draft: the tokens still missing after the next."""
-        return self.engine.target.num_tokens - len(self.tokens) - 1
+        return self.rules.target.num_tokens - len(self.tokens) - 1
 
     def propose(self) -> DraftTree:
         """This step's draft tree, by the stack's propose_tree."""
-        engine, sampling, tokens = self.engine, self.engine.sampling, self.tokens
-        assert engine.hooks is not None
+        rules, sampling, tokens = self.rules, self.rules.sampling, self.tokens
         tree_config = self.tree_config
         with self.timed("draft"):
             session = None
             if self.drafter is not None:
                 root_logits = self.drafter.start(self.hidden, self.new_ids)
                 session = DraftSession(self.drafter, sampling, root_logits, len(tokens) - 1, filtered=tree_config.sample)
-            return engine.hooks.propose(
+            return rules.propose(
                 session=session, root_token=tokens[-1], tree_config=tree_config,
-                max_depth=self.max_depth, previous=self.previous, image_tokens=tokens, target=engine.target,
+                max_depth=self.max_depth, previous=self.previous, image_tokens=tokens, target=rules.target,
                 sampling=sampling, generator=self.generator,
             )
-
-    def accept(self, tree: DraftTree, scores: Scores) -> tuple[Tensor, Acceptance, Walked]:
-        """Relax the target's scores and accept: q_R, the acceptance and its walk (the path
-        the target must commit, on the device)."""
-        engine = self.engine
-        with self.timed("relax"):
-            dist = engine.relax(tree, scores)
-        with self.timed("accept"):
-            result = engine.accept(tree, dist, scores, self.generator)
-        return dist, result, self.walked(tree, scores, dist, result)
 
     def walked(self, tree: DraftTree, scores: Scores, dist: Tensor, result: Acceptance) -> Walked:
         """The accepted path on the device (one copy where the rule handed none over);
@@ -150,8 +134,8 @@ class Lane:
         stats = self.stats
         if self.planner:
             self._plan_step(self.planner, tree, dist, walked.path)
-        if self.engine.on_step:
-            self.engine.on_step(tree, dist, result.path)
+        if self.rules.on_step:
+            self.rules.on_step(tree, dist, result.path)
         stats.target_forwards += 1
         stats.tree_sizes.append(tree.size)
         stats.accepted.append(len(result.path) - 1)
@@ -167,14 +151,14 @@ class Lane:
             stats.trees.append([len(stats.accepted), plan.depth, plan.topk, plan.nodes])
         stats.predicted_ms += plan.step_ms
         stats.predicted_ar_ms += plan.tokens_per_step * planner.cost.ar_ms
-        planner.observe(tree, dist, path, self.engine.sampling.greedy)
+        planner.observe(tree, dist, path, self.rules.sampling.greedy)
         self.goes_ar = planner.plan.is_ar
 
     def _book_ar_rest(self) -> None:
         """The planner sent the image to AR: book the rest of it as one-node steps that
         accept nothing, with the AR plan's prediction (the engine decodes them)."""
         assert self.planner is not None
-        plan, stats, steps = self.planner.plan, self.stats, self.engine.target.num_tokens - len(self.tokens)
+        plan, stats, steps = self.planner.plan, self.stats, self.rules.target.num_tokens - len(self.tokens)
         self.ar_since = time.perf_counter()
         stats.trees.append([len(stats.accepted), plan.depth, plan.topk, plan.nodes])
         stats.predicted_ms += steps * plan.step_ms

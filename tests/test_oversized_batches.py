@@ -6,7 +6,7 @@ import json
 import pytest
 from cli_runner import run
 
-from specimg import costs
+from specimg import batching, costs
 from specimg.engine import Engine
 
 IMAGES = 2
@@ -35,7 +35,7 @@ def sizes(monkeypatch):
 
     spy(Engine, "generate", lambda engine, conditions, *_, **__: min(engine.batch_size, len(conditions)))  # warm-up and decoding
     spy(Engine, "_batch", lambda engine, conditions, *_, **__: len(conditions))  # AR batches, also calibration's yardstick
-    spy(Engine, "_batch_speculative", lambda engine, conditions, *_, **__: min(engine.batch_size, len(conditions)))  # also calibration
+    spy(batching, "decode", lambda engine, conditions, *_, **__: min(engine.batch_size, len(conditions)))  # speculative batches, also calibration
     spy(costs, "load_or_measure", lambda *_, batch=1, **__: batch)  # the cost model auto trees plan with
     return seen
 
@@ -55,7 +55,7 @@ def test_a_batch_larger_than_the_images_runs_at_the_images(tmp_path, monkeypatch
     assert run(*args, "--batch-size", "64", "--out", str(tmp_path / "big")) == 0
     assert ("generate", IMAGES) in sizes
     if "naive" in command:
-        assert ("load_or_measure", IMAGES) in sizes and ("_batch_speculative", IMAGES) in sizes
+        assert ("load_or_measure", IMAGES) in sizes and ("decode", IMAGES) in sizes
     if command[0] == "bench":  # each engine warms up on a batch, then decodes one
         assert sizes.count(("generate", IMAGES)) == 4
     assert run(*args, "--batch-size", same_as, "--out", str(tmp_path / "same")) == 0
