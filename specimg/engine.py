@@ -26,7 +26,7 @@ from specimg.planner import TreePlanner
 from specimg.profile import AcceptanceProfile
 from specimg.progress import progress_bar
 from specimg.plugins import PluginManager, get_plugin_manager
-from specimg.sampling import cfg_active_at, draw, draw_rows, probabilities
+from specimg.sampling import cfg_active_at, draw_rows, probabilities
 from specimg.stackhooks import MemberHook, StackHooks
 from specimg.stats import ImageStats, RunStats
 from specimg.step import Acceptance, Scores
@@ -310,7 +310,7 @@ class Engine:
         """An image's generator seeded ``seed``, its prefill's distribution and image token 0 drawn from it."""
         generator = torch.Generator(self.device).manual_seed(seed)
         first = self._probabilities(prefill.logits)
-        tokens = [self._draw(first[0], generator)]
+        tokens = self._sample_rows(first, [generator]).tolist()
         if progress:
             progress(1)
         return generator, first, tokens
@@ -407,10 +407,6 @@ class Engine:
         max_fed = getattr(self.drafter, "max_tree_nodes", 128)
         fallback = self.tree_config.ar_fallback if ar_fallback is None else ar_fallback
         return TreePlanner(cost_model, max_nodes, max_fed, self.device, self.tree_config.sample, costs.scale_key(self.stack), fallback)
-
-    def _draw(self, probs: Tensor, generator: torch.Generator) -> int:
-        """A token drawn from ``probs`` [V], read on the host."""
-        return int(probs.argmax() if self.sampling.greedy else draw(probs, generator))
 
     @property
     def exact(self) -> bool:
