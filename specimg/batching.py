@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from specimg import accept as acceptance
-from specimg import relax, stalls
+from specimg import stalls
 from specimg.lane import Booking, Lane
 from specimg.lockstep import BatchDrafting, LaneDrafter, Lockstep
 from specimg.models.base import BatchTrees, Condition, TargetOutput, draft_features
@@ -127,11 +127,10 @@ def step(engine: Engine, lanes: Sequence[Lane], running: Sequence[int], riding: 
     target, device = cast(BatchTrees, engine.target), engine.device  # checked once, when the batch began
     drafting = {i: lanes[i] for i in running if i not in riding}
     together = _draft_together(engine, drafting, lockstep.batch) if lockstep else None
-    if together is None:
+    if together is None:  # side by side
         proposing = {i: lane.propose for i, lane in drafting.items()}
-        proposed, forest = lockstep.run(proposing) if lockstep else {i: propose() for i, propose in proposing.items()}, None
-    else:
-        proposed, forest = together
+        together = lockstep.run(proposing) if lockstep else {i: propose() for i, propose in proposing.items()}, None
+    proposed, forest = together
     drafted = list(proposed.values())
     if drafted and forest is None:
         forest = DraftTree.forest(drafted)
@@ -279,16 +278,9 @@ def _relax_and_accept(
         if all(result is None for result in methods):  # the core's own rule (no member's, or it passed on every tree): every lane at once
             results = acceptance.accept_forest(forest, starts, dist, scores.probs, engine.sampling, engine.exact, [lane.generator for lane in lanes],
                                                engine.compiled)
-            walks = [result.walked for result in results]
-            if dist is not scores.probs:
-                spent = [walk.spent for walk in walks]  # measured by a device walk
-                if None in spent:
-                    spent = list(relax.spent_per_path(dist, scores.probs, starts, [result.path for result in results]))
-                for lane, mine in zip(lanes, spent):
-                    lane.spent.append(mine)
         else:
             results = [engine._core_accept(*step, lane.generator) if result is None else result
                        for lane, step, result in zip(lanes, zip(trees, dists, own), methods)]
-            walks = [lane.walked(*step) for lane, step in zip(lanes, zip(trees, own, dists, results))]
+        walks = [lane.walked(*step) for lane, step in zip(lanes, zip(trees, own, dists, results))]
     return {place: LaneStep(tree=tree, scores=mine, dist=q, result=result, walked=walk)
             for place, tree, mine, q, result, walk in zip(places, trees, own, dists, results, walks)}

@@ -25,16 +25,6 @@ def tvd(a: Tensor, b: Tensor) -> Tensor:
     return 0.5 * (a.double() - b.double()).abs().sum(dim=-1)
 
 
-def spent_per_path(dist: Tensor, target_dist: Tensor, starts: Sequence[int], paths: Sequence[Sequence[int]]) -> tuple[Tensor, ...]:
-    """Per path (each tree's walk in a forest, in its tree's node ids; the tree's first
-    row of ``dist`` at ``starts``), the TVD of q_R to p summed over its nodes: one pass for
-    every path."""
-    nodes = stalls.on_device([start + node for start, path in zip(starts, paths) for node in path], dist.device)
-    owner = stalls.on_device([k for k, path in enumerate(paths) for _ in path], dist.device)
-    per_node = tvd(dist[nodes], target_dist[nodes])
-    return torch.zeros(len(paths), dtype=per_node.dtype, device=dist.device).index_add_(0, owner, per_node).unbind()
-
-
 def first_occurrence(tokens: Tensor) -> Tensor:
     """True where a token appears for the first time along the last dim (ignoring -1)."""
     ordered, order = tokens.sort(dim=-1, stable=True)
