@@ -9,8 +9,6 @@ where the core's rule accepts, then committed together.  The functions take the
 from __future__ import annotations
 
 import collections
-import itertools
-import operator
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -244,8 +242,7 @@ def _verify(
     places ``riding``."""
     target, sampling, device, width = cast(BatchTrees, engine.target), engine.sampling, engine.device, stacked[0].shape[1]
     verified, counts = [*places, *riding], [*sizes, *[1] * len(riding)]  # the drafted trees, then the riding roots
-    starts = [place * width for place in verified]
-    nodes = stalls.on_device(list(itertools.chain.from_iterable(map(range, starts, map(operator.add, starts, counts)))), device)  # each tree's first count places
+    nodes = stalls.on_device([place * width + k for place, count in zip(verified, counts) for k in range(count)], device)  # each tree's first count places
     picked = TargetOutput(*[t if t is None else t.flatten(1, 2)[:, nodes] for t in target.forward_trees(*stacked)])
     active: bool | Tensor = True  # guidance throughout: no token index needed
     if sampling.cfg_interval >= 0:
