@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
 import torch
@@ -23,8 +23,10 @@ from torch.nn.utils.rnn import pad_sequence
 from specimg import stalls
 from specimg.config import Sampling, TreeConfig
 from specimg.errors import SpecimgError
-from specimg.models.base import Drafter
 from specimg.sampling import cfg_active_at, probabilities
+
+if TYPE_CHECKING:
+    from specimg.models.base import Drafter
 
 
 @attrs.frozen(eq=False)
@@ -229,12 +231,6 @@ def stack_trees(trees: Sequence[DraftTree]) -> tuple[Tensor, Tensor, Tensor]:
     for rows, tree in zip(mask, trees):
         rows[: tree.size, : tree.size] = tree.mask
     return tokens, depths, mask
-
-
-def tree_name(depth: int, topk: int, nodes: int) -> str:
-    """An EAGLE-2 tree's shape in words; the one-node tree is AR, which the planner picks
-    where it predicts that no tree pays."""
-    return "AR (no tree predicted to pay)" if nodes == 1 else f"depth {depth}, top-k {topk}, {nodes} nodes"
 
 
 class BatchSession:

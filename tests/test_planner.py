@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import specimg
-from specimg.compiled import CompileClock
 from specimg import costs, planner
-from specimg.costs import CostModel
+from specimg.compiled import CompileClock
+from specimg.costmodel import CostModel
 from specimg.models.eagle import build_drafter
 from specimg.models.llamagen import build_target
 from specimg.planner import AcceptanceProfile, choose, expected_tokens
