@@ -243,15 +243,12 @@ def measure(target: Target, drafter: Drafter, sampling: Sampling, condition: Con
     return CostModel(key, machine, _monotone(verify), _monotone(base), _monotone(levels), start, overhead, ar)
 
 
-Timer = Callable[..., float]
-
-
-def _verify_times(target: Target, sampling: Sampling, condition: Condition, trees: Mapping[int, DraftTree], timed: Timer, batch: int) -> tuple[float, list[tuple[int, float]]]:
-    """One AR step (a one-node tree's verify and a draw) and the verify of each tree, each
-    as the engine runs it (its distributions compiled where the target's steps are): on the
-    target's tree cache as ``measure`` left it, or at a batch size above 1 as an image's
-    share of one forward over ``batch`` images, each with the same tree, after half an
-    image of batched AR steps.  Nothing is committed, so the prefix stays put; the commit's
+def _verify_times(target: Target, sampling: Sampling, condition: Condition, trees: Mapping[int, DraftTree], timed: Callable[..., float], batch: int) -> tuple[float, list[tuple[int, float]]]:
+    """The median ms of one AR step (a one-node tree's verify and a draw) and of the verify
+    of each tree, each as the engine runs it (its distributions compiled where the
+    target's steps are): on the target's tree cache as ``measure`` left it, or at a batch
+    size above 1 as an image's share of one forward over ``batch`` images, each with the
+    same tree, after half an image of batched AR steps.  Nothing is committed, so the prefix stays put; the commit's
     cost is in the overhead."""
     device = device_of(target)
     if batch == 1:
@@ -280,17 +277,12 @@ def _verify_times(target: Target, sampling: Sampling, condition: Condition, tree
     def ar_step() -> None:  # one draw per image, as the AR loop draws
         draw_rows(verify(1), [None] * batch)
 
-    return _in_rounds(ar_step, verify, list(trees), timed, share=batch)
-
-
-def _in_rounds(ar_step: Callable[[], Any], verify: Callable[[int], Any], sizes: list[int], timed: Timer, share: int = 1) -> tuple[float, list[tuple[int, float]]]:
-    """The median ms of an AR step and of the verify of each size, divided by ``share``,
-    timed in rounds over AR and every size: a burst of load spoils one round, not one size."""
-    rounds: dict[Any, list[float]] = {key: [] for key in ["ar", *sizes]}
+    # timed in rounds over AR and every size: a burst of load spoils one round, not one size
+    rounds: dict[Any, list[float]] = {key: [] for key in ["ar", *trees]}
     for _ in range(_REPEATS):
-        rounds["ar"].append(timed(ar_step, repeats=1) / share)
-        for n in sizes:
-            rounds[n].append(timed(lambda n=n: verify(n), repeats=1) / share)
+        rounds["ar"].append(timed(ar_step, repeats=1) / batch)
+        for n in trees:
+            rounds[n].append(timed(lambda n=n: verify(n), repeats=1) / batch)
     ar = statistics.median(rounds.pop("ar"))
     return ar, [(n, statistics.median(ms)) for n, ms in rounds.items()]
 

@@ -501,9 +501,8 @@ def build_tree(
 ) -> DraftTree:
     """The tree ``config`` asks for, no deeper than ``max_depth`` (the tokens still missing)."""
     depth = min(config.depth, max_depth)
-    if depth == 0:
-        one = _Growth(session.batch, torch.full((1,), root_token, device=session.device), capacity=1)
-        return _alone(one.forest(torch.ones(1, 1, dtype=torch.bool, device=session.device), [1], sampled=False))
+    if depth == 0:  # the root alone
+        return build_dynamic(session, root_token, 0, 1, 1)
     if config.kind == "static":
         return build_static(session, root_token, config.rank_paths, config.sample, generator, max_depth=depth)
     if config.kind == "auto":
