@@ -58,7 +58,11 @@ def walk_forest(
     target_dist: Tensor | None = None,
 ) -> list[Acceptance]:
     """Sample-and-match (with ``generators``, one per tree) or greedy (None) on every tree
-    of a forest (:meth:`DraftTree.forest`, its roots at ``roots``; or one tree, root 0).
+    of a forest (:meth:`DraftTree.forest`, its roots at ``roots``; or one tree, root 0):
+    draw y_u ~ dist[u] (greedy: its argmax) at each node the walk reaches, descend while
+    y_u is a child.  Exact for any tree built from draft-side information, since each draw
+    is fresh and independent of the tree; drawn in path order, so the draws are those of
+    AR decoding with the same generator.
 
     Where a host read stalls, one device program for every tree (:func:`_walk_on_device`),
     compiled where ``compiled``; with ``target_dist``, p where ``dist`` is a relaxed
@@ -196,7 +200,7 @@ def _match_levels(dist: Tensor, parents: Tensor, tokens: Tensor) -> Level:
 
 
 def _reject_levels(target_dist: Tensor, draft_probs: Tensor, node_tokens: Tensor, child_ids: Tensor) -> Level:
-    """Recursive rejection (:func:`recursive_rejection`) with C uniforms and V Exp(1)
+    """Recursive rejection (:func:`reject_forest`) with C uniforms and V Exp(1)
     variates per walker and level, used or not, so that a level draws as much whatever
     happens in it: the children in draft-rank order, a rejected one's draft mass taken
     from the residual; after the last, a draw from the residual (the argmax of residual /
@@ -266,36 +270,15 @@ def chain_acceptance(chain: DraftTree, accept_prob: Tensor, residual: Tensor, ge
     return Acceptance(path, int(torch.multinomial(residual[node].float(), 1, generator=generator)))
 
 
-def sample_and_match(tree: DraftTree, dist: Tensor, generator: torch.Generator | None) -> Acceptance:
-    """Draw y_u ~ dist[u] at each node the walk reaches; descend while y_u is a child.
-
-    Exact for any tree built from draft-side information: each draw is fresh and
-    independent of the tree.  The nodes on the path are drawn in path order, so the draws
-    are those of AR decoding with the same generator (:func:`walk_forest`)."""
-    return walk_forest(tree, [0], dist, [generator])[0]
-
-
-def greedy(tree: DraftTree, dist: Tensor) -> Acceptance:
-    """Temperature 0: each node's token is argmax of its distribution (:func:`walk_forest`)."""
-    return walk_forest(tree, [0], dist, None)[0]
-
-
-def recursive_rejection(tree: DraftTree, target_dist: Tensor, generator: torch.Generator | None) -> Acceptance:
-    """SpecInfer / Sequoia multi-draft rejection for trees whose children were drawn
-    without replacement from the drafter's distribution at their parent.
-
-    Sibling x_j is accepted with min(1, r(x_j) / q_j(x_j)); on rejection the residual
-    becomes r <- norm(max(r - q_j, 0)) and q drops x_j.  Exact for a fixed target p.
-    (:func:`reject_forest` for one tree.)
-    """
-    return reject_forest(tree, [0], target_dist, [generator])[0]
-
-
 def reject_forest(
     forest: DraftTree, roots: Sequence[int], target_dist: Tensor, generators: Sequence[torch.Generator | None], compiled: bool = False
 ) -> list[Acceptance]:
-    """:func:`recursive_rejection` on every tree of a forest (its roots at ``roots``; or one
-    tree, root 0), tree g drawing from ``generators[g]``.
+    """SpecInfer / Sequoia multi-draft rejection, for trees whose children were drawn
+    without replacement from the drafter's distribution at their parent, on every tree of
+    a forest (its roots at ``roots``; or one tree, root 0), tree g drawing from
+    ``generators[g]``.  Sibling x_j is accepted with min(1, r(x_j) / q_j(x_j)); on
+    rejection the residual becomes r <- norm(max(r - q_j, 0)) and q drops x_j.  Exact for
+    a fixed target p.
 
     On the host each tree draws only what it uses (:func:`_reject_on_host`).  Where a host
     read stalls, one device program for every tree (:func:`_reject_levels`): a level draws

@@ -1,4 +1,4 @@
-"""The machine's cost model: what a tree costs to draft and to verify on this hardware.
+"""Measuring the machine's cost model (:class:`specimg.costmodel.CostModel`).
 
 Speculative decoding pays only when the tokens a step gains outweigh what the bigger
 verify forward and the drafting cost, and both costs depend on the machine: a CPU core
@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import math
 import os
 import platform
 import statistics
@@ -34,154 +33,21 @@ from torch import Tensor
 
 from specimg.accept import walk_forest
 from specimg.cache import cache_dir
-from specimg.config import Sampling
-from specimg.files import atomic_path
 from specimg.compiled import compiles, run
-from specimg.methods import AR, Stack
+from specimg.config import Sampling
+from specimg.costmodel import LEVEL_WIDTHS, VERIFY_SIZES, CostModel, _chances
 from specimg.errors import SpecimgError
+from specimg.files import atomic_path
+from specimg.methods import AR, Stack
 from specimg.models.base import BatchTrees, Condition, Drafter, Target, draft_features
-from specimg.profile import MAX_DEPTH, MAX_TOPK, AcceptanceProfile
+from specimg.profile import AcceptanceProfile
 from specimg.sampling import draw_rows, probabilities
 from specimg.tree import DraftSession, DraftTree, build_dynamic, stack_trees
 
-VERIFY_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
-LEVEL_WIDTHS = (1, 2, 4, 6, 8, 10)
 _REPEATS, _WARMUP = 5, 2
 _START_TOKENS = 3
 _MIN_LEVEL_MS = 1e-3  # a level of drafting never costs nothing, however the noise falls
 _memory: dict[str, CostModel] = {}
-
-
-@attrs.frozen
-class CostModel:
-    """Measured milliseconds: ``verify`` per tree size (the target's forward and the
-    processing of its logits), per top-k the drafting of an EAGLE-2 tree one level deep
-    (``draft_base``: the root's children picked and the tree built) and each further level
-    (``draft_level``: a drafter call for the frontier, its processing, the top-k), the
-    drafter's ``draft_start`` per step (three new tokens), ``overhead`` per step (the
-    acceptance walk, the commit, the planner's bookkeeping) and ``ar`` per AR token.
-    Sizes in between interpolate linearly; beyond, extrapolate.  Per method stack (under
-    its :func:`scale_key`), from the decode that calibrated it (see
-    :meth:`specimg.engine.Engine.prepare`): ``step_scales``, what its real speculative
-    step takes against the sum of the timed parts relative to what a real AR step takes
-    against its timed part (:func:`step_scale`), and ``acceptance``, the chances
-    [depth][rank] its drafts were accepted with (the planner's prior for the stack)."""
-
-    key: str
-    machine: str
-    verify_ms: tuple[tuple[int, float], ...]
-    draft_base_ms: tuple[tuple[int, float], ...]
-    draft_level_ms: tuple[tuple[int, float], ...]
-    draft_start_ms: float
-    overhead_ms: float
-    ar_ms: float
-    step_scales: Mapping[str, float] = attrs.field(factory=dict)
-    acceptance: Mapping[str, tuple[tuple[float, ...], ...]] = attrs.field(factory=dict)
-
-    def scale(self, method: str) -> float:
-        return self.step_scales.get(method, 1.0)
-
-    def calibrated(self, method: str) -> bool:
-        return method in self.step_scales and method in self.acceptance
-
-    def verify(self, nodes: np.ndarray | int) -> np.ndarray:
-        return _interp(nodes, self.verify_ms)
-
-    def draft(self, depth: int, topk: int) -> float:
-        """An EAGLE-2 tree: the start, the first level, then depth - 1 levels of ``topk`` fed nodes."""
-        return self.draft_start_ms + float(_interp(topk, self.draft_base_ms)) + (depth - 1) * float(_interp(topk, self.draft_level_ms))
-
-    def step(self, depth: int, topk: int, nodes: np.ndarray | int, method: str = "") -> np.ndarray:
-        return (self.verify(nodes) + self.draft(depth, topk) + self.overhead_ms) * self.scale(method)
-
-    def slower(self, factor: float) -> CostModel:
-        """These parts as if timed in a minute ``factor`` times slower (a shared machine's
-        drift), uncalibrated: what a calibration must not be moved by (:func:`step_scale`)."""
-        def table(rows: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
-            return tuple((n, ms * factor) for n, ms in rows)
-
-        return attrs.evolve(self, verify_ms=table(self.verify_ms), draft_base_ms=table(self.draft_base_ms), draft_level_ms=table(self.draft_level_ms),
-                            draft_start_ms=self.draft_start_ms * factor, overhead_ms=self.overhead_ms * factor, ar_ms=self.ar_ms * factor,
-                            step_scales={}, acceptance={})
-
-    def to_json(self) -> str:
-        return json.dumps(attrs.asdict(self), indent=1)
-
-    @classmethod
-    def from_json(cls, text: str) -> CostModel:
-        """The model a cache file holds; ValueError unless it is well-formed, with finite
-        positive timings in tables as :func:`measure` makes them: a corrupt cache is
-        measured again, never planned on."""
-        try:
-            data = json.loads(text)
-        except RecursionError:  # the C parser's answer to thousands of nested brackets
-            raise ValueError("cost model nested too deeply") from None
-        if not isinstance(data, dict) or not _FIELDS - {"step_scales", "acceptance"} <= set(data) <= _FIELDS:
-            raise ValueError("not a cost model's fields")
-        scales, acceptance = data.get("step_scales", {}), data.get("acceptance", {})
-        if not isinstance(data["key"], str) or not isinstance(data["machine"], str) or not isinstance(scales, dict) or not isinstance(acceptance, dict):
-            raise ValueError("cost model fields of the wrong type")
-        return cls(
-            data["key"], data["machine"], _table(data["verify_ms"], VERIFY_SIZES), *(_table(data[name], LEVEL_WIDTHS) for name in ("draft_base_ms", "draft_level_ms")),
-            *(_positive(data[name]) for name in ("draft_start_ms", "overhead_ms", "ar_ms")),
-            step_scales={method: _positive(scale) for method, scale in scales.items()},
-            acceptance={method: _chances(rates) for method, rates in acceptance.items()},
-        )
-
-
-_FIELDS = frozenset(field.name for field in attrs.fields(CostModel))
-
-
-_PLAUSIBLE = (1e-9, 1e9)
-"""Milliseconds and scales a measurement can give: outside, a read-back number would only
-overflow or vanish in the planner's arithmetic."""
-
-
-def _positive(value: Any) -> float:
-    """A timing or scale read back: a number in ``_PLAUSIBLE``, or ValueError."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{value!r} is not a number")
-    try:
-        if math.isfinite(value) and _PLAUSIBLE[0] <= value <= _PLAUSIBLE[1]:
-            return float(value)
-    except OverflowError:  # an integer beyond any float
-        pass
-    raise ValueError(f"{value!r} is not a number in [{_PLAUSIBLE[0]:g}, {_PLAUSIBLE[1]:g}]")
-
-
-def _chances(rows: Any) -> tuple[tuple[float, ...], ...]:
-    """Acceptance chances read back: a [depth][rank] table of numbers in [0, 1] as the
-    profile has them, or ValueError."""
-    shape = (MAX_DEPTH, MAX_TOPK)
-    if not isinstance(rows, list) or len(rows) != shape[0] or not all(isinstance(row, list) and len(row) == shape[1] for row in rows):
-        raise ValueError(f"acceptance chances are not a {shape[0]} x {shape[1]} table")
-    if not all(type(p) in (int, float) and 0.0 <= p <= 1.0 for row in rows for p in row):
-        raise ValueError("an acceptance chance is not a number in [0, 1]")
-    return tuple(tuple(float(p) for p in row) for row in rows)
-
-
-def _table(rows: Any, sizes: tuple[int, ...]) -> tuple[tuple[int, float], ...]:
-    """A table read back: [size, ms] rows for the first two or more of ``sizes`` (as
-    :func:`measure` times them), times not decreasing (as :func:`_monotone` leaves them),
-    or ValueError."""
-    if not isinstance(rows, list) or not all(isinstance(row, list) and len(row) == 2 for row in rows):
-        raise ValueError("a cost table is not a list of [size, ms]")
-    if len(rows) < 2 or not all(type(n) is int for n, _ in rows) or [n for n, _ in rows] != list(sizes[: len(rows)]):
-        raise ValueError(f"a cost table's sizes are not the first two or more of {sizes}")
-    table = tuple((n, _positive(ms)) for n, ms in rows)
-    if any(a[1] > b[1] for a, b in zip(table, table[1:])):
-        raise ValueError("a cost table's times decrease with size")
-    return table
-
-
-def _interp(x: np.ndarray | int, table: tuple[tuple[int, float], ...]) -> np.ndarray:
-    xs, ys = np.array([n for n, _ in table], dtype=float), np.array([ms for _, ms in table])
-    x = np.asarray(x, dtype=float)
-    inside = np.interp(x, xs, ys)
-    if len(xs) < 2:
-        return inside
-    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-    return np.where(x > xs[-1], ys[-1] + slope * (x - xs[-1]), inside)
 
 
 def device_of(target: Target) -> torch.device:
@@ -377,15 +243,12 @@ def measure(target: Target, drafter: Drafter, sampling: Sampling, condition: Con
     return CostModel(key, machine, _monotone(verify), _monotone(base), _monotone(levels), start, overhead, ar)
 
 
-Timer = Callable[..., float]
-
-
-def _verify_times(target: Target, sampling: Sampling, condition: Condition, trees: Mapping[int, DraftTree], timed: Timer, batch: int) -> tuple[float, list[tuple[int, float]]]:
-    """One AR step (a one-node tree's verify and a draw) and the verify of each tree, each
-    as the engine runs it (its distributions compiled where the target's steps are): on the
-    target's tree cache as ``measure`` left it, or at a batch size above 1 as an image's
-    share of one forward over ``batch`` images, each with the same tree, after half an
-    image of batched AR steps.  Nothing is committed, so the prefix stays put; the commit's
+def _verify_times(target: Target, sampling: Sampling, condition: Condition, trees: Mapping[int, DraftTree], timed: Callable[..., float], batch: int) -> tuple[float, list[tuple[int, float]]]:
+    """The median ms of one AR step (a one-node tree's verify and a draw) and of the verify
+    of each tree, each as the engine runs it (its distributions compiled where the
+    target's steps are): on the target's tree cache as ``measure`` left it, or at a batch
+    size above 1 as an image's share of one forward over ``batch`` images, each with the
+    same tree, after half an image of batched AR steps.  Nothing is committed, so the prefix stays put; the commit's
     cost is in the overhead."""
     device = device_of(target)
     if batch == 1:
@@ -414,17 +277,12 @@ def _verify_times(target: Target, sampling: Sampling, condition: Condition, tree
     def ar_step() -> None:  # one draw per image, as the AR loop draws
         draw_rows(verify(1), [None] * batch)
 
-    return _in_rounds(ar_step, verify, list(trees), timed, share=batch)
-
-
-def _in_rounds(ar_step: Callable[[], Any], verify: Callable[[int], Any], sizes: list[int], timed: Timer, share: int = 1) -> tuple[float, list[tuple[int, float]]]:
-    """The median ms of an AR step and of the verify of each size, divided by ``share``,
-    timed in rounds over AR and every size: a burst of load spoils one round, not one size."""
-    rounds: dict[Any, list[float]] = {key: [] for key in ["ar", *sizes]}
+    # timed in rounds over AR and every size: a burst of load spoils one round, not one size
+    rounds: dict[Any, list[float]] = {key: [] for key in ["ar", *trees]}
     for _ in range(_REPEATS):
-        rounds["ar"].append(timed(ar_step, repeats=1) / share)
-        for n in sizes:
-            rounds[n].append(timed(lambda n=n: verify(n), repeats=1) / share)
+        rounds["ar"].append(timed(ar_step, repeats=1) / batch)
+        for n in trees:
+            rounds[n].append(timed(lambda n=n: verify(n), repeats=1) / batch)
     ar = statistics.median(rounds.pop("ar"))
     return ar, [(n, statistics.median(ms)) for n, ms in rounds.items()]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specimg.costs import CostModel
+from specimg.costmodel import CostModel
 from specimg.planner import choose
 from specimg.stats import RunStats
 

@@ -1,7 +1,7 @@
 """Hardware-aware draft trees: choose each step's tree to maximise expected tokens per
 second (the idea of Sequoia, Chen et al. 2024, applied to EAGLE-2 dynamic trees).
 
-Two ingredients.  The *cost model* (:mod:`specimg.costs`) says what a tree of n nodes
+Two ingredients.  The *cost model* (:mod:`specimg.costmodel`) says what a tree of n nodes
 costs to verify and a level of width k costs to draft on this machine.  The *acceptance
 profile* says how likely the rank-r child of a reached node at depth d is accepted:
 a weak prior, then the run's own steps (with sample-and-match, the chance is q_R(child)
@@ -20,6 +20,7 @@ statistics, never on timings taken during the run, so a seed gives the same imag
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 import numpy as np
@@ -27,11 +28,19 @@ import torch
 from torch import Tensor
 
 from specimg.config import TreeConfig
-from specimg.costs import CostModel
+from specimg.costmodel import CostModel
 from specimg.profile import MAX_DEPTH, MAX_TOPK, AcceptanceProfile
-from specimg.tree import DraftTree, tree_name
+
+if TYPE_CHECKING:
+    from specimg.tree import DraftTree
 
 REPLAN_EVERY = 16
+
+
+def tree_name(depth: int, topk: int, nodes: int) -> str:
+    """An EAGLE-2 tree's shape in words; the one-node tree is AR, which the planner picks
+    where it predicts that no tree pays."""
+    return "AR (no tree predicted to pay)" if nodes == 1 else f"depth {depth}, top-k {topk}, {nodes} nodes"
 
 
 @attrs.frozen

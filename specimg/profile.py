@@ -6,12 +6,14 @@ values trees with it; the cost model times its bookkeeping as part of a step's o
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from specimg.tree import DraftTree
+if TYPE_CHECKING:
+    from specimg.tree import DraftTree
 
 MAX_DEPTH = 10
 MAX_TOPK = 10

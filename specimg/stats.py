@@ -8,7 +8,7 @@ from typing import Any
 
 import attrs
 
-from specimg.tree import tree_name
+from specimg.planner import tree_name
 
 PHASES = ("draft", "verify", "relax", "accept", "commit")
 

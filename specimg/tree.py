@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
 import torch
@@ -23,8 +23,10 @@ from torch.nn.utils.rnn import pad_sequence
 from specimg import stalls
 from specimg.config import Sampling, TreeConfig
 from specimg.errors import SpecimgError
-from specimg.models.base import Drafter
 from specimg.sampling import cfg_active_at, probabilities
+
+if TYPE_CHECKING:
+    from specimg.models.base import Drafter
 
 
 @attrs.frozen(eq=False)
@@ -229,12 +231,6 @@ def stack_trees(trees: Sequence[DraftTree]) -> tuple[Tensor, Tensor, Tensor]:
     for rows, tree in zip(mask, trees):
         rows[: tree.size, : tree.size] = tree.mask
     return tokens, depths, mask
-
-
-def tree_name(depth: int, topk: int, nodes: int) -> str:
-    """An EAGLE-2 tree's shape in words; the one-node tree is AR, which the planner picks
-    where it predicts that no tree pays."""
-    return "AR (no tree predicted to pay)" if nodes == 1 else f"depth {depth}, top-k {topk}, {nodes} nodes"
 
 
 class BatchSession:
@@ -505,9 +501,8 @@ def build_tree(
 ) -> DraftTree:
     """The tree ``config`` asks for, no deeper than ``max_depth`` (the tokens still missing)."""
     depth = min(config.depth, max_depth)
-    if depth == 0:
-        one = _Growth(session.batch, torch.full((1,), root_token, device=session.device), capacity=1)
-        return _alone(one.forest(torch.ones(1, 1, dtype=torch.bool, device=session.device), [1], sampled=False))
+    if depth == 0:  # the root alone
+        return build_dynamic(session, root_token, 0, 1, 1)
     if config.kind == "static":
         return build_static(session, root_token, config.rank_paths, config.sample, generator, max_depth=depth)
     if config.kind == "auto":

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from specimg import Engine, MethodSpec, Sampling, TreeConfig, accept, costs, hookimpl, stalls
+from specimg.costmodel import CostModel
 from specimg.engine import ar_tokens
-from specimg.costs import CostModel
 from specimg.errors import SpecimgError
 from specimg.models.eagle import build_drafter
 from specimg.models.llamagen import build_target

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specimg import MethodSpec, TreeConfig, hookimpl
-from specimg.accept import sample_and_match
+from specimg.accept import walk_forest
 from specimg.engine import Engine
 from specimg.plugins import PluginManager, get_plugin_manager
 from specimg import relax
@@ -61,7 +61,7 @@ def test_pair_stacks_cover_every_method_with_a_step_hook():
 def test_emission_of_sample_and_match_is_reach_times_q():
     tree = DraftTree.from_parents([0, 1, 2, 0], [-1, 0, 0, 1])
     q = torch.tensor([[0.5, 0.3, 0.2], [0.6, 0.1, 0.3], [0.2, 0.2, 0.6], [0.0, 0.5, 0.5]])
-    reach, joint = emission(lambda g: sample_and_match(tree, q, g), tree, 3)
+    reach, joint = emission(lambda g: walk_forest(tree, [0], q, [g])[0], tree, 3)
     want_reach = torch.tensor([1.0, 0.3, 0.2, 0.3 * 0.6], dtype=torch.float64)
     assert torch.allclose(reach, want_reach)
     assert torch.allclose(joint, want_reach[:, None] * q.double())

@@ -11,7 +11,7 @@ import torch
 
 import specimg
 from specimg import costs
-from specimg.costs import CostModel
+from specimg.costmodel import LEVEL_WIDTHS, VERIFY_SIZES, CostModel
 from specimg.models.eagle import build_drafter
 from specimg.models.llamagen import build_target
 
@@ -32,8 +32,8 @@ def measured(tmp_path, monkeypatch, models):
     monkeypatch.setenv("SPECIMG_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(costs, "_memory", {})
     key, machine = costs.cost_key(*models, SAMPLING)
-    verify = tuple((n, 1.0 if n <= 8 else 50.0 + n / 128 * 50.0) for n in costs.VERIFY_SIZES)  # flat to 8 nodes, then dear
-    draft = tuple((k, 0.01 + k / 1000) for k in costs.LEVEL_WIDTHS)
+    verify = tuple((n, 1.0 if n <= 8 else 50.0 + n / 128 * 50.0) for n in VERIFY_SIZES)  # flat to 8 nodes, then dear
+    draft = tuple((k, 0.01 + k / 1000) for k in LEVEL_WIDTHS)
     fresh = CostModel(key, machine, verify, draft, draft, 0.01, 0.01, 1.0)
     calls = []
 

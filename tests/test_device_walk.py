@@ -55,7 +55,10 @@ def test_the_device_walk_is_the_host_walk(monkeypatch, greedy):
     """Same path and next token, the draws counted alike (the generator ends in the same
     state), and the walked tensors are the path and its new tokens."""
     g = torch.Generator().manual_seed(0)
-    rule = (lambda tree, dist, gen: accept.greedy(tree, dist)) if greedy else accept.sample_and_match
+
+    def rule(tree, dist, gen):
+        return accept.walk_forest(tree, [0], dist, None if greedy else [gen])[0]
+
     lengths = set()
     for seed in range(150):
         n, vocab = int(torch.randint(1, 12, (), generator=g)), int(torch.randint(2, 5, (), generator=g))
@@ -89,7 +92,7 @@ def test_a_forest_walks_as_each_tree_alone(monkeypatch, greedy, form):
         monkeypatch.setattr(stalls, "host_reads_stall", lambda device: False)
         for i, (tree, (start, stop), result) in enumerate(zip(trees, forest.spans, together)):
             own = torch.Generator().manual_seed(seed * 10 + i)
-            alone = accept.greedy(tree, dist[start:stop]) if greedy else accept.sample_and_match(tree, dist[start:stop], own)
+            alone = accept.walk_forest(tree, [0], dist[start:stop], None if greedy else [own])[0]
             assert (result.path, result.next_token) == (alone.path, alone.next_token), (seed, i)
             assert greedy or torch.equal(own.get_state(), generators[i].get_state()), (seed, i)
             path, new_tokens, token_list, _ = result.walked
@@ -270,7 +273,7 @@ def test_recursive_rejection_on_the_device_follows_the_law_of_the_host_rule(monk
             counts[key] = counts.get(key, 0) + 1
     monkeypatch.setattr(stalls, "host_reads_stall", lambda device: False)
     walks = sum(counts.values())
-    for rule, holds in ((lambda g: accept.recursive_rejection(tree, p, g), True), (lambda g: accept.sample_and_match(tree, p, g), False)):
+    for rule, holds in ((lambda g: accept.reject_forest(tree, [0], p, [g])[0], True), (lambda g: accept.walk_forest(tree, [0], p, [g])[0], False)):
         law = exact_law(rule)
         assert set(counts) <= set(law) or not holds
         keys = sorted(set(law) | set(counts))

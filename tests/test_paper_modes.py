@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specimg import DraftTree, Engine, MethodSpec, SpecimgError, hookimpl
-from specimg.accept import recursive_rejection
+from specimg.accept import reject_forest
 from specimg.methods import make_options
 from specimg.step import Acceptance, Scores, Step
 from specimg.plugins import PluginManager
@@ -153,7 +153,7 @@ def test_a_fresh_token_is_accepted_with_p(seed: int):
     for one_hot_fresh in (True, False):
         tree = _fresh_window(one_hot_fresh, seed)
         x = int(tree.tokens[1])
-        _, joint = emission(lambda g: recursive_rejection(tree, torch.stack([P, P]), g), tree, 8)
+        _, joint = emission(lambda g: reject_forest(tree, [0], torch.stack([P, P]), [g])[0], tree, 8)
         residual = (P - torch.nn.functional.one_hot(torch.tensor(x), 8)).clamp(min=0).double()
         want = (1 - published_fresh_acceptance(P, x)) * residual / residual.sum()
         want[x] += published_fresh_acceptance(P, x)

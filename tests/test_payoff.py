@@ -10,7 +10,7 @@ import pytest
 
 import specimg
 from specimg import costs, payoff
-from specimg.costs import CostModel
+from specimg.costmodel import CostModel
 from specimg.models.eagle import build_drafter
 from specimg.models.llamagen import build_target
 from specimg.planner import choose

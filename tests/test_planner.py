@@ -2,6 +2,9 @@
 it learns, the cost model's cache, and the engine's use of them."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import attrs
 import numpy as np
@@ -9,9 +12,9 @@ import pytest
 import torch
 
 import specimg
-from specimg.compiled import CompileClock
 from specimg import costs, planner
-from specimg.costs import CostModel
+from specimg.compiled import CompileClock
+from specimg.costmodel import CostModel
 from specimg.models.eagle import build_drafter
 from specimg.models.llamagen import build_target
 from specimg.planner import AcceptanceProfile, choose, expected_tokens
@@ -23,6 +26,17 @@ TINY = dict(dim=64, n_layer=2, n_head=4, multiple_of=32, vocab_size=64, num_clas
 def machine(verify: dict[int, float], level: float = 0.0, start: float = 0.0, ar: float = 1.0) -> CostModel:
     widths = ((1, level), (10, level))
     return CostModel("test", "made up", tuple(sorted(verify.items())), ((1, 0.0), (10, 0.0)), widths, start, 0.0, ar)
+
+
+def test_the_planner_imports_the_pure_cost_model_and_nothing_that_measures_or_decodes():
+    """The planner reads tables: its imports (apart from the package's ``__init__``, which
+    imports the engine) reach no models, tree builders, step programs or measuring."""
+    code = (
+        "import pathlib, sys, types; package = types.ModuleType('specimg'); package.__path__ = [str(pathlib.Path('specimg').resolve())]; "
+        "sys.modules['specimg'] = package; import specimg.planner; print(' '.join(sorted(m for m in sys.modules if m.startswith('specimg'))))"
+    )
+    loaded = subprocess.run([sys.executable, "-c", code], cwd=Path(specimg.__file__).parent.parent, capture_output=True, text=True, check=True).stdout.split()
+    assert set(loaded) == {"specimg", "specimg.config", "specimg.costmodel", "specimg.errors", "specimg.planner", "specimg.profile"}
 
 
 def test_expected_tokens_follow_the_eagle2_tree_by_hand():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specimg import DraftTree
-from specimg.accept import recursive_rejection
+from specimg.accept import reject_forest
 from specimg.testing.conformance import emission
 
 P = torch.tensor([0.05, 0.15, 0.80], dtype=torch.float64)
@@ -24,13 +24,13 @@ def test_rejection_keeps_the_draft_rows(dtype: torch.dtype):
     tree = two_children(dtype)
     before = tree.draft_probs.clone()
     for seed in range(20):
-        recursive_rejection(tree, torch.stack([P] * 3), torch.Generator().manual_seed(seed))
+        reject_forest(tree, [0], torch.stack([P] * 3), [torch.Generator().manual_seed(seed)])[0]
     assert torch.equal(tree.draft_probs, before)
 
 
 def test_a_float64_tree_has_the_law_of_a_float32_one():
     """Every draw enumerated, so exact: the rule reads q afresh each call (a row changed in
     place by an earlier call would drift toward accepting everything)."""
-    laws = [emission(lambda g, tree=two_children(dtype): recursive_rejection(tree, torch.stack([P] * 3), g), two_children(dtype), 3)[1]
+    laws = [emission(lambda g, tree=two_children(dtype): reject_forest(tree, [0], torch.stack([P] * 3), [g])[0], two_children(dtype), 3)[1]
             for dtype in (torch.float32, torch.float64)]
     assert torch.allclose(laws[0], laws[1], atol=1e-6)

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from specimg.config import Sampling, TreeConfig
-from specimg.costs import CostModel
+from specimg.costmodel import CostModel
 from specimg.engine import Engine
 from specimg.relax import tvd
 from specimg.sampling import cfg_active_at, probabilities
