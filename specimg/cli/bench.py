@@ -15,16 +15,14 @@ from torch import Tensor
 from specimg import costs
 from specimg.cli.conditions import conditions_for
 from specimg.cli.loading import base_sampling, default_model, models_from, run_inputs
-from specimg.cli.options import (
-    THREADS, check_tree_fits, condition_options, compile_option, device_from, device_options, method_options, model_options,
-    prompt_options, sampling_from, sampling_options, tree_from, tree_options,
-)
+from specimg.cli.options import THREADS, check_tree_fits, device_from, run_options, sampling_from, tree_from
 from specimg.cli.prompts import comma_items
 from specimg.config import Sampling
 from specimg.errors import SpecimgError
 from specimg.eval.bench import DEFAULT_IMAGES, MISSING_PLOT, BenchSpec, build_engines, check_batch_sizes, markdown_table, plan_variants, run_bench, save_sample_grid, summarise, write_outputs
 from specimg.methods import parse_options
 from specimg.plugins import get_plugin_manager
+from specimg.runs.folder import on_main
 from specimg.files import writable_folder
 from specimg.compiled import CompileClock
 from specimg.relax import checks_enabled
@@ -33,14 +31,7 @@ from specimg.relax import checks_enabled
 @click.command()
 @click.option("--methods", default=None, help="comma-separated method stacks [default: ar,naive,lantern,lantern++,gsd,cascade,cascade+lantern, those installed]")
 @click.option("--sweep", multiple=True, metavar="METHOD.KEY=V1,V2,...", help="one run per value, for each stack with METHOD (repeatable; delta=... sweeps the stack budget)")
-@method_options
-@model_options
-@condition_options(num_images=DEFAULT_IMAGES)
-@sampling_options
-@tree_options
-@device_options
-@compile_option
-@prompt_options
+@run_options(num_images=DEFAULT_IMAGES)
 @click.option("--classifier", type=click.Path(dir_okay=False), help="demo-format classifier for accuracy and Frechet distances [default: the demo bundle's]")
 @click.option("--num-real", type=click.IntRange(2, 10**6), default=1000, show_default=True, help="reference images for Frechet distance / FID")
 @click.option("--real-images", type=click.Path(exists=True, file_okay=False), help="folder of reference images for FID")
@@ -85,18 +76,7 @@ def bench(**kw: Any) -> None:
     conditions, keys, captions = conditions_for(models.target, kw)
     spec = BenchSpec(tuple(variants), tuple(conditions), tuple(keys), kw["seed"], sampling, tree, kw["warmup"], run_inputs(kw, model))
     engines = build_engines(models, spec, compile=kw["compile"])
-    quality, error = None, None
-    if kw["quality"] and state.is_main_process:
-        try:
-            quality = build_quality(models, model, sampling, conditions, captions, kw, real)
-        except SpecimgError as err:
-            error = str(err)
-    if state.num_processes > 1:  # the other processes must stop too, not wait for the main one
-        from accelerate.utils import broadcast_object_list
-
-        error = broadcast_object_list([error])[0]
-    if error is not None:
-        raise SpecimgError(error)
+    quality = on_main(state, lambda: build_quality(models, model, sampling, conditions, captions, kw, real) if kw["quality"] else None)
     if state.is_main_process:
         for note in notes:
             click.echo(f"note: {note}")

@@ -121,12 +121,11 @@ def plan_variants(
                 notes.append(f"skipped {stack} (not installed)")
     else:
         stacks = [(m.strip(), stack_members(m, installed)) for m in methods]
-    seen: set[str] = set()
-    for stack, _ in stacks:
-        if stack in seen:
-            raise SpecimgError(f"--methods names {stack!r} twice")
-        seen.add(stack)
-    if AR not in seen:
+    names = [stack for stack, _ in stacks]
+    twice = next((stack for i, stack in enumerate(names) if stack in names[:i]), None)
+    if twice is not None:
+        raise SpecimgError(f"--methods names {twice!r} twice")
+    if AR not in names:
         stacks.insert(0, (AR, [AR]))
         notes.append("added ar: it is the speedup baseline")
     options = options or {}
@@ -221,22 +220,17 @@ def run_bench(
     spec: BenchSpec,
     out: str | os.PathLike[str],
     *,
-    state: Any = None,
+    state: Any,
     engines: Mapping[str, Engine] | None = None,
     progress: bool = True,
     on_record: Callable[[dict[str, Any]], None] | None = None,
 ) -> BenchRun:
     """Generate every (sample, variant) not yet in ``out``'s run log; return all records.
 
-    ``state``: an ``accelerate.PartialState`` (default: a fresh one; one process when not
-    launched).  Sample i goes to process ``i % num_processes``.  ``on_record`` is called
+    ``state``: an ``accelerate.PartialState``.  Sample i goes to process ``i % num_processes``.  ``on_record`` is called
     after each record is safely written (tests use it to stop a run); ``progress`` False
     hides the progress bars.
     """
-    if state is None:
-        from accelerate import PartialState
-
-        state = PartialState(cpu=True)
     engines = dict(engines) if engines is not None else build_engines(models, spec)
     nv = len(spec.variants)
     expected = [{"condition": spec.condition_keys[i], "label": v.label} for i in range(len(spec.conditions)) for v in spec.variants]
