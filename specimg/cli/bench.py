@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
 from typing import Any
 
 import click
 import torch
-from torch import Tensor
 
 from specimg import costs
 from specimg.cli.conditions import conditions_for
@@ -60,11 +58,6 @@ def bench(**kw: Any) -> None:
     check_tree_fits(tree, models.target, models.drafter)
     sizes = batch_sizes(kw["batch_sizes"])  # bad input fails before the output folder is made
     writable_folder(kw["out"])
-    real = None
-    if model.startswith("demo") and not kw["target"]:  # the demo's real images are the quality reference
-        from specimg.demo.data import real_images
-
-        real = real_images
     sampling = sampling_from(kw, base_sampling(model, kw["target"], models.target))
     start = time.perf_counter()
     state = PartialState(cpu=True)
@@ -76,7 +69,7 @@ def bench(**kw: Any) -> None:
     conditions, keys, captions = conditions_for(models.target, kw)
     spec = BenchSpec(tuple(variants), tuple(conditions), tuple(keys), kw["seed"], sampling, tree, kw["warmup"], run_inputs(kw, model))
     engines = build_engines(models, spec, compile=kw["compile"])
-    quality = on_main(state, lambda: build_quality(models, model, sampling, conditions, captions, kw, real) if kw["quality"] else None)
+    quality = on_main(state, lambda: build_quality(models, model, sampling, conditions, captions, kw) if kw["quality"] else None)
     if state.is_main_process:
         for note in notes:
             click.echo(f"note: {note}")
@@ -119,17 +112,17 @@ def batch_sizes(text: str) -> list[int]:
     return list(check_batch_sizes(sizes))
 
 
-def build_quality(
-    models: Any, model_name: str, sampling: Sampling, conditions: list[Any], captions: list[str] | None, kw: dict[str, Any],
-    real: Callable[[int, int], Tensor] | None = None,
-) -> Any:
-    """The :class:`~specimg.eval.quality.Quality` scorer the flags ask for; ``real(n, seed)``
-    gives real reference images (the demo's), if the models have any."""
+def build_quality(models: Any, model_name: str, sampling: Sampling, conditions: list[Any], captions: list[str] | None, kw: dict[str, Any]) -> Any:
+    """The :class:`~specimg.eval.quality.Quality` scorer the flags ask for; the demo's real
+    images (``real(n, seed)``) are its reference when the models are the demo's."""
     from specimg.eval.classifier import load_classifier
     from specimg.eval.quality import Quality
 
+    real = None
+    if model_name.startswith("demo") and not kw["target"]:
+        from specimg.demo.data import real_images as real
     classifier = load_classifier(kw["classifier"]) if kw["classifier"] else None
-    if classifier is None and model_name.startswith("demo") and not kw["target"]:
+    if classifier is None and real is not None:
         from specimg.models.demo import bundle_dir
 
         path = os.path.join(bundle_dir(), "classifier.safetensors")

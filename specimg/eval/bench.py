@@ -550,9 +550,7 @@ def write_outputs(summary: dict[str, Any], spec: BenchSpec, out: str | os.PathLi
 
 
 def _clean(obj: Any) -> Any:
-    """JSON-safe: metric objects as dicts, NaN and infinities as null."""
-    if hasattr(obj, "as_dict"):
-        obj = obj.as_dict()
+    """JSON-safe: NaN and infinities as null (:func:`summarise` made the metrics dicts)."""
     if isinstance(obj, Mapping):
         return {str(k): _clean(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -565,7 +563,7 @@ def _clean(obj: Any) -> Any:
 def save_sample_grid(records: Sequence[Mapping[str, Any]], spec: BenchSpec, tokenizer: Any, path: str, per_row: int = 8) -> None:
     """One row per variant, named on its left: its first ``per_row`` samples, the same
     conditions and seeds in every row, each column headed by its condition."""
-    from specimg.runs.images import make_table, save_png_atomic
+    from specimg.runs.images import condition_label, make_table, save_png_atomic
 
     columns = min(per_row, len(spec.conditions))
     rows = {v.label: {r["sample"]: r["tokens"] for r in records if r["label"] == v.label} for v in spec.variants}
@@ -575,12 +573,3 @@ def save_sample_grid(records: Sequence[Mapping[str, Any]], spec: BenchSpec, toke
     with torch.inference_mode():
         images = tokenizer.decode(torch.tensor([rows[label][i] for label in labels for i in range(columns)])).float().clamp(-1, 1)
     save_png_atomic(make_table(images, labels, [condition_label(spec.condition_keys[i]) for i in range(columns)]), path)
-
-
-def condition_label(key: Any) -> str:
-    """A condition as a column heads it: its class, or its prompt (text or token ids)."""
-    if isinstance(key, str):
-        return key
-    if isinstance(key, tuple | list):
-        return "ids " + " ".join(map(str, key))
-    return f"class {key}"

@@ -68,7 +68,7 @@ from specimg.models.loading import load_drafter
 from specimg.plugins import PluginManager, get_plugin_manager
 from specimg.progress import progress_bar
 from specimg.stackhooks import MemberHook, StackHooks
-from specimg.train.data import DrafterData, _atomic_write_json
+from specimg.train.data import DrafterData, _atomic_write_json, _read_json
 from specimg.train.schedule import WarmupCosine
 
 TTT_DECAY = 0.8
@@ -253,16 +253,6 @@ class _Trainable(nn.Module):
 
 
 # ----------------------------------------------------------------------------- run folder
-
-
-def _read_json(path: str) -> dict[str, Any] | None:
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
-    except (OSError, json.JSONDecodeError) as err:
-        raise SpecimgError(f"cannot read {path}: {err}") from None
 
 
 def _truncate_log(path: str, step: int) -> None:
