@@ -101,8 +101,6 @@ def _write_images(engine: Engine, models: Any, conditions: Conditions, seed: int
     from specimg.runs.images import save_png_atomic, to_pil
 
     key = conditions.field
-    if models.tokenizer is not None:
-        os.makedirs(os.path.join(log.out, "images"), exist_ok=True)
     images: list[ImageStats] = []
 
     def write(position: int, tokens: torch.Tensor, stats: ImageStats) -> None:

@@ -367,7 +367,6 @@ def _open_folder(out: str, meta: dict[str, Any], process_index: int, barrier: Ca
     settings and target (its shards are kept); the others wait for it and stop when it refused the folder."""
     meta_path = os.path.join(out, META)
     if process_index == 0:
-        os.makedirs(out, exist_ok=True)
         if not os.path.exists(meta_path):
             _atomic_write_json(meta_path, meta)
         else:

@@ -380,7 +380,6 @@ def _open_run(out: str, settings: dict[str, Any], keep: int, accelerator: Any) -
         raise SpecimgError(f"{out} holds a training run with other settings (differs in {', '.join(diff)}); use another --out")
     accelerator.wait_for_everyone()  # everyone has read the folder before it changes
     if accelerator.is_main_process:
-        os.makedirs(out, exist_ok=True)
         if old is None:
             _atomic_write_json(run_path, settings)
         _truncate_log(os.path.join(out, LOG), state["step"] if state else 0)
