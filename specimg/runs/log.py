@@ -58,11 +58,10 @@ class RunLog:
     def _paths(self) -> set[str]:
         return set(glob.glob(os.path.join(self.out, "manifest*.jsonl")))
 
-    def add(self, index: int, record: dict[str, Any]) -> dict[str, Any]:
-        """Write sample ``index``'s record (flushed before this returns); the entry as kept."""
+    def add(self, index: int, record: dict[str, Any]) -> None:
+        """Write sample ``index``'s record (flushed before this returns)."""
         self._own.add(index, record)
         self.done[index] = self._own.done[index]
-        return self.done[index]
 
     def first_mismatch(self, expected: Sequence[Mapping[str, Any]]) -> tuple[int, str, Any, Any] | None:
         """The first held sample whose record differs from ``expected[index]`` in one of its
