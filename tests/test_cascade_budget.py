@@ -14,7 +14,7 @@ from specimg import DraftTree, Scores
 from specimg.methods import make_options
 from specimg.plugins import PluginManager
 from specimg.relax import tvd
-from specimg.testing.conformance import relaxed, step_engine
+from specimg.testing.conformance import step_engine
 from specimg.testing.strategies import RelaxCase, relax_batches, relax_cases
 
 LOOSE = {"tau_pos": -1.0, "tau_seq": -1.0}
@@ -37,7 +37,7 @@ def path_sums(tree: DraftTree, dist: torch.Tensor, p: torch.Tensor) -> list[floa
 @given(case=relax_cases(max_nodes=10, max_children=2), delta=st.sampled_from([0.05, 0.2, 0.5, 1.0]))
 def test_every_path_keeps_within_delta(case: RelaxCase, delta: float):
     engine = step_engine("cascade", case, {"cascade": {**LOOSE, "budget": "step", "delta": delta}})
-    dist = relaxed(engine, case.tree, case.scores)
+    dist = engine.relax(case.tree, case.scores)
     assert max(path_sums(case.tree, dist, case.p)) <= delta + 1e-5
     assert float(tvd(dist, case.p).max()) <= delta + 1e-5 and torch.allclose(dist.sum(-1), torch.ones(case.tree.size))
 
@@ -49,7 +49,7 @@ def test_a_forest_keeps_each_path_within_delta(batch: list[RelaxCase]):
     scores = Scores(*(torch.cat([getattr(case.scores, part) for case in batch], dim=0 if part == "probs" else 1)
                       for part in ("probs", "hidden", "logits")))
     engine = step_engine("cascade", batch[0], {"cascade": {**LOOSE, "budget": "step", "delta": 0.3}})
-    dist = relaxed(engine, forest, scores)
+    dist = engine.relax(forest, scores)
     assert max(path_sums(forest, dist, scores.probs)) <= 0.3 + 1e-5
 
 
@@ -66,7 +66,7 @@ def test_a_chain_spends_delta_once_per_step_or_once_per_node(budget: str, within
     """Power: per node, a 5-node chain moves 0.125 at each of its 4 inner nodes, 0.5 in all
     against delta 0.2 (each node within 0.2); per step, 0.2 along the whole chain."""
     case = chain(5)
-    dist = relaxed(step_engine("cascade", case, {"cascade": {**LOOSE, "budget": budget, "delta": 0.2}}), case.tree, case.scores)
+    dist = step_engine("cascade", case, {"cascade": {**LOOSE, "budget": budget, "delta": 0.2}}).relax(case.tree, case.scores)
     total = path_sums(case.tree, dist, case.p)[0]
     assert (total <= 0.2 + 1e-6) == within and total > 0.19
     assert max(tvd(dist, case.p).tolist()) <= 0.2 + 1e-6

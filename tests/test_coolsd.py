@@ -16,7 +16,7 @@ import torch
 from specimg import DraftTree, Engine, SpecimgError, TreeConfig
 from specimg.relax import tvd
 from specimg.testing import statistics
-from specimg.testing.conformance import emission, make_conformance_tests, relaxed, step_engine
+from specimg.testing.conformance import emission, make_conformance_tests, step_engine
 from specimg.testing.strategies import RelaxCase
 from specimg_plugins.coolsd import relaxation, relaxed_rejection
 
@@ -118,7 +118,7 @@ def test_e1_to_e3_each_position_emits_its_published_law():
     def emitted(first: int, second: int) -> tuple[torch.Tensor, torch.Tensor]:
         case = RelaxCase.of(_sampled_chain(q, [first, second]), p)
         engine = step_engine("coolsd", case, options)
-        return emission(lambda g: engine.accept(case.tree, relaxed(engine, case.tree, case.scores), case.scores, g), case.tree, vocab)
+        return emission(lambda g: engine.accept(case.tree, engine.relax(case.tree, case.scores), case.scores, g), case.tree, vocab)
 
     tokens = range(vocab)
     reached = int(q[0].argmax())  # the root's likeliest draft: accepted with probability > 0
@@ -144,7 +144,7 @@ def test_e4_scales_the_candidates_by_omega_within_the_budget():
     case = RelaxCase.of(tree, p)
     for delta, budget in ((2.0, 1.0), (2.0, 0.1)):
         engine = step_engine("coolsd", case, {"coolsd": {"omega": delta, "nu": 0.7, "delta": budget}}, delta=budget)
-        q = relaxed(engine, tree, case.scores)
+        q = engine.relax(tree, case.scores)
         for node, cands in enumerate([[1, 0], [2], [3], []]):
             others = [t for t in range(4) if t not in cands]
             omega = _omega(delta, 0.7, node + 1, 3)

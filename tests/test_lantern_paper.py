@@ -21,7 +21,7 @@ import torch
 from specimg import DraftTree, Engine, Sampling, SpecimgError, TreeConfig
 from specimg.plugins import PluginManager
 from specimg.testing import statistics
-from specimg.testing.conformance import accepted, emission, relaxed, step_engine
+from specimg.testing.conformance import emission, step_engine
 from specimg.testing.strategies import CodebookTokenizer, RelaxCase
 from specimg_plugins import lantern, lantern_pp
 
@@ -144,8 +144,8 @@ def engine_law(method: str, options: dict, case: RelaxCase) -> torch.Tensor:
     """[n, V]: the probability of reaching each node and then emitting each token, through
     the engine's relaxation fold and accept hook, every draw enumerated."""
     engine = step_engine(method, case, {method: options})
-    q = relaxed(engine, case.tree, case.scores)
-    return emission(lambda g: accepted(engine, case.tree, q, case.scores, g), case.tree, VOCAB)[1]
+    q = engine.relax(case.tree, case.scores)
+    return emission(lambda g: engine.accept(case.tree, q, case.scores, g), case.tree, VOCAB)[1]
 
 
 def method_of(name: str) -> str:
@@ -388,8 +388,8 @@ def test_paper_mode_refuses_a_budget_and_delta_0_is_exact():
     paper = {"lantern": {"mode": "paper", "k": 2}}
     for engine in (step_engine("lantern", case, paper, delta=0.5), step_engine("cascade+lantern", case, {**paper, "cascade": {"delta": 0.5}})):
         with pytest.raises(SpecimgError, match="no TVD budget"):
-            relaxed(engine, case.tree, case.scores)
-    assert relaxed(step_engine("lantern", case, paper, delta=0.0), case.tree, case.scores) is case.p
+            engine.relax(case.tree, case.scores)
+    assert step_engine("lantern", case, paper, delta=0.0).relax(case.tree, case.scores) is case.p
 
 
 def test_an_unknown_mode_is_refused():

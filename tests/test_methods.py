@@ -18,7 +18,7 @@ from specimg.models.vq import build_tokenizer as build_vq
 from specimg.plugins import PluginManager
 from specimg.relax import transfer, tvd
 from specimg.step import Scores
-from specimg.testing.conformance import relaxed, step_engine
+from specimg.testing.conformance import step_engine
 from specimg.testing.markov import MarkovDrafter, MarkovTarget
 from specimg.testing.strategies import CodebookTokenizer, RelaxCase
 from specimg.train.drafter import apply_loss_hooks, eagle3_terms, loss_hooks, ttt_fold
@@ -212,19 +212,19 @@ def paper_case(probs: list[float], children: list[int], tokenizer: Any = None) -
 def test_lantern_budget_per_candidate_gives_each_candidate_its_own_delta():
     case = paper_case([0.1, 0.2, 0.2, 0.15, 0.15, 0.2], [1, 2])
     options = {"k": 1, "delta": 0.2}
-    per_node = relaxed(step_engine("lantern", case, {"lantern": options}), case.tree, case.scores)
+    per_node = step_engine("lantern", case, {"lantern": options}).relax(case.tree, case.scores)
     # one 0.2 for the node: 1 takes 3's 0.15, and 4's 0.15 no longer fits for 2
     torch.testing.assert_close(per_node[0], torch.tensor([0.1, 0.35, 0.2, 0.0, 0.15, 0.2]))
     engine = step_engine("lantern", case, {"lantern": {**options, "budget": "candidate"}})
-    per_candidate = relaxed(engine, case.tree, case.scores)
+    per_candidate = engine.relax(case.tree, case.scores)
     # 0.2 each: both move their neighbour, 0.3 in all, more than delta: the method declares 1 for the node
     torch.testing.assert_close(per_candidate[0], torch.tensor([0.1, 0.35, 0.35, 0.0, 0.0, 0.2]))
     assert engine.stack.delta == 1.0
     # a stack budget still bounds the node, and delta 0 is exact
-    capped = relaxed(step_engine("lantern", case, {"lantern": {**options, "budget": "candidate"}}, delta=0.25), case.tree, case.scores)
+    capped = step_engine("lantern", case, {"lantern": {**options, "budget": "candidate"}}, delta=0.25).relax(case.tree, case.scores)
     torch.testing.assert_close(capped, per_node)
     zero = step_engine("lantern", case, {"lantern": {**options, "budget": "candidate", "delta": 0.0}})
-    assert zero.stack.delta == 0.0 and relaxed(zero, case.tree, case.scores) is case.p
+    assert zero.stack.delta == 0.0 and zero.relax(case.tree, case.scores) is case.p
 
 
 def test_lantern_raw_codebook_takes_neighbours_as_the_released_code_does():
@@ -236,7 +236,7 @@ def test_lantern_raw_codebook_takes_neighbours_as_the_released_code_does():
     # 0's nearest code: 1 on the unit circle (the same direction), 2 in the raw codebook (L2 0.71 against 9.1)
     case = paper_case([0.2, 0.2, 0.2, 0.2, 0.1, 0.1], [0], tokenizer=tok)
     for codebook, donor in (("normalised", 1), ("raw", 2)):
-        q = relaxed(step_engine("lantern", case, {"lantern": {"k": 1, "delta": 0.3, "codebook": codebook}}), case.tree, case.scores)
+        q = step_engine("lantern", case, {"lantern": {"k": 1, "delta": 0.3, "codebook": codebook}}).relax(case.tree, case.scores)
         want = case.p[0].clone()
         want[0], want[donor] = 0.4, 0.0
         torch.testing.assert_close(q[0], want)
@@ -249,9 +249,9 @@ def test_lantern_pp_delta_1_is_the_papers_cap_only_rule():
     # 1's neighbours on the line: 3, 2, 4, 0, 5; whole ones while q(1) <= lam * p(1) = 0.3
     case = paper_case([0.3, 0.1, 0.1, 0.05, 0.1, 0.35], [1])
     options = {"k": 10, "lam": 3.0}
-    q = relaxed(step_engine("lantern++", case, {"lantern++": {**options, "delta": 1.0}}), case.tree, case.scores)
+    q = step_engine("lantern++", case, {"lantern++": {**options, "delta": 1.0}}).relax(case.tree, case.scores)
     torch.testing.assert_close(q[0], torch.tensor([0.3, 0.25, 0.0, 0.0, 0.1, 0.35]))  # 3 and 2 fit under the cap, 4 does not
-    q = relaxed(step_engine("lantern++", case, {"lantern++": options}), case.tree, case.scores)
+    q = step_engine("lantern++", case, {"lantern++": options}).relax(case.tree, case.scores)
     torch.testing.assert_close(q[0], torch.tensor([0.3, 0.15, 0.1, 0.0, 0.1, 0.35]))  # the default budget 0.1 stops at 3
 
 

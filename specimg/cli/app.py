@@ -23,6 +23,7 @@ from specimg.runs.folder import unmade_on_failure
 
 _NO_ARGS = getattr(click.exceptions, "NoArgsIsHelpError", ())
 """What click (8.2 and later) raises for a bare ``specimg``: the help, not a one-line error."""
+_OUT_OF_MEMORY = "out of memory; lower --batch-size (or -n, --num-samples) and run the same command again: it resumes"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -30,62 +31,53 @@ def main(argv: list[str] | None = None) -> None:
     a method that breaks its budget, naming the package to blame; warnings take one line."""
     with warnings.catch_warnings():
         warnings.showwarning = _one_line_warning
-        _run(argv)
+        try:
+            with unmade_on_failure():
+                cli.main(args=argv, prog_name="specimg", standalone_mode=False)
+        except BudgetError as err:
+            provider = get_plugin_manager().provider(err.method)
+            origin = f"plugin {provider.name!r} ({provider.source})" if provider else "its plugin"
+            _fail(f"{err}, a bug in {origin}: leave {err.method} out of --method and report it to its authors")
+        except SpecimgError as err:
+            _fail(str(err))
+        except _NO_ARGS as err:
+            err.show()
+            sys.exit(2)
+        except click.ClickException as err:
+            hint = f" (see '{err.ctx.command_path} --help')" if isinstance(err, click.UsageError) and err.ctx else ""
+            _fail(f"{err.format_message()}{hint}")
+        except OSError as err:
+            if err.errno in (errno.ENOSPC, errno.EDQUOT):
+                # standard output to /dev/null, so that the interpreter's last flush of what a full
+                # disk refused does not add a traceback to the one error line
+                with contextlib.suppress(OSError, ValueError):
+                    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                where = f"{err.filename}: " if err.filename else "writing the output: "
+                _fail(f"{where}{err.strerror}; free space and run the same command again: it resumes")
+            if not err.filename:
+                raise
+            # a path in the way (a file where a folder goes, a folder where a file goes, no permission):
+            # every output is written whole or not at all, so the run resumes once the path is cleared
+            path = err.filename2 or err.filename  # a rename's destination, not its temporary source
+            _fail(f"{path}: {err.strerror}; clear the way and run the same command again: it resumes")
+        except (click.Abort, KeyboardInterrupt):
+            click.echo("specimg: interrupted; the same command resumes where it stopped", err=True)
+            sys.exit(130)
+        except MemoryError:
+            _fail(_OUT_OF_MEMORY)
+        except RuntimeError as err:  # torch's: an OutOfMemoryError on a GPU, a plain RuntimeError from the CPU allocator
+            if type(err).__name__ != "OutOfMemoryError" and "can't allocate memory" not in str(err):
+                raise
+            _fail(_OUT_OF_MEMORY)
 
 
-def _out_of_memory() -> NoReturn:
-    click.echo("specimg: error: out of memory; lower --batch-size (or -n, --num-samples) and run the same command again: it resumes", err=True)
+def _fail(message: str) -> NoReturn:
+    click.echo(f"specimg: error: {message}", err=True)
     sys.exit(2)
 
 
 def _one_line_warning(message: Warning | str, *args: Any, **kwargs: Any) -> None:
     click.echo(f"specimg: warning: {message}", err=True)
-
-
-def _run(argv: list[str] | None) -> None:
-    try:
-        with unmade_on_failure():
-            cli.main(args=argv, prog_name="specimg", standalone_mode=False)
-    except BudgetError as err:
-        provider = get_plugin_manager().provider(err.method)
-        origin = f"plugin {provider.name!r} ({provider.source})" if provider else "its plugin"
-        click.echo(f"specimg: error: {err}, a bug in {origin}: leave {err.method} out of --method and report it to its authors", err=True)
-        sys.exit(2)
-    except SpecimgError as err:
-        click.echo(f"specimg: error: {err}", err=True)
-        sys.exit(2)
-    except _NO_ARGS as err:
-        err.show()
-        sys.exit(2)
-    except click.ClickException as err:
-        hint = f" (see '{err.ctx.command_path} --help')" if isinstance(err, click.UsageError) and err.ctx else ""
-        click.echo(f"specimg: error: {err.format_message()}{hint}", err=True)
-        sys.exit(2)
-    except OSError as err:
-        if err.errno in (errno.ENOSPC, errno.EDQUOT):
-            # standard output to /dev/null, so that the interpreter's last flush of what a full
-            # disk refused does not add a traceback to the one error line
-            with contextlib.suppress(OSError, ValueError):
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            where = f"{err.filename}: " if err.filename else "writing the output: "
-            click.echo(f"specimg: error: {where}{err.strerror}; free space and run the same command again: it resumes", err=True)
-            sys.exit(2)
-        if not err.filename:
-            raise
-        # a path in the way (a file where a folder goes, a folder where a file goes, no permission):
-        # every output is written whole or not at all, so the run resumes once the path is cleared
-        path = err.filename2 or err.filename  # a rename's destination, not its temporary source
-        click.echo(f"specimg: error: {path}: {err.strerror}; clear the way and run the same command again: it resumes", err=True)
-        sys.exit(2)
-    except (click.Abort, KeyboardInterrupt):
-        click.echo("specimg: interrupted; the same command resumes where it stopped", err=True)
-        sys.exit(130)
-    except MemoryError:
-        _out_of_memory()
-    except RuntimeError as err:  # torch's: an OutOfMemoryError on a GPU, a plain RuntimeError from the CPU allocator
-        if type(err).__name__ != "OutOfMemoryError" and "can't allocate memory" not in str(err):
-            raise
-        _out_of_memory()
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

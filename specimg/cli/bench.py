@@ -5,26 +5,22 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
 from typing import Any
 
 import click
 import torch
-from torch import Tensor
 
 from specimg import costs
 from specimg.cli.conditions import conditions_for
 from specimg.cli.loading import base_sampling, default_model, models_from, run_inputs
-from specimg.cli.options import (
-    THREADS, check_tree_fits, condition_options, compile_option, device_from, device_options, method_options, model_options,
-    prompt_options, sampling_from, sampling_options, tree_from, tree_options,
-)
+from specimg.cli.options import THREADS, check_tree_fits, device_from, run_options, sampling_from, tree_from
 from specimg.cli.prompts import comma_items
 from specimg.config import Sampling
 from specimg.errors import SpecimgError
 from specimg.eval.bench import DEFAULT_IMAGES, MISSING_PLOT, BenchSpec, build_engines, check_batch_sizes, markdown_table, plan_variants, run_bench, save_sample_grid, summarise, write_outputs
 from specimg.methods import parse_options
 from specimg.plugins import get_plugin_manager
+from specimg.runs.folder import on_main
 from specimg.files import writable_folder
 from specimg.compiled import CompileClock
 from specimg.relax import checks_enabled
@@ -33,14 +29,7 @@ from specimg.relax import checks_enabled
 @click.command()
 @click.option("--methods", default=None, help="comma-separated method stacks [default: ar,naive,lantern,lantern++,gsd,cascade,cascade+lantern, those installed]")
 @click.option("--sweep", multiple=True, metavar="METHOD.KEY=V1,V2,...", help="one run per value, for each stack with METHOD (repeatable; delta=... sweeps the stack budget)")
-@method_options
-@model_options
-@condition_options(num_images=DEFAULT_IMAGES)
-@sampling_options
-@tree_options
-@device_options
-@compile_option
-@prompt_options
+@run_options(num_images=DEFAULT_IMAGES)
 @click.option("--classifier", type=click.Path(dir_okay=False), help="demo-format classifier for accuracy and Frechet distances [default: the demo bundle's]")
 @click.option("--num-real", type=click.IntRange(2, 10**6), default=1000, show_default=True, help="reference images for Frechet distance / FID")
 @click.option("--real-images", type=click.Path(exists=True, file_okay=False), help="folder of reference images for FID")
@@ -69,11 +58,6 @@ def bench(**kw: Any) -> None:
     check_tree_fits(tree, models.target, models.drafter)
     sizes = batch_sizes(kw["batch_sizes"])  # bad input fails before the output folder is made
     writable_folder(kw["out"])
-    real = None
-    if model.startswith("demo") and not kw["target"]:  # the demo's real images are the quality reference
-        from specimg.demo.data import real_images
-
-        real = real_images
     sampling = sampling_from(kw, base_sampling(model, kw["target"], models.target))
     start = time.perf_counter()
     state = PartialState(cpu=True)
@@ -85,18 +69,7 @@ def bench(**kw: Any) -> None:
     conditions, keys, captions = conditions_for(models.target, kw)
     spec = BenchSpec(tuple(variants), tuple(conditions), tuple(keys), kw["seed"], sampling, tree, kw["warmup"], run_inputs(kw, model))
     engines = build_engines(models, spec, compile=kw["compile"])
-    quality, error = None, None
-    if kw["quality"] and state.is_main_process:
-        try:
-            quality = build_quality(models, model, sampling, conditions, captions, kw, real)
-        except SpecimgError as err:
-            error = str(err)
-    if state.num_processes > 1:  # the other processes must stop too, not wait for the main one
-        from accelerate.utils import broadcast_object_list
-
-        error = broadcast_object_list([error])[0]
-    if error is not None:
-        raise SpecimgError(error)
+    quality = on_main(state, lambda: build_quality(models, model, sampling, conditions, captions, kw) if kw["quality"] else None)
     if state.is_main_process:
         for note in notes:
             click.echo(f"note: {note}")
@@ -139,17 +112,17 @@ def batch_sizes(text: str) -> list[int]:
     return list(check_batch_sizes(sizes))
 
 
-def build_quality(
-    models: Any, model_name: str, sampling: Sampling, conditions: list[Any], captions: list[str] | None, kw: dict[str, Any],
-    real: Callable[[int, int], Tensor] | None = None,
-) -> Any:
-    """The :class:`~specimg.eval.quality.Quality` scorer the flags ask for; ``real(n, seed)``
-    gives real reference images (the demo's), if the models have any."""
+def build_quality(models: Any, model_name: str, sampling: Sampling, conditions: list[Any], captions: list[str] | None, kw: dict[str, Any]) -> Any:
+    """The :class:`~specimg.eval.quality.Quality` scorer the flags ask for; the demo's real
+    images (``real(n, seed)``) are its reference when the models are the demo's."""
     from specimg.eval.classifier import load_classifier
     from specimg.eval.quality import Quality
 
+    real = None
+    if model_name.startswith("demo") and not kw["target"]:
+        from specimg.demo.data import real_images as real
     classifier = load_classifier(kw["classifier"]) if kw["classifier"] else None
-    if classifier is None and model_name.startswith("demo") and not kw["target"]:
+    if classifier is None and real is not None:
         from specimg.models.demo import bundle_dir
 
         path = os.path.join(bundle_dir(), "classifier.safetensors")

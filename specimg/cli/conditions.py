@@ -46,11 +46,9 @@ def shorten(text: str, width: int = 40) -> str:
 
 def grid_label(entry: dict[str, Any]) -> str:
     """A manifest entry's label in a grid: its prompt or prompt ids, shortened, or its class."""
-    if "prompt" in entry:
-        return shorten(entry["prompt"])
-    if "prompt_ids" in entry:
-        return shorten("ids " + " ".join(map(str, entry["prompt_ids"])))
-    return f"class {entry['condition']}"
+    from specimg.runs.images import condition_label
+
+    return shorten(condition_label(next(entry[field] for field in ("prompt", "prompt_ids", "condition") if field in entry)))
 
 
 def is_t2i(target: Any) -> bool:

@@ -101,9 +101,6 @@ def write_run(engine: Engine, models: Any, conditions: Conditions, seed: int, ou
 def _write_images(engine: Engine, models: Any, conditions: Conditions, seed: int, log: RunLog, mine: list[int], main: bool) -> list[ImageStats]:
     from specimg.runs.images import save_png_atomic, to_pil
 
-    key = conditions.field
-    if models.tokenizer is not None:
-        os.makedirs(os.path.join(log.out, "images"), exist_ok=True)
     images: list[ImageStats] = []
 
     def write(position: int, tokens: torch.Tensor, stats: ImageStats) -> None:
@@ -112,7 +109,7 @@ def _write_images(engine: Engine, models: Any, conditions: Conditions, seed: int
         images.append(stats)
         if models.tokenizer is not None:
             save_png_atomic(to_pil(_decode(models.tokenizer, tokens[None]))[0], os.path.join(log.out, "images", f"{index:05d}.png"))
-        log.add(index, {key: conditions.keys[index], "seed": seed + index, "tokens": tokens.tolist(), "stats": stats.as_dict()})
+        log.add(index, {conditions.field: conditions.keys[index], "seed": seed + index, "tokens": tokens.tolist(), "stats": stats.as_dict()})
 
     with progress_bar(total=len(mine) * models.target.num_tokens, unit="tok", desc=engine.method, show=main) as bar:
         engine.generate([conditions.values[i] for i in mine], seeds=[seed + i for i in mine], progress=bar.update, on_image=write)

@@ -172,8 +172,8 @@ def compile_option(fn: F) -> F:
 
 
 def run_options(num_images: int, tree: bool = True) -> Callable[[F], F]:
-    """The options of the commands that decode with one method (generate; tune, which
-    values auto trees, without the tree's)."""
+    """The options of the commands that decode (generate, bench; tune, which values auto
+    trees, without the tree's)."""
     trees = [tree_options] if tree else []
     return _apply([
         method_options, model_options, condition_options(num_images), prompt_options, sampling_options, *trees, device_options, compile_option,

@@ -121,12 +121,11 @@ def plan_variants(
                 notes.append(f"skipped {stack} (not installed)")
     else:
         stacks = [(m.strip(), stack_members(m, installed)) for m in methods]
-    seen: set[str] = set()
-    for stack, _ in stacks:
-        if stack in seen:
-            raise SpecimgError(f"--methods names {stack!r} twice")
-        seen.add(stack)
-    if AR not in seen:
+    names = [stack for stack, _ in stacks]
+    twice = next((stack for i, stack in enumerate(names) if stack in names[:i]), None)
+    if twice is not None:
+        raise SpecimgError(f"--methods names {twice!r} twice")
+    if AR not in names:
         stacks.insert(0, (AR, [AR]))
         notes.append("added ar: it is the speedup baseline")
     options = options or {}
@@ -221,22 +220,17 @@ def run_bench(
     spec: BenchSpec,
     out: str | os.PathLike[str],
     *,
-    state: Any = None,
+    state: Any,
     engines: Mapping[str, Engine] | None = None,
     progress: bool = True,
     on_record: Callable[[dict[str, Any]], None] | None = None,
 ) -> BenchRun:
     """Generate every (sample, variant) not yet in ``out``'s run log; return all records.
 
-    ``state``: an ``accelerate.PartialState`` (default: a fresh one; one process when not
-    launched).  Sample i goes to process ``i % num_processes``.  ``on_record`` is called
+    ``state``: an ``accelerate.PartialState``.  Sample i goes to process ``i % num_processes``.  ``on_record`` is called
     after each record is safely written (tests use it to stop a run); ``progress`` False
     hides the progress bars.
     """
-    if state is None:
-        from accelerate import PartialState
-
-        state = PartialState(cpu=True)
     engines = dict(engines) if engines is not None else build_engines(models, spec)
     nv = len(spec.variants)
     expected = [{"condition": spec.condition_keys[i], "label": v.label} for i in range(len(spec.conditions)) for v in spec.variants]
@@ -570,9 +564,7 @@ def write_outputs(summary: dict[str, Any], spec: BenchSpec, out: str | os.PathLi
 
 
 def _clean(obj: Any) -> Any:
-    """JSON-safe: metric objects as dicts, NaN and infinities as null."""
-    if hasattr(obj, "as_dict"):
-        obj = obj.as_dict()
+    """JSON-safe: NaN and infinities as null (:func:`summarise` made the metrics dicts)."""
     if isinstance(obj, Mapping):
         return {str(k): _clean(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -585,7 +577,7 @@ def _clean(obj: Any) -> Any:
 def save_sample_grid(records: Sequence[Mapping[str, Any]], spec: BenchSpec, tokenizer: Any, path: str, per_row: int = 8) -> None:
     """One row per variant, named on its left: its first ``per_row`` samples, the same
     conditions and seeds in every row, each column headed by its condition."""
-    from specimg.runs.images import make_table, save_png_atomic
+    from specimg.runs.images import condition_label, make_table, save_png_atomic
 
     columns = min(per_row, len(spec.conditions))
     rows = {v.label: {r["sample"]: r["tokens"] for r in records if r["label"] == v.label} for v in spec.variants}
@@ -595,12 +587,3 @@ def save_sample_grid(records: Sequence[Mapping[str, Any]], spec: BenchSpec, toke
     with torch.inference_mode():
         images = tokenizer.decode(torch.tensor([rows[label][i] for label in labels for i in range(columns)])).float().clamp(-1, 1)
     save_png_atomic(make_table(images, labels, [condition_label(spec.condition_keys[i]) for i in range(columns)]), path)
-
-
-def condition_label(key: Any) -> str:
-    """A condition as a column heads it: its class, or its prompt (text or token ids)."""
-    if isinstance(key, str):
-        return key
-    if isinstance(key, tuple | list):
-        return "ids " + " ".join(map(str, key))
-    return f"class {key}"

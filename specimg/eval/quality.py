@@ -59,13 +59,10 @@ class Quality:
         with torch.inference_mode():
             return torch.cat([self.tokenizer.decode(tokens[s : s + batch]).float().clamp(-1, 1) for s in range(0, tokens.shape[0], batch)])
 
-    def _features(self, images: Tensor) -> Tensor:
-        return self.classifier.all_features(images)
-
     def _real(self) -> Tensor | None:
         if self._real_features is None and self.real_images is not None and self.classifier is not None:
             try:
-                self._real_features = self._features(self.real_images(self.num_real, DEMO_REAL_SEED))
+                self._real_features = self.classifier.all_features(self.real_images(self.num_real, DEMO_REAL_SEED))
             except SpecimgError as err:
                 self.notes.append(f"no Fréchet distance to real images: {err}")
                 self.real_images = None
@@ -77,7 +74,7 @@ class Quality:
         labels = [c for c in self.conditions if isinstance(c, int)]
         classes = torch.tensor(labels) if len(labels) == len(self.conditions) else None
         images = {k: self.decode(v) for k, v in samples.items()} if self.tokenizer is not None else {}
-        feats = {k: self._features(v) for k, v in images.items()} if self.classifier is not None else {}
+        feats = {k: self.classifier.all_features(v) for k, v in images.items()} if self.classifier is not None else {}
         real = self._real() if feats else None
         out: dict[str, dict[str, Any]] = {k: {} for k in samples}
         for key, tokens in samples.items():
@@ -100,10 +97,10 @@ class Quality:
         floors: dict[str, Any] = {}
         n = next(iter(samples.values())).shape[0] if samples else 0
         if real is not None and self.real_images is not None and n >= 2:
-            floors["frechet_real"] = frechet_distance(self._features(self.real_images(n, DEMO_REAL_SEED + 1)), real)
+            floors["frechet_real"] = frechet_distance(self.classifier.all_features(self.real_images(n, DEMO_REAL_SEED + 1)), real)
         if baseline in feats and n >= 2 and isinstance(self.target, BatchSteps):
             again = ar_tokens(self.target, self.conditions, [AR_FLOOR_SEED + i for i in range(n)], self.sampling)
-            floors["frechet_ar"] = frechet_distance(self._features(self.decode(again)), feats[baseline])
+            floors["frechet_ar"] = frechet_distance(self.classifier.all_features(self.decode(again)), feats[baseline])
         return out, floors
 
 

@@ -75,7 +75,6 @@ def tune(engine: Engine, conditions: Sequence[Condition], seed: int, out: str, e
         "candidates": [attrs.asdict(p) for p in ranked], "choice": attrs.asdict(best),
         "generate_trees": [{"depth": d, "topk": k, "nodes": n, "steps": steps, "tokens": tokens} for (d, k, n), (steps, tokens) in picked.tree_use().items()],
     }
-    os.makedirs(out, exist_ok=True)
     with atomic_path(os.path.join(out, "tune.json"), ".json") as tmp, open(tmp, "w") as file:
         json.dump(result, file, indent=1)
     if _plot(cost, rates, max_nodes, max_fed, scale_name, os.path.join(out, "tune.png")):

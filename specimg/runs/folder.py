@@ -17,13 +17,15 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
 
 from specimg import files
 from specimg.cache import cache_dir
 from specimg.errors import SpecimgError
 from specimg.files import atomic_path
+
+T = TypeVar("T")
 
 LOCK = ".specimg-lock"
 """The lock file in a run folder; it names the run that holds it."""
@@ -36,11 +38,23 @@ def claim(folder: str, state: Any = None) -> Iterator[None]:
     torchrun the main process claims it for all, and a refusal stops every process alike.
     The lock file goes when the block ends; the lock dies with its process, so a killed
     run never leaves the folder locked (only its file, which the next run takes over)."""
-    main = state is None or state.is_main_process
-    fd, error = None, None
-    if main:
+    fd = on_main(state, lambda: _lock(folder))
+    try:
+        yield
+    finally:
+        if fd is not None:
+            with contextlib.suppress(OSError):  # removed while still held: no run can take the old file
+                os.unlink(os.path.join(folder, LOCK))
+            os.close(fd)
+
+
+def on_main(state: Any, make: Callable[[], T]) -> T | None:
+    """``make()`` on the main process of ``state`` (None: one process), None on the others;
+    a SpecimgError it raises is raised on every process alike, so none waits for the main one."""
+    result, error = None, None
+    if state is None or state.is_main_process:
         try:
-            fd = _lock(folder)
+            result = make()
         except SpecimgError as err:
             error = str(err)
     if state is not None and state.num_processes > 1:
@@ -49,13 +63,7 @@ def claim(folder: str, state: Any = None) -> Iterator[None]:
         error = broadcast_object_list([error])[0]
     if error is not None:
         raise SpecimgError(error)
-    try:
-        yield
-    finally:
-        if fd is not None:
-            with contextlib.suppress(OSError):  # removed while still held: no run can take the old file
-                os.unlink(os.path.join(folder, LOCK))
-            os.close(fd)
+    return result
 
 
 @contextlib.contextmanager

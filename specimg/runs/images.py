@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from PIL import Image, ImageDraw, ImageFont
@@ -13,6 +14,15 @@ from torch import Tensor
 from specimg.files import atomic_path
 
 _PAD = 2
+
+
+def condition_label(key: Any) -> str:
+    """A condition as an image's label names it: its class, or its prompt (text or token ids)."""
+    if isinstance(key, str):
+        return key
+    if isinstance(key, tuple | list):
+        return "ids " + " ".join(map(str, key))
+    return f"class {key}"
 
 
 def to_pil(images: Tensor) -> list[Image.Image]:

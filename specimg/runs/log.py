@@ -28,10 +28,6 @@ MANIFEST = "manifest.jsonl"
 """The main process's manifest; process r > 0 writes ``manifest-r.jsonl`` beside it."""
 
 
-def manifest_path(out: str, rank: int) -> str:
-    return os.path.join(out, MANIFEST if rank == 0 else f"manifest-{rank}.jsonl")
-
-
 @contextlib.contextmanager
 def open_run(out: str | os.PathLike[str], settings: Mapping[str, Any], state: Any) -> Iterator[RunLog]:
     """Own ``out`` for the block and read what it holds.  ``settings``: what decides the
@@ -52,7 +48,7 @@ class RunLog:
 
     def __init__(self, out: str, settings: dict[str, Any], rank: int) -> None:
         self.out, self.settings = out, settings
-        own = manifest_path(out, rank)
+        own = os.path.join(out, MANIFEST if rank == 0 else f"manifest-{rank}.jsonl")
         self.done: dict[int, dict[str, Any]] = {}
         for path in self._paths() - {own}:
             self.done.update(Manifest(path, settings).done)
@@ -62,11 +58,10 @@ class RunLog:
     def _paths(self) -> set[str]:
         return set(glob.glob(os.path.join(self.out, "manifest*.jsonl")))
 
-    def add(self, index: int, record: dict[str, Any]) -> dict[str, Any]:
-        """Write sample ``index``'s record (flushed before this returns); the entry as kept."""
+    def add(self, index: int, record: dict[str, Any]) -> None:
+        """Write sample ``index``'s record (flushed before this returns)."""
         self._own.add(index, record)
         self.done[index] = self._own.done[index]
-        return self.done[index]
 
     def first_mismatch(self, expected: Sequence[Mapping[str, Any]]) -> tuple[int, str, Any, Any] | None:
         """The first held sample whose record differs from ``expected[index]`` in one of its

@@ -61,16 +61,6 @@ def step_engine(method: str, case: RelaxCase, options: Options | None = None, de
     return Engine(case.target, _NoDrafter(), method, options, case.sampling, delta=delta, tokenizer=case.tokenizer, plugins=plugins)
 
 
-def relaxed(engine: Engine, tree: DraftTree, scores: Scores) -> Tensor:
-    """q_R [n, V] for one step, by the engine's fold (the stack shares one budget)."""
-    return engine.relax(tree, scores)
-
-
-def accepted(engine: Engine, tree: DraftTree, dist: Tensor, scores: Scores, generator: torch.Generator) -> Acceptance:
-    """The stack's accept hook (or the core's default) on one step, as the engine calls it."""
-    return engine.accept(tree, dist, scores, generator)
-
-
 # --- properties of q_R ----------------------------------------------------------------------
 
 
@@ -114,7 +104,7 @@ def check_relaxation(engine: Engine, case: RelaxCase) -> Tensor:
     assert engine.stack is not None
     name, p = engine.stack.name, case.p
     before = p.clone()
-    q = relaxed(engine, case.tree, case.scores)
+    q = engine.relax(case.tree, case.scores)
     assert torch.equal(p, before), f"{name}: the relaxation changed the target's distribution in place"
     check_distribution(q, p, name)
     check_within(q, p, engine.stack.delta, name)
@@ -137,7 +127,7 @@ def check_member_budgets(engine: Engine, case: RelaxCase, budget: Tensor) -> Non
         frozen = budget == 0
         assert torch.equal(q[frozen], p[frozen]), f"{name}: changed nodes {frozen.nonzero().flatten().tolist()} whose budget is 0"
     zero = step_engine(engine.stack.name, case, engine.stack.options_dict(), delta=0.0, plugins=engine.plugins)
-    assert relaxed(zero, case.tree, case.scores) is case.scores.probs, f"{engine.stack.name}: delta 0 did not leave p as it is"
+    assert zero.relax(case.tree, case.scores) is case.scores.probs, f"{engine.stack.name}: delta 0 did not leave p as it is"
 
 
 def check_batch(engine: Engine, cases: list[RelaxCase]) -> None:
@@ -209,8 +199,8 @@ def check_accept(engine: Engine, case: RelaxCase) -> None:
         got = torch.zeros(tree.size, vocab, dtype=torch.float64)
         want = torch.zeros_like(got)
         for weight, drawn in draws:
-            q = relaxed(engine, drawn, case.scores)
-            reach, joint = emission(lambda g: accepted(engine, drawn, q, case.scores, g), drawn, vocab)
+            q = engine.relax(drawn, case.scores)
+            reach, joint = emission(lambda g: engine.accept(drawn, q, case.scores, g), drawn, vocab)
             law = torch.nn.functional.one_hot(q.argmax(-1), vocab).double() if case.sampling.greedy else q.double()
             got += weight * joint
             want += weight * reach[:, None] * law
@@ -223,9 +213,9 @@ def check_accept(engine: Engine, case: RelaxCase) -> None:
 def check_deterministic(engine: Engine, case: RelaxCase, seed: int) -> None:
     """The same step and seed give the same q_R and the same accepted path."""
     assert engine.stack is not None
-    q = relaxed(engine, case.tree, case.scores)
-    assert torch.equal(q, relaxed(engine, case.tree, case.scores)), f"{engine.stack.name}: q_R differs between calls"
-    runs = [accepted(engine, case.tree, q, case.scores, torch.Generator().manual_seed(seed))[:2] for _ in range(2)]  # path, next token
+    q = engine.relax(case.tree, case.scores)
+    assert torch.equal(q, engine.relax(case.tree, case.scores)), f"{engine.stack.name}: q_R differs between calls"
+    runs = [engine.accept(case.tree, q, case.scores, torch.Generator().manual_seed(seed))[:2] for _ in range(2)]  # path, next token
     assert runs[0] == runs[1], f"accept gave {runs[0]} and {runs[1]} with the same seed"
 
 
@@ -236,16 +226,16 @@ def check_compiles(engine: Engine, first: RelaxCase, second: RelaxCase) -> bool:
     on each, bit for bit.  False where the compiler refuses it (a member reads the host),
     as the engine finds out: such a stack folds eagerly on the compiled path."""
     assert engine.stack is not None
-    eager = [relaxed(engine, case.tree, case.scores) for case in (first, second)]
+    eager = [engine.relax(case.tree, case.scores) for case in (first, second)]
     torch._dynamo.reset()  # one program per example's shape: the kit's examples would pass the compiler's limit
     with mock.patch.dict(os.environ, {"SPECIMG_COMPILE_BACKEND": "aot_eager"}), \
             mock.patch.object(type(engine.target), "step_mode", "compiled", create=True), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the engine's word that it folds eagerly: the result says it
-        compiled = [relaxed(engine, first.tree, first.scores)]
+        compiled = [engine.relax(first.tree, first.scores)]
         if not engine._fold_compiles:
             return False
         with torch.compiler.set_stance("fail_on_recompile"):
-            compiled.append(relaxed(engine, second.tree, second.scores))
+            compiled.append(engine.relax(second.tree, second.scores))
     for step, (want, got) in enumerate(zip(eager, compiled)):
         assert torch.equal(got, want), f"{engine.stack.name}: q_R compiled differs from the eager fold's at step {step}"
     return True

@@ -170,12 +170,6 @@ def hidden_states(draw: st.DrawFn, rows: int, n: int, dim: int) -> Tensor:
 
 
 @st.composite
-def codebooks(draw: st.DrawFn, vocab: int, dim: int) -> Tensor:
-    """Code vectors [V, d] with some duplicate and near-duplicate codes."""
-    return draw(hidden_states(1, vocab, dim))[0]
-
-
-@st.composite
 def relax_cases(
     draw: st.DrawFn,
     vocab: st.SearchStrategy[int] = st.integers(2, 8),
@@ -193,8 +187,8 @@ def relax_cases(
     logits = draw(row_logits(rows, tree.size, v))
     dim = draw(st.integers(2, 8))
     scores = Scores(probabilities(logits, sampling), draw(hidden_states(rows, tree.size, dim)), logits)
-    target = EmbeddingTarget(draw(codebooks(v, dim)))
-    return RelaxCase(tree, scores, sampling, target, CodebookTokenizer(draw(codebooks(v, draw(st.integers(2, 8))))))
+    target = EmbeddingTarget(draw(hidden_states(1, v, dim))[0])  # token embeddings and codes: some (nearly) duplicates
+    return RelaxCase(tree, scores, sampling, target, CodebookTokenizer(draw(hidden_states(1, v, draw(st.integers(2, 8))))[0]))
 
 
 @st.composite

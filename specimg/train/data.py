@@ -101,6 +101,17 @@ def _atomic_write_json(path: str, obj: Any) -> None:
         os.fsync(fh.fileno())
 
 
+def _read_json(path: str) -> Any:
+    """``path``'s JSON, None when there is no such file; one that cannot be read is one line."""
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (OSError, json.JSONDecodeError) as err:
+        raise SpecimgError(f"cannot read {path}: {err}") from None
+
+
 # ----------------------------------------------------------------------------- sources
 
 
@@ -356,7 +367,6 @@ def _open_folder(out: str, meta: dict[str, Any], process_index: int, barrier: Ca
     settings and target (its shards are kept); the others wait for it and stop when it refused the folder."""
     meta_path = os.path.join(out, META)
     if process_index == 0:
-        os.makedirs(out, exist_ok=True)
         if not os.path.exists(meta_path):
             _atomic_write_json(meta_path, meta)
         else:
@@ -451,13 +461,9 @@ def _prompt_batch(target: EagleTarget, idx: Tensor, plan: _Plan) -> tuple[Tensor
 
 def _read_meta(path: str) -> dict[str, Any]:
     meta_path = os.path.join(path, META)
-    if not os.path.isfile(meta_path):
+    meta = _read_json(meta_path) if os.path.isfile(meta_path) else None
+    if meta is None:
         raise SpecimgError(f"{path} is not a drafter data folder (no {META}); make one with `specimg make-drafter-data`")
-    try:
-        with open(meta_path, encoding="utf-8") as fh:
-            meta = json.load(fh)
-    except (OSError, json.JSONDecodeError) as err:
-        raise SpecimgError(f"cannot read {meta_path}: {err}") from None
     if meta.get("format") != FORMAT:
         raise SpecimgError(f"{meta_path} has format {meta.get('format')!r}, expected {FORMAT!r}")
     return meta

@@ -68,7 +68,7 @@ from specimg.models.loading import load_drafter
 from specimg.plugins import PluginManager, get_plugin_manager
 from specimg.progress import progress_bar
 from specimg.stackhooks import MemberHook, StackHooks
-from specimg.train.data import DrafterData, _atomic_write_json
+from specimg.train.data import DrafterData, _atomic_write_json, _read_json
 from specimg.train.schedule import WarmupCosine
 
 TTT_DECAY = 0.8
@@ -255,16 +255,6 @@ class _Trainable(nn.Module):
 # ----------------------------------------------------------------------------- run folder
 
 
-def _read_json(path: str) -> dict[str, Any] | None:
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
-    except (OSError, json.JSONDecodeError) as err:
-        raise SpecimgError(f"cannot read {path}: {err}") from None
-
-
 def _truncate_log(path: str, step: int) -> None:
     """Keep the log lines of steps before ``step`` (a cut last line is dropped too)."""
     if not os.path.exists(path):
@@ -390,7 +380,6 @@ def _open_run(out: str, settings: dict[str, Any], keep: int, accelerator: Any) -
         raise SpecimgError(f"{out} holds a training run with other settings (differs in {', '.join(diff)}); use another --out")
     accelerator.wait_for_everyone()  # everyone has read the folder before it changes
     if accelerator.is_main_process:
-        os.makedirs(out, exist_ok=True)
         if old is None:
             _atomic_write_json(run_path, settings)
         _truncate_log(os.path.join(out, LOG), state["step"] if state else 0)
