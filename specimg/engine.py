@@ -17,6 +17,7 @@ from torch import Tensor
 from specimg import accept as acceptance
 from specimg import batching, costs, relax, stalls
 from specimg.config import Sampling, TreeConfig
+from specimg.costmodel import CostModel
 from specimg.errors import SpecimgError
 from specimg.compiled import Compile, CompileClock, Refused, compiles, run, step_mode
 from specimg.lane import Lane, Rules
@@ -93,7 +94,7 @@ class Engine:
         plugins: PluginManager | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
-        cost_model: costs.CostModel | None = None,
+        cost_model: CostModel | None = None,
         compile: Compile = "auto",
         batch_size: int = 1,
     ):
@@ -198,7 +199,7 @@ class Engine:
         self._decode(conditions, seeds, progress, done)
         return Generation(torch.stack(rows) if rows else torch.empty(0, self.target.num_tokens, dtype=torch.long), RunStats(tuple(stats)))
 
-    def prepare(self, condition: Condition, state: Any = None) -> costs.CostModel | None:
+    def prepare(self, condition: Condition, state: Any = None) -> CostModel | None:
         """Attach the cost model that auto trees plan with (nothing to do for other trees):
         this machine's, read or measured (:mod:`specimg.costs`), with this stack's step
         scale.  Under accelerate (``state``) the main process prepares it and the others
@@ -213,7 +214,7 @@ class Engine:
         self.cost_model = model
         return model
 
-    def _calibrated(self, condition: Condition) -> costs.CostModel:
+    def _calibrated(self, condition: Condition) -> CostModel:
         """The cost model with this stack's step scale and acceptance.  The parts are timed
         as calls in a tight loop; a real step interleaves them with other work and adds the
         method's relaxation and the loop's own Python (a fifth of a step or more on a small
@@ -397,7 +398,7 @@ class Engine:
         """Whether a method of the stack brings its own tree (lantern++'s static trees)."""
         return self.hooks is not None and self.hooks.propose.owner is not None
 
-    def planner(self, cost_model: costs.CostModel | None = None, ar_fallback: bool | None = None) -> TreePlanner:
+    def planner(self, cost_model: CostModel | None = None, ar_fallback: bool | None = None) -> TreePlanner:
         """A fresh tree planner for one image (auto trees): each image adapts on its own, so
         an image does not depend on the images decoded before it or beside it in a batch.
         By default it plans with the engine's cost model (at its batch size) and tree config."""

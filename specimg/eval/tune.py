@@ -17,6 +17,7 @@ import numpy as np
 
 from specimg import costs, payoff, planner
 from specimg.config import TreeConfig
+from specimg.costmodel import CostModel
 from specimg.engine import Engine
 from specimg.files import atomic_path
 from specimg.models.base import Condition
@@ -84,7 +85,7 @@ def tune(engine: Engine, conditions: Sequence[Condition], seed: int, out: str, e
     return result
 
 
-def _plot(cost: costs.CostModel, rates: np.ndarray, max_nodes: int, max_fed: int, method: str, path: str) -> bool:
+def _plot(cost: CostModel, rates: np.ndarray, max_nodes: int, max_fed: int, method: str, path: str) -> bool:
     """Left: the verify cost curve against the AR step; right: the predicted speedup of the
     best tree of each top-k against its size."""
     try:
