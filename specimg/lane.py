@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+
 import attrs
 import torch
 from torch import Tensor
