@@ -376,10 +376,8 @@ class DraftBatch:
         tokens = torch.zeros(self.size * width, dtype=torch.long, device=self.device)
         tokens[at[: sum(m)]] = torch.cat([new.to(self.device) for _, new in requests.values()])  # row 0's places: image i's pair j at i * width + j
         inputs = (states.view(self.rows * self.size, width, -1), tokens.view(self.size, width), last)
-        if self.step_mode == "eager":  # attention stops at the last slot any image uses
-            root, logits = self._start_step(*inputs, used=max(self.lengths) + width)
-        else:
-            root, logits = run(DraftBatch._start_step, self, *inputs, compiled=self.step_mode == "compiled")
+        used = max(self.lengths) + width if self.step_mode == "eager" else None  # eager: attention stops at the last slot any image uses
+        root, logits = run(DraftBatch._start_step, self, *inputs, used, compiled=self.step_mode == "compiled")
         root, logits = root.view(self.rows, len(images), -1), logits.view(self.rows, len(images), -1)  # [rows, requests, ...]
         self.feat[:, 0].view(self.rows, self.size, -1)[:, placed] = root
         self.starts.index_add_(0, placed, added)
