@@ -62,10 +62,10 @@ def save_classifier(model: DemoClassifier, path: str | os.PathLike[str]) -> None
 def load_classifier(path: str | os.PathLike[str]) -> DemoClassifier:
     from safetensors import safe_open
 
-    from specimg.models.checkpoint import load_into, load_state_dict
+    from specimg.models.checkpoint import load_into, read_checkpoint
 
     path = os.fspath(path)
-    state = load_state_dict(path)
+    state = read_checkpoint(path).state
     with safe_open(path, framework="pt") as f:
         meta = (f.metadata() or {}).get(_METADATA_KEY)
     if meta is None:

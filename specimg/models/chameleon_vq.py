@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from attrs import validators as v
 from torch import Tensor, nn
 
-from specimg.models.checkpoint import load_into, load_state_dict
+from specimg.models.checkpoint import load_into, read_checkpoint
 from specimg.models.vq import AttnBlock, Level, ResnetBlock, Upsample, code_grid, config_with, int_tuple
 
 
@@ -77,19 +77,13 @@ class _Decoder(nn.Module):
         return self.conv_out(F.silu(self.norm_out(h)))
 
 
-class _Codebook(nn.Module):
-    def __init__(self, c: ChameleonVQConfig) -> None:
-        super().__init__()
-        self.embedding = nn.Embedding(c.n_embed, c.embed_dim)
-
-
 class ChameleonVQDecoder(nn.Module):
     """Codes -> images, with specimg's tokenizer interface (``decode``, ``codebook_vectors``)."""
 
     def __init__(self, config: ChameleonVQConfig) -> None:
         super().__init__()
         self.config = config
-        self.quantize = _Codebook(config)
+        self.quantize = nn.ModuleDict({"embedding": nn.Embedding(config.n_embed, config.embed_dim)})  # the file's quantize.embedding
         self.post_quant_conv = nn.Conv2d(config.embed_dim, config.z_channels, 1)
         self.decoder = _Decoder(config)
 
@@ -124,7 +118,7 @@ def load_chameleon_vq_decoder(path: str | os.PathLike[str], **overrides: Any) ->
     """Load the decoder half of a released Chameleon ``vqgan.ckpt`` (``{"state_dict": ...}``)
     or of any file with its key names; ``overrides`` adjust :class:`ChameleonVQConfig`."""
     config = config_with(ChameleonVQConfig(), overrides, "VQGAN")
-    state = {k: t for k, t in load_state_dict(path).items() if k.startswith(_KEPT_PREFIXES)}
+    state = {k: t for k, t in read_checkpoint(path).state.items() if k.startswith(_KEPT_PREFIXES)}
     model = ChameleonVQDecoder(config)
     load_into(model, state, origin=os.fspath(path))
     return model.eval()

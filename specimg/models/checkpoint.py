@@ -42,11 +42,6 @@ class Checkpoint:
     args: dict[str, Any]
 
 
-def load_state_dict(path: str | os.PathLike[str]) -> dict[str, Tensor]:
-    """Read a checkpoint file and return its flat tensor state dict (on CPU)."""
-    return read_checkpoint(path).state
-
-
 def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Read a checkpoint file: its tensors (on CPU) and, for a .pt file, its ``args``."""
     path = os.fspath(path)

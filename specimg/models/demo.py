@@ -51,15 +51,6 @@ def bundle_exists(path: str | os.PathLike[str] | None = None) -> bool:
     return all(os.path.isfile(os.path.join(root, f)) for f in ("manifest.json", "target.safetensors", "tokenizer.safetensors"))
 
 
-def demo_manifest(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
-    root = os.fspath(path) if path is not None else bundle_dir()
-    try:
-        with open(os.path.join(root, "manifest.json")) as f:
-            return json.load(f)
-    except OSError:
-        raise SpecimgError(f"no demo bundle in {root}: run `specimg train-demo --out {root}`") from None
-
-
 def load_demo(path: str | os.PathLike[str] | None = None, drafter: str = "plain", max_tree_nodes: int = 128) -> Models:
     """The demo models (named "demo", or "demo-cascade" / "demo-eagle3" with those drafters)
     from ``path`` (default: the shipped bundle).
@@ -82,12 +73,13 @@ def load_demo(path: str | os.PathLike[str] | None = None, drafter: str = "plain"
     return Models(target, draft, load_tokenizer(os.path.join(root, "tokenizer.safetensors")), name)
 
 
-def demo_defaults(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
-    """Sampling defaults recorded in the bundle (cfg_scale, temperature, top_k, top_p)."""
-    return dict(demo_manifest(path).get("defaults", {}))
-
-
 def demo_sampling(path: str | os.PathLike[str] | None = None) -> Sampling:
-    """The sampling the quality stage chose and measured; ``specimg generate --model demo`` uses it."""
-    recorded = demo_defaults(path)
+    """The sampling the quality stage chose and measured (the bundle manifest's ``defaults``:
+    cfg_scale, temperature, top_k, top_p); ``specimg generate --model demo`` uses it."""
+    root = os.fspath(path) if path is not None else bundle_dir()
+    try:
+        with open(os.path.join(root, "manifest.json")) as f:
+            recorded = json.load(f).get("defaults", {})
+    except OSError:
+        raise SpecimgError(f"no demo bundle in {root}: run `specimg train-demo --out {root}`") from None
     return attrs.evolve(LLAMAGEN_SAMPLING, **{k: recorded[k] for k in ("cfg_scale", "temperature", "top_k", "top_p") if k in recorded})

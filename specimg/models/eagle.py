@@ -34,7 +34,7 @@ from specimg.errors import SpecimgError
 from specimg.files import atomic_path
 from specimg.compiled import FixedSteps, StepMode, bucket, run
 from specimg.models.base import Condition, Target, cfg_rows
-from specimg.models.checkpoint import load_into, load_state_dict
+from specimg.models.checkpoint import load_into, read_checkpoint
 from specimg.models.llamagen import GPTConfig, KVSlot, TransformerBlock, cache_is_stale, init_weights
 
 
@@ -176,16 +176,19 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
             raise RuntimeError("call prefill before start (also after moving the drafter)")
         if s0 + m > self.capacity:
             raise ValueError(f"{m} new pairs overflow the drafter cache ({self.capacity - s0} slots left)")
-        if self.step_mode != "eager":
-            return self._start_fixed(hidden, tokens)
-        mask = None
-        if m > 1:
-            mask = torch.ones(m, s0 + m, dtype=torch.bool, device=self.fc.weight.device).tril(s0)
-        h = self._forward(self._lift(hidden), tokens, self.draft_rope()[s0 : s0 + m], mask, s0)
+        if self.step_mode == "eager":
+            mask = torch.ones(m, s0 + m, dtype=torch.bool, device=self.fc.weight.device).tril(s0) if m > 1 else None
+            h = self._forward(self._lift(hidden), tokens, self.draft_rope()[s0 : s0 + m], mask, s0)[:, -1]
+            logits = self._logits(h).float()
+        else:  # padded to a bucket, the padding pairs last
+            size = bucket(m, self.capacity - s0)
+            tokens = tokens.to(hidden.device)
+            inputs = (F.pad(hidden, (0, 0, 0, size - m)), F.pad(tokens, (0, size - m))) if size > m else (hidden, tokens)
+            h, logits = (t[:, m - 1] for t in self.run_fixed(TreeDrafter._start_step, *inputs))
         self._len, self._count = s0 + m, 0
         self._start.add_(m)
-        self._feat[: self._rows, 0] = h[:, -1]
-        return self._logits(h[:, -1]).float()
+        self._feat[: self._rows, 0] = h
+        return logits
 
     @torch.no_grad()
     def expand(self, parents: Tensor, tokens: Tensor) -> Tensor:
@@ -202,26 +205,7 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
         self._count = c + f
         return logits[:, :f]
 
-    def _book(self, parents: Tensor, new: Tensor) -> Tensor:
-        """Book nodes ``new`` as the children of fed nodes ``parents``: their depths, which it
-        returns, and their ancestors-or-self."""
-        depth = self._depth[parents] + 1
-        self._depth[new] = depth
-        self._anc[new] = self._anc[parents].scatter_(1, new[:, None], True)  # a scalar fill, not a host value copied in: graph-safe
-        return depth
-
     # -- fixed shapes
-
-    def _start_fixed(self, hidden: Tensor, tokens: Tensor) -> Tensor:
-        m = tokens.shape[0]
-        size = bucket(m, self.capacity - self._len)
-        tokens = tokens.to(hidden.device)
-        inputs = (F.pad(hidden, (0, 0, 0, size - m)), F.pad(tokens, (0, size - m))) if size > m else (hidden, tokens)
-        h, logits = self.run_fixed(TreeDrafter._start_step, *inputs)
-        self._len, self._count = self._len + m, 0
-        self._start.add_(m)
-        self._feat[: self._rows, 0] = h[:, m - 1]
-        return logits[:, m - 1]
 
     def _start_step(self, hidden: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """``start`` on device tensors: b new pairs (padded ones last, so nobody real sees
@@ -243,7 +227,9 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
         node of its id, fed later, overwrites before anyone reads it."""
         n = self.max_tree_nodes
         prefix = self._start
-        depth = self._book(parents, new)
+        depth = self._depth[parents] + 1  # book the nodes: their depths and ancestors-or-self
+        self._depth[new] = depth
+        self._anc[new] = self._anc[parents].scatter_(1, new[:, None], True)  # a scalar fill, not a host value copied in: graph-safe
         slots = prefix - 1 + new
         attn = (self._slots < prefix).expand(new.shape[0], -1).clone()
         attn[:, prefix + self._slots[:n]] = self._anc[new, 1:]
@@ -390,10 +376,8 @@ class DraftBatch:
         tokens = torch.zeros(self.size * width, dtype=torch.long, device=self.device)
         tokens[at[: sum(m)]] = torch.cat([new.to(self.device) for _, new in requests.values()])  # row 0's places: image i's pair j at i * width + j
         inputs = (states.view(self.rows * self.size, width, -1), tokens.view(self.size, width), last)
-        if self.step_mode == "eager":  # attention stops at the last slot any image uses
-            root, logits = self._start_step(*inputs, used=max(self.lengths) + width)
-        else:
-            root, logits = run(DraftBatch._start_step, self, *inputs, compiled=self.step_mode == "compiled")
+        used = max(self.lengths) + width if self.step_mode == "eager" else None  # eager: attention stops at the last slot any image uses
+        root, logits = run(DraftBatch._start_step, self, *inputs, used, compiled=self.step_mode == "compiled")
         root, logits = root.view(self.rows, len(images), -1), logits.view(self.rows, len(images), -1)  # [rows, requests, ...]
         self.feat[:, 0].view(self.rows, self.size, -1)[:, placed] = root
         self.starts.index_add_(0, placed, added)
@@ -573,6 +557,6 @@ def load_drafter_file(target: EagleTarget, path: str | os.PathLike[str], *, max_
     settings = drafter_settings(path)
     drafter = build_drafter(target, max_tree_nodes=max_tree_nodes, kind=settings.pop("type"), **settings)
     w = target.input_embeddings()
-    state = {k: v.to(w.dtype) for k, v in load_state_dict(path).items()}
+    state = {k: v.to(w.dtype) for k, v in read_checkpoint(path).state.items()}
     load_into(drafter, state, origin=os.fspath(path))
     return drafter.to(w.device)

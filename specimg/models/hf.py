@@ -93,9 +93,9 @@ def load_pretrained(model_class: type[Model], folder: str | os.PathLike[str], un
     try:
         model, info = model_class.from_pretrained(folder, local_files_only=True, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs)
     except (SafetensorError, pickle.UnpicklingError) as err:
-        raise SpecimgError(f"a weights file in {folder} is cut short or damaged: {_first_line(err)}") from None
+        raise SpecimgError(f"a weights file in {folder} is cut short or damaged: {first_line(err)}") from None
     except (OSError, ValueError, RuntimeError) as err:  # no weights file, a .bin torch cannot read...
-        raise SpecimgError(f"cannot load {folder}: {_first_line(err)}") from None
+        raise SpecimgError(f"cannot load {folder}: {first_line(err)}") from None
     finally:
         hf_logging.set_verbosity(level)
     kinds = {"missing": info["missing_keys"], "unexpected": info["unexpected_keys"], "of another shape than its config.json gives": info["mismatched_keys"]}
@@ -107,7 +107,7 @@ def load_pretrained(model_class: type[Model], folder: str | os.PathLike[str], un
     return model
 
 
-def _first_line(err: Exception) -> str:
+def first_line(err: Exception) -> str:
     return next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
 
 

@@ -31,6 +31,7 @@ from specimg.config import Sampling
 from specimg.errors import SpecimgError
 from specimg.models.base import TargetOutput, cfg_rows
 from specimg.models.hf import HFOptions, HFTarget, additive_mask, given_prompt_ids, keep_slots, load_folder, parse_options
+from specimg.models.vq import code_grid
 
 from transformers import DynamicCache, JanusForConditionalGeneration  # isort: skip (hf explains a missing extra)
 
@@ -55,10 +56,7 @@ class JanusVQTokenizer:
     def decode(self, codes: Tensor) -> Tensor:
         """codes [B, n] (row-major, n = the grid's cells) -> images [B, 3, H, W] in about [-1, 1]."""
         side = self.vqmodel.quantize.quant_state_dims[0]
-        if codes.dim() != 2 or codes.shape[1] != side * side:
-            raise SpecimgError(f"codes must be [B, {side * side}] (a {side}x{side} grid), got {tuple(codes.shape)}")
-        if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= self.vocab_size):
-            raise SpecimgError(f"codes must lie in [0, {self.vocab_size}) (the VQ codebook); vocabulary mismatch?")
+        code_grid(codes, (side, side), self.vocab_size, "the VQ codebook")
         return self.vqmodel.decode(codes.to(self.vqmodel.post_quant_conv.weight.device, torch.long))
 
     @torch.no_grad()

@@ -89,15 +89,14 @@ class T5TextEncoder:
             from transformers import AutoTokenizer, T5EncoderModel
         except ImportError:
             raise SpecimgError("a T5 text encoder needs transformers: pip install 'specimg[eval]'") from None
-        from specimg.models.hf import load_pretrained
+        from specimg.models.hf import first_line, load_pretrained
 
         if not any(os.path.isfile(os.path.join(path, name)) for name in _T5_TOKENIZER_FILES):
             raise SpecimgError(f"{path} has no tokenizer ({' or '.join(_T5_TOKENIZER_FILES)}): copy the T5 model's tokenizer files beside its weights")
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError, ImportError) as err:  # ImportError: a tokenizer library it needs is missing
-            first = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
-            raise SpecimgError(f"cannot load the tokenizer in {path}: {first}") from None
+            raise SpecimgError(f"cannot load the tokenizer in {path}: {first_line(err)}") from None
         self.model = load_pretrained(T5EncoderModel, path, unused=("lm_head.",)).eval()  # flan-t5's own LM head: a whole T5 folder
         self.dim = int(self.model.config.d_model)
         self.max_length = max_length
