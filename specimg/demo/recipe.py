@@ -730,20 +730,13 @@ def _sampling_sweep(run: _Run, target: Any, tok: Any, clf: Any, f_real: Tensor) 
 
 
 def _engine_samples(target: Any, tok: Any, sampling: Sampling, wanted: list[int]) -> Tensor:
-    """Image i of class ``wanted[i]`` from the engine's AR loop, seed 10000 + i."""
+    """Image i of class ``wanted[i]`` from the engine's AR loop, seed 10000 + i, 8 images a
+    batch (the engine draws each image as it would alone)."""
     from specimg.engine import Engine
 
-    engine = Engine(target, None, "ar", sampling=sampling, tokenizer=tok)
-    samples = []
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one image at a time is latency-bound: extra threads only wait on each other
-    try:
-        with progress_bar(total=len(wanted) * target.num_tokens, desc="AR samples", unit="tok") as bar:
-            for i, c in enumerate(wanted):
-                samples.append(engine.generate([c], seed=10_000 + i, progress=bar.update).tokens)
-    finally:
-        torch.set_num_threads(threads)
-    return torch.cat(samples)
+    engine = Engine(target, None, "ar", sampling=sampling, tokenizer=tok, batch_size=8)
+    with progress_bar(total=len(wanted) * target.num_tokens, desc="AR samples", unit="tok") as bar:
+        return engine.generate(wanted, seed=10_000, progress=bar.update).tokens
 
 
 def _save_grid(run: _Run, imgs: Tensor, wanted: list[int], pred: Tensor) -> None:
