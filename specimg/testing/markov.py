@@ -77,6 +77,7 @@ class MarkovDrafter:
         self.vocab_size = logits.shape[-1]
         self.table = logits.float()
         self._rows = 1
+        self._fed: list[int] = []  # every token fed since the last start: the nodes the tree limits must hold
 
     def prefill(self, condition: Condition, cfg: bool) -> None:
         self._rows = cfg_rows(cfg)
@@ -85,9 +86,11 @@ class MarkovDrafter:
         return MarkovDraftBatch(self.table, cfg_rows(cfg))
 
     def start(self, hidden: Tensor, tokens: Tensor) -> Tensor:
-        return self.table[int(tokens[-1])].expand(self._rows, -1).clone()
+        self._fed = [int(tokens[-1])]
+        return self.table[self._fed[0]].expand(self._rows, -1).clone()
 
     def expand(self, parents: Tensor, tokens: Tensor) -> Tensor:
+        self._fed.extend(tokens.tolist())
         return self.table[tokens].expand(self._rows, -1, -1).clone()
 
 
