@@ -115,11 +115,8 @@ def run(fn: Callable[..., Any], *args: Any, compiled: bool) -> Any:
 
 
 def _on_cuda(args: tuple[Any, ...]) -> bool:
-    """Whether a program's inputs live on CUDA: its first tensor argument's device (the
-    arguments' leaves where none is a tensor itself)."""
-    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-    if first is None:
-        first = next((a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)), None)
+    """Whether a program's inputs live on CUDA: the device of the first tensor among its arguments' leaves."""
+    first = next((a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)), None)
     return first is not None and first.is_cuda
 
 

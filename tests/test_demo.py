@@ -107,7 +107,7 @@ def test_shipped_bundle_loads_and_generates() -> None:
     if not bundle_exists():
         pytest.skip("the demo bundle is not installed (run specimg train-demo --out specimg/demo/bundle)")
     models = load_demo()
-    assert models.name == "demo" and models.num_classes == NUM_CLASSES
+    assert models.name == "demo" and models.target.config.num_classes == NUM_CLASSES
     assert models.target.vocab_size == models.tokenizer.vocab_size
     engine = Engine(models.target, models.drafter, "ar", sampling=demo_sampling(), tokenizer=models.tokenizer)
     out = engine.generate([7], seed=0)

@@ -203,8 +203,3 @@ class Models:
     drafter: Drafter | None
     tokenizer: Any
     name: str
-
-    @property
-    def num_classes(self) -> int:
-        """The classes of a class-conditional LlamaGen target."""
-        return self.target.config.num_classes  # type: ignore[attr-defined]

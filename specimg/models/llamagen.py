@@ -12,9 +12,10 @@ official ``Transformer``, so released checkpoints load unchanged.  Facts kept fr
 - c2i CFG uses the extra class id ``num_classes``; t2i CFG feeds ``uncond_embedding``;
   caption tokens whose mask is 0 are attended by nobody but themselves, in both rows.
 
-The KV cache is static: one tensor ``layers x (keys, values) x rows x kv_heads x (cls +
-num_tokens + max_tree_nodes) x head_dim``; draft-tree entries sit right after the committed
-prefix until ``commit`` moves the accepted path down (one gather for all layers).  Step
+The KV cache is static: one tensor ``layers x (keys, values) x rows * images x kv_heads x
+(cls + num_tokens + tree nodes) x head_dim`` (one image is a batch of one); draft-tree
+entries sit right after the committed prefix until ``commit`` moves the accepted path down
+(one gather for all layers).  Step
 forwards run eagerly at their exact shape (the CPU's fastest) or at fixed shapes, compiled
 by ``torch.compile`` (:meth:`LlamaGenTarget.set_step_mode`, :mod:`specimg.compiled`).
 """
@@ -362,10 +363,10 @@ class CaptionEmbedder(nn.Module):
 
 @attrs.define
 class BatchCache:
-    """The KV cache of ``prefill_batch``'s images: image i's rows at r * B + i, its
-    committed entries ``lengths[i]`` (AR steps keep them equal, tree steps let them
-    differ), ``valid`` [rows * B, slots] the slots a query may see (t2i: padded caption
-    slots off), ``pending`` the nodes of the last ``forward_trees``.  Tree steps and
+    """The KV cache of ``prefill_batch``'s images, or of ``prefill``'s one: image i's rows
+    at r * B + i, its committed entries ``lengths[i]`` (AR steps keep them equal, tree
+    steps let them differ), ``valid`` [rows * B, slots] the slots a query may see (t2i:
+    padded caption slots off), ``pending`` the nodes of the last tree step.  Tree steps and
     fixed-shape AR steps keep the lengths on the device too (``starts``), so that a step
     copies nothing from the host: one tensor for as long as the store lives, so that a
     graph may read it in place."""
@@ -394,7 +395,9 @@ class BatchCache:
 
 
 class LlamaGenTarget(FixedSteps, nn.Module):
-    """LlamaGen's ``Transformer`` with the :class:`~specimg.models.base.Target` interface."""
+    """LlamaGen's ``Transformer`` with the :class:`~specimg.models.base.Target` interface.
+    One image (``prefill``, ``forward_tree``, ``commit``) is a batch of one, in a cache of
+    its own apart from ``prefill_batch``'s."""
 
     def __init__(self, config: GPTConfig, max_tree_nodes: int = 128) -> None:
         super().__init__()
@@ -411,23 +414,15 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.rope = rope_table(config)  # float32 whatever the weights' dtype: not a buffer
-        self.capacity = config.cls_token_num + config.block_size + max_tree_nodes
-        self._cache = torch.empty(0)  # [layers, 2 (keys, values), 2 rows, kv_heads, capacity, head_dim]
-        self._kv: list[KVSlot] = []  # per layer, row views of _cache for the current image
-        self._valid = torch.ones(1, 0, dtype=torch.bool)  # [1, capacity]: prefix slots anyone may attend
-        self._slots = torch.arange(0)  # [capacity] slot ids on the cache's device
-        self._rows = 0
-        self._len = 0  # committed cache entries (condition + consumed image tokens)
-        self._start = torch.zeros((), dtype=torch.long)  # _len on the cache's device (fixed-shape steps read it there)
-        self._pending = 0  # nodes of the last forward_tree
         self._condition = torch.empty(0)  # the last prefill's last-layer outputs [rows, cls, D]
+        self._one: BatchCache | None = None  # the image of prefill
         self._batch: BatchCache | None = None  # the images of prefill_batch
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         """Keep the RoPE table float32 on the weights' device and drop stale caches."""
         super()._apply(fn, recurse)
         self.rope = rope_table(self.config).to(self.tok_embeddings.weight.device)
-        self._cache, self._kv, self._batch = torch.empty(0), [], None
+        self._one = self._batch = None
         return self
 
     @property
@@ -442,20 +437,8 @@ class LlamaGenTarget(FixedSteps, nn.Module):
 
     @torch.no_grad()
     def prefill(self, condition: Condition, cfg: bool) -> TargetOutput:
-        rows = cfg_rows(cfg)
-        self._ensure_cache(rows)
-        cls = self.config.cls_token_num
-        x, caption_mask = self.embed_condition(condition, cfg)
-        mask = None
-        self._valid.fill_(True)
-        if caption_mask is not None:
-            self._valid[0, :cls] = caption_mask
-            mask = self.condition_mask(caption_mask[None])[0]
-        h, fused = self._run(x, self.rope[:cls], mask, 0)
-        self._condition = h
-        self._len, self._pending = cls, 0
-        self._start.fill_(cls)
-        return self._head(h[:, -1:], fused if fused is None else fused[:, -1:])
+        self._one, self._condition, out = self._open(self._one, [condition], cfg, self.max_tree_nodes)
+        return out
 
     def condition_hidden(self) -> Tensor:
         """The last prefill's states after the final norm at every condition position
@@ -467,57 +450,21 @@ class LlamaGenTarget(FixedSteps, nn.Module):
 
     @torch.no_grad()
     def forward_tree(self, tokens: Tensor, depths: Tensor, mask: Tensor) -> TargetOutput:
-        n, start = tokens.shape[0], self._len
-        if not self._kv:
-            raise RuntimeError("call prefill before forward_tree (also after moving the target)")
-        if start + n > self.capacity:
-            raise ValueError(f"tree of {n} nodes overflows the KV cache ({self.capacity - start} slots left)")
-        self._pending = n
-        tokens, eager = tokens.to(self._valid.device), self.step_mode == "eager"
-        if eager and n == 1:  # the AR path: the root alone, depth 0; no per-step tensors built
-            x = self.tok_embeddings(tokens)[None].expand(self._rows, 1, -1)
-            attn = None if self.config.model_type == "c2i" else self._valid[:, : start + 1]
-            return self._head(*self._run(x, self.rope[start : start + 1], attn, start))
-        if n == 1:  # the root alone (AR's step) at a fixed shape: depth 0, seeing itself, made inside the step rather than copied in
-            outputs = self.run_fixed(LlamaGenTarget._root_step, tokens)
-        else:  # eager: the exact shape; else padded to a bucket (a padded node sees only itself and nobody sees it), one program each
-            size = n if eager else bucket(n, self.max_tree_nodes)
-            tree = torch.eye(size, dtype=torch.bool, device=tokens.device)
-            tree[:n, :n] = mask
-            inputs = (F.pad(tokens, (0, size - n)), F.pad(depths.to(tokens.device), (0, size - n)), tree)
-            outputs = self.run_fixed(LlamaGenTarget._fixed_step, *inputs, start + n if eager else None)
-        return TargetOutput(*(out[:, :n] for out in outputs))
+        one = self._opened(self._one, "prefill", "forward_tree")
+        n, start = tokens.shape[0], one.lengths[0]
+        if start + n > one.capacity:
+            raise ValueError(f"tree of {n} nodes overflows the KV cache ({one.capacity - start} slots left)")
+        if self.step_mode == "eager" and n == 1:  # the AR path: the root alone, depth 0; no per-step tensors built
+            one.pending = 1
+            return self._next(one, tokens.to(self.tok_embeddings.weight.device))
+        return TargetOutput(*(out[:, 0] for out in self._trees(one, tokens[None], depths[None], mask[None])))
 
     @torch.no_grad()
     def commit(self, nodes: Tensor) -> None:
-        m, start = nodes.shape[0], self._len
-        if m > self._pending:
-            raise ValueError(f"cannot commit {m} nodes of a {self._pending}-node tree")
-        if m > 1:  # the path's first node is the root, whose entries are in place (AR commits it alone)
-            src = nodes[1:].to(self._valid.device) + start
-            kv = self._cache[:, :, : self._rows]
-            kv[..., start + 1 : start + m, :] = kv[..., src, :]
-        self._len, self._pending = start + m, 0
-        self._start.add_(m)
-
-    def _root_step(self, tokens: Tensor) -> tuple[Tensor, ...]:
-        """:meth:`_fixed_step` of a one-node tree, the root [1]."""
-        return self._fixed_step(tokens, torch.zeros_like(tokens), torch.ones(1, 1, dtype=torch.bool, device=tokens.device))
-
-    def _fixed_step(self, tokens: Tensor, depths: Tensor, tree: Tensor, used: int | None = None) -> tuple[Tensor, ...]:
-        """The step forward on device tensors only (a compiled program): tokens and
-        depths [b], the tree's mask [b, b]; the committed length is read where it lives
-        (``_start``, 0-dim).  Node i writes cache slot start + i and sees the valid prefix
-        and its tree ancestors among the first ``used`` slots (None: the whole cache)."""
-        b, start = tokens.shape[0], self._start
-        slots = start + self._slots[:b]
-        positions = (depths + start).clamp_(max=self.rope.shape[0] - 1)  # past the image end: never accepted
-        attn = (self._valid[0] & (self._slots < start)).expand(b, -1).clone()
-        attn[:, slots] = tree
-        x = self.tok_embeddings(tokens)[None].expand(self._rows, b, -1)
-        h, fused = self._run(x, self.rope[positions], additive_mask(attn[:, :used], x.dtype), slots)
-        out = self._head(h, fused)
-        return (out.logits, out.hidden) if out.layers is None else tuple(out)
+        one = self._opened(self._one, "prefill", "commit")
+        if nodes.shape[0] > one.pending:
+            raise ValueError(f"cannot commit {nodes.shape[0]} nodes of a {one.pending}-node tree")
+        self._commit(one, [nodes])
 
     # -- what an EAGLE drafter borrows (specimg.models.eagle.EagleTarget)
 
@@ -563,17 +510,83 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         h, fused = self._run(x, self.rope[:s], mask, 0, [None] * len(self.layers))
         return self._head(h[:, cls - 1 :], fused if fused is None else fused[:, cls - 1 :])
 
-    # -- batched AR steps (Engine(batch_size=B), method "ar")
+    # -- batched steps (Engine(batch_size=B))
 
     @torch.no_grad()
     def prefill_batch(self, conditions: Sequence[Condition], cfg: bool, tree_nodes: int = 0) -> TargetOutput:
         """Start one image per condition in a cache of their own (the tree cache is left as
         it is), with room for trees of ``tree_nodes``: the outputs [rows, B, ...] at the
         last condition position, as ``prefill``'s are for one image."""
-        c, w = self.config, self.tok_embeddings.weight
-        n, rows, cls = len(conditions), cfg_rows(cfg), c.cls_token_num
         if tree_nodes > self.max_tree_nodes:
             raise ValueError(f"trees of {tree_nodes} nodes exceed max_tree_nodes={self.max_tree_nodes}")
+        self._batch, _, out = self._open(self._batch, conditions, cfg, tree_nodes)
+        return out
+
+    @torch.no_grad()
+    def forward_batch(self, tokens: Tensor) -> Tensor:
+        """Consume each image's next token (tokens [B], image i's at i) and return the raw
+        logits [rows, B, V] for the token after it."""
+        batch = self._opened(self._batch, "prefill_batch", "forward_batch")
+        if len(set(batch.lengths)) > 1:
+            raise RuntimeError("forward_batch takes images at one length; tree steps left them apart (use forward_trees)")
+        tokens = tokens.to(self.tok_embeddings.weight.device)
+        if self.step_mode != "eager":  # a one-node tree per image, at the images' common length read on the device
+            root, one = torch.zeros_like(tokens)[:, None], torch.ones(tokens.shape[0], 1, 1, dtype=torch.bool, device=tokens.device)
+            logits = self._trees(batch, tokens[:, None], root, one)[0][:, :, 0]
+            batch.starts.add_(1)
+        else:
+            logits = self._next(batch, tokens).logits
+            batch.stale = True
+        batch.lengths, batch.pending = [n + 1 for n in batch.lengths], 0
+        return logits
+
+    @torch.no_grad()
+    def forward_trees(self, tokens: Tensor, depths: Tensor, mask: Tensor) -> TargetOutput:
+        batch = self._opened(self._batch, "prefill_batch", "forward_trees")
+        b, n = tokens.shape
+        if b != len(batch.lengths):
+            raise ValueError(f"{b} trees for a batch of {len(batch.lengths)} images")
+        if max(batch.lengths) + n > batch.capacity:
+            raise ValueError(f"trees of {n} nodes overflow the batch cache ({batch.capacity - max(batch.lengths)} slots left)")
+        return TargetOutput(*self._trees(batch, tokens, depths, mask))
+
+    @torch.no_grad()
+    def commit_trees(self, paths: Sequence[Tensor]) -> None:
+        batch = self._opened(self._batch, "prefill_batch", "commit_trees")
+        counts = [int(p.shape[0]) for p in paths]
+        if len(counts) != len(batch.lengths):
+            raise ValueError(f"{len(counts)} paths for a batch of {len(batch.lengths)} images")
+        if max(counts) > batch.pending:
+            raise ValueError(f"cannot commit {max(counts)} nodes of {batch.pending}-node trees")
+        self._commit(batch, paths)
+
+    @torch.no_grad()
+    def refill(self, image: int, condition: Condition) -> TargetOutput:
+        batch = self._opened(self._batch, "prefill_batch", "refill")
+        cls = self.config.cls_token_num
+        fresh, _, out = self._open(None, [condition], batch.rows == 2, 0)  # the condition's cache, as prefill makes it
+        rows = torch.arange(batch.rows, device=batch.store.device) * len(batch.lengths) + image
+        batch.store[:, :, rows, :, :cls] = fresh.store[..., :cls, :]
+        if batch.valid is not None:
+            batch.valid[rows, :cls] = fresh.valid[:, :cls]  # (the later slots are never off)
+        batch.lengths[image] = cls
+        batch.starts[image] = cls
+        return out
+
+    # -- internals: one image's steps and a batch's, on a BatchCache
+
+    @staticmethod
+    def _opened(batch: BatchCache | None, first: str, caller: str) -> BatchCache:
+        if batch is None:
+            raise RuntimeError(f"call {first} before {caller} (also after moving the target)")
+        return batch
+
+    def _open(self, old: BatchCache | None, conditions: Sequence[Condition], cfg: bool, tree_nodes: int) -> tuple[BatchCache, Tensor, TargetOutput]:
+        """A cache for one image per condition, with room for trees of ``tree_nodes``, the
+        conditions consumed: the cache, the last layer's outputs [rows * B, cls, D] and the
+        outputs [rows, B, ...] at the last condition position."""
+        c, w = self.config, self.tok_embeddings.weight
+        n, rows, cls = len(conditions), cfg_rows(cfg), c.cls_token_num
         embedded = [self.embed_condition(x, cfg) for x in conditions]
         prefix = torch.stack([e for e, _ in embedded], dim=1).flatten(0, 1)
         slots = cls + c.block_size + tree_nodes
@@ -582,66 +595,53 @@ class LlamaGenTarget(FixedSteps, nn.Module):
             valid = torch.ones(rows * n, slots, dtype=torch.bool, device=w.device)
             valid[:, :cls] = torch.stack([m for _, m in embedded]).repeat(rows, 1)
         shape = (len(self.layers), 2, rows * n, c.kv_heads, slots, c.head_dim)
-        old = self._batch
         if old is not None and old.store.shape == shape and old.starts.shape[0] == n and not cache_is_stale(old.store, w):
             store, starts = old.store, old.starts  # the same storage: programs compiled on it stay valid (stale slots are never seen)
             if valid is not None:
                 valid = old.valid.copy_(valid) if old.valid is not None else valid
         else:
             store, starts = static_address(w.new_zeros(shape)), static_address(torch.zeros(n, dtype=torch.long, device=w.device))
-        self._batch = BatchCache(store, valid, rows, [0] * n, starts)
-        return self._batch_last(prefix, None if valid is None else self.condition_mask(valid[:, :cls])[:, None])
+        batch = BatchCache(store, valid, rows, [cls] * n, starts)
+        h, fused = self._run(prefix, self.rope[:cls], None if valid is None else self.condition_mask(valid[:, :cls])[:, None], 0, batch.caches)
+        return batch, h, self._last(batch, h[:, -1:], None if fused is None else fused[:, -1:])
 
-    @torch.no_grad()
-    def forward_batch(self, tokens: Tensor) -> Tensor:
-        """Consume each image's next token (tokens [B], image i's at i) and return the raw
-        logits [rows, B, V] for the token after it."""
-        batch = self._batch_cache("forward_batch")
-        if len(set(batch.lengths)) > 1:
-            raise RuntimeError("forward_batch takes images at one length; tree steps left them apart (use forward_trees)")
-        tokens = tokens.to(self.tok_embeddings.weight.device)
-        if self.step_mode != "eager":  # a one-node tree per image, at the images' common length read on the device
-            starts = batch.device_lengths()
-            root, one = torch.zeros_like(tokens)[:, None], torch.ones(tokens.shape[0], 1, 1, dtype=torch.bool, device=tokens.device)
-            logits = self.run_fixed(LlamaGenTarget._trees_step, tokens[:, None], root, one, starts)[0]
-            starts.add_(1)
-            batch.lengths = [n + 1 for n in batch.lengths]
-            return logits[:, :, 0]
+    def _next(self, batch: BatchCache, tokens: Tensor) -> TargetOutput:
+        """Each image's next token (tokens [B], the images at one length) at its exact shape,
+        its cache entries written, the lengths left as they are: the outputs [rows, B, ...]."""
+        start = batch.lengths[0]
         x = self.tok_embeddings(tokens.repeat(batch.rows))[:, None]
-        length = batch.lengths[0]
-        return self._batch_last(x, None if batch.valid is None else batch.valid[:, None, None, : length + 1]).logits
+        attn = None if batch.valid is None else batch.valid[:, None, None, : start + 1]
+        return self._last(batch, *self._run(x, self.rope[start : start + 1], attn, start, batch.caches))
 
-    @torch.no_grad()
-    def forward_trees(self, tokens: Tensor, depths: Tensor, mask: Tensor) -> TargetOutput:
-        batch = self._batch_cache("forward_trees")
-        b, n = tokens.shape
-        if b != len(batch.lengths):
-            raise ValueError(f"{b} trees for a batch of {len(batch.lengths)} images")
-        if max(batch.lengths) + n > batch.capacity:
-            raise ValueError(f"trees of {n} nodes overflow the batch cache ({batch.capacity - max(batch.lengths)} slots left)")
-        device = self.tok_embeddings.weight.device
+    def _last(self, batch: BatchCache, h: Tensor, fused: Tensor | None) -> TargetOutput:
+        """The outputs of one position per row, h [rows * B, 1, D], as [rows, B, ...]."""
+        return TargetOutput(*(t if t is None else t.view(batch.rows, -1, t.shape[-1]) for t in self._head(h, fused)))
+
+    def _trees(self, batch: BatchCache, tokens: Tensor, depths: Tensor, mask: Tensor) -> tuple[Tensor, ...]:
+        """Every image's tree (checked to fit) at its own length: eagerly at its exact shape,
+        else padded to a bucket (a padded node sees only itself and nobody sees it), one
+        program each.  Outputs [rows, B, n, ...], as :meth:`_trees_step`'s."""
+        (b, n), device = tokens.shape, self.tok_embeddings.weight.device
         tokens, depths, mask = (t.to(device) for t in (tokens, depths, mask))
-        start = batch.device_lengths()
+        batch.device_lengths()
         batch.pending = n
         if self.step_mode == "eager":
-            return TargetOutput(*self._trees_step(tokens, depths, mask, start, max(batch.lengths) + n))
+            return self._trees_step(batch, tokens, depths, mask, max(batch.lengths) + n)
         size = bucket(n, min(self.max_tree_nodes, batch.capacity - max(batch.lengths)))  # the room left bounds it near the end
-        tree = torch.eye(size, dtype=torch.bool, device=device).repeat(b, 1, 1)
-        tree[:, :n, :n] = mask
-        inputs = (F.pad(tokens, (0, size - n)), F.pad(depths, (0, size - n)), tree, start)
-        return TargetOutput(*(out[:, :, :n] for out in self.run_fixed(LlamaGenTarget._trees_step, *inputs)))
+        if size > n:
+            tree = torch.eye(size, dtype=torch.bool, device=device).repeat(b, 1, 1)
+            tree[:, :n, :n] = mask
+            tokens, depths, mask = F.pad(tokens, (0, size - n)), F.pad(depths, (0, size - n)), tree
+        return tuple(out[:, :, :n] for out in self.run_fixed(LlamaGenTarget._trees_step, batch, tokens, depths, mask))
 
-    def _trees_step(self, tokens: Tensor, depths: Tensor, mask: Tensor, start: Tensor, used: int | None = None) -> tuple[Tensor, ...]:
+    def _trees_step(self, batch: BatchCache, tokens: Tensor, depths: Tensor, mask: Tensor, used: int | None = None) -> tuple[Tensor, ...]:
         """Every image's tree (tokens, depths [B, n], mask [B, n, n]) at its own length
-        ``start`` [B], on device tensors only; queries see the first ``used`` slots (None:
-        the whole batch cache, a fixed shape: a compiled program, trees padded to a bucket,
-        a padded node seeing only itself).
+        ``batch.starts`` [B], on device tensors only; queries see the first ``used`` slots
+        (None: the whole cache, a fixed shape: a compiled program).
         Outputs [rows, B, n, ...]: logits, states and, where exposed, the layers' states."""
-        batch = self._batch
-        assert batch is not None
         (b, n), rows, device = tokens.shape, batch.rows, tokens.device
         used = used or batch.capacity
-        first = start[:, None]
+        first = batch.starts[:, None]
         slots = (first + torch.arange(n, device=device)).repeat(rows, 1)  # [rows * B, n]: node j of image i at lengths[i] + j
         positions = (depths + first).clamp_(max=self.rope.shape[0] - 1).repeat(rows, 1)  # past the image end: never accepted
         seen = (torch.arange(used, device=device) < first).repeat(rows, 1)  # the committed prefix
@@ -653,29 +653,22 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         h, fused = self._run(x, self.rope[positions], additive_mask(attn[:, None], x.dtype), slots, batch.caches)
         return tuple(t.view(rows, b, n, -1) for t in self._head(h, fused) if t is not None)
 
-    @torch.no_grad()
-    def commit_trees(self, paths: Sequence[Tensor]) -> None:
-        batch = self._batch_cache("commit_trees")
+    def _commit(self, batch: BatchCache, paths: Sequence[Tensor]) -> None:
+        """Keep image i's accepted nodes ``paths[i]`` (checked) of the last tree step."""
         counts = [int(p.shape[0]) for p in paths]
-        if len(counts) != len(batch.lengths):
-            raise ValueError(f"{len(counts)} paths for a batch of {len(batch.lengths)} images")
-        if max(counts) > batch.pending:
-            raise ValueError(f"cannot commit {max(counts)} nodes of {batch.pending}-node trees")
         device, m = self.tok_embeddings.weight.device, max(counts)
         if m:  # a path's root is already in place (its slot is the image's length): only its later nodes move
             nodes = torch.nn.utils.rnn.pad_sequence([p[1:].to(device) for p in paths], batch_first=True, padding_value=-1)
             added = on_device(counts, device)
             batch.device_lengths()  # up to date before the step reads it in place
-            self.run_fixed(LlamaGenTarget._commit_step, nodes, added)
+            self.run_fixed(LlamaGenTarget._commit_step, batch, nodes, added)
         batch.lengths = [n + k for n, k in zip(batch.lengths, counts)]
         batch.pending = 0
 
-    def _commit_step(self, nodes: Tensor, counts: Tensor) -> tuple[()]:
-        """``commit_trees`` on device tensors only (a compiled program, one per
-        longest path): image i's accepted nodes after its root, ``nodes[i]`` (-1 past its
-        path), moved to the slots after its length, which then grows by ``counts[i]``."""
-        batch = self._batch
-        assert batch is not None
+    def _commit_step(self, batch: BatchCache, nodes: Tensor, counts: Tensor) -> tuple[()]:
+        """:meth:`_commit` on device tensors only (a compiled program, one per longest
+        path): image i's accepted nodes after its root, ``nodes[i]`` (-1 past its path),
+        moved to the slots after its length, which then grows by ``counts[i]``."""
         start, later = batch.starts, nodes.shape[1]
         if later:
             dest = start[:, None] + torch.arange(1, later + 1, device=nodes.device)
@@ -686,56 +679,6 @@ class LlamaGenTarget(FixedSteps, nn.Module):
             store.scatter_(4, dest.expand_as(index), store.gather(4, index))
         start.add_(counts)
         return ()
-
-    @torch.no_grad()
-    def refill(self, image: int, condition: Condition) -> TargetOutput:
-        batch = self._batch_cache("refill")
-        c, w = self.config, self.tok_embeddings.weight
-        cls, size = c.cls_token_num, len(batch.lengths)
-        x, caption_mask = self.embed_condition(condition, batch.rows == 2)
-        shape = (batch.rows, c.kv_heads, cls, c.head_dim)
-        fresh = w.new_zeros(len(self.layers), 2, *shape)  # the condition's cache, as prefill makes it
-        h, fused = self._run(x, self.rope[:cls], None if caption_mask is None else self.condition_mask(caption_mask[None])[0], 0, [(k, v) for k, v in fresh])
-        rows = torch.arange(batch.rows, device=w.device) * size + image
-        batch.store[:, :, rows, :, :cls] = fresh
-        if batch.valid is not None:
-            batch.valid[rows] = True
-            batch.valid[rows, :cls] = caption_mask
-        batch.lengths[image] = cls
-        batch.starts[image] = cls
-        return self._head(h[:, -1:], None if fused is None else fused[:, -1:])
-
-    def _batch_cache(self, caller: str) -> BatchCache:
-        if self._batch is None:
-            raise RuntimeError(f"call prefill_batch before {caller} (also after moving the target)")
-        return self._batch
-
-    def _batch_last(self, x: Tensor, mask: Tensor | None) -> TargetOutput:
-        """Run ``x`` [rows * B, width, D] at the images' next positions (all at one length):
-        the last position's outputs [rows, B, ...]."""
-        batch = self._batch
-        assert batch is not None
-        start, width = batch.lengths[0], x.shape[1]
-        h, fused = self._run(x, self.rope[start : start + width], mask, start, batch.caches)
-        batch.lengths, batch.stale = [start + width] * len(batch.lengths), True
-        out = self._head(h[:, -1], None if fused is None else fused[:, -1])
-        return TargetOutput(*(t if t is None else t.view(batch.rows, -1, t.shape[-1]) for t in out))
-
-    # -- internals
-
-    def _ensure_cache(self, rows: int) -> None:
-        """Allocate the static cache once (2 rows, weights' device and dtype); hand out row
-        views.  On CUDA the cache's address is static: the captured programs read it in place."""
-        w = self.tok_embeddings.weight
-        if not self._kv or cache_is_stale(self._cache, w):
-            c = self.config
-            self._cache = w.new_zeros(c.n_layer, 2, 2, c.kv_heads, self.capacity, c.head_dim)
-            self._valid = torch.ones(1, self.capacity, dtype=torch.bool, device=w.device)
-            self._slots = torch.arange(self.capacity, device=w.device)
-            self._start = torch.zeros((), dtype=torch.long, device=w.device)
-            self._cache, self._start = static_address(self._cache), static_address(self._start)
-        self._kv = [(layer[0, :rows], layer[1, :rows]) for layer in self._cache]
-        self._rows = rows
 
     def _caption(self, caption: Caption) -> tuple[Tensor, Tensor]:
         c = self.config
@@ -774,10 +717,10 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         valid[:, :cls] = caption_mask
         return (causal & valid[:, None, :]) | torch.eye(s, dtype=torch.bool, device=caption_mask.device)
 
-    def _run(self, x: Tensor, rope: Tensor, mask: Tensor | None, start: int | Tensor, caches: Sequence[KVSlot | None] | None = None) -> tuple[Tensor, Tensor | None]:
+    def _run(self, x: Tensor, rope: Tensor, mask: Tensor | None, start: int | Tensor, caches: Sequence[KVSlot | None]) -> tuple[Tensor, Tensor | None]:
         """The last layer's output and the exposed layers' inputs side by side (None: none exposed)."""
         taps: dict[int, Tensor] = {}
-        for i, (layer, cache) in enumerate(zip(self.layers, self._kv if caches is None else caches)):
+        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             if i in self.exposed:
                 taps[i] = x
             x = layer(x, rope, mask, cache, start)
