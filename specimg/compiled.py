@@ -77,12 +77,6 @@ def step_mode(compile: Compile, device: torch.device, supported: bool) -> StepMo
     return "eager"
 
 
-def backend() -> str:
-    """The compiler backend: inductor, or ``SPECIMG_COMPILE_BACKEND`` (``aot_eager``:
-    the same graphs run by eager kernels, which is how the tests prove capturability)."""
-    return os.environ.get("SPECIMG_COMPILE_BACKEND", "inductor")
-
-
 @functools.cache
 def _compiled(fn: F, backend: str, cuda: bool) -> F:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
@@ -98,14 +92,14 @@ class CompileClock:
 
 
 def run(fn: Callable[..., Any], *args: Any, compiled: bool) -> Any:
-    """``fn(*args)``, compiled (:func:`_compiled`, once per function) where ``compiled``.
-    ``fn`` is a plain function (a method unbound, its object among ``args``), so that one
+    """``fn(*args)``, compiled (:func:`_compiled`, once per function and backend: inductor, or
+    ``SPECIMG_COMPILE_BACKEND``) where ``compiled``.  ``fn`` is a plain function (a method unbound, its object among ``args``), so that one
     program per shape serves every model of a class.  A captured program's next run
     overwrites its outputs, so on CUDA they come back as copies: the caller keeps them."""
     if not compiled:
         return fn(*args)
     cuda = _on_cuda(args)
-    program = _compiled(fn, backend(), cuda)
+    program = _compiled(fn, os.environ.get("SPECIMG_COMPILE_BACKEND", "inductor"), cuda)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     begin = time.perf_counter()
     out = program(*args)

@@ -69,18 +69,11 @@ def cfg_active_at(token_index: Tensor | int, sampling: Sampling, offset: Tensor 
     return token_index + offset - 1 <= sampling.cfg_interval
 
 
-def draw(probs: Tensor, generator: torch.Generator | None) -> Tensor:
-    """A token [1] from ``probs`` [V], drawn as ``torch.multinomial(probs, 1)`` draws it:
-    one Exp(1) variate per token from ``generator``, the argmax of probs / variate (the
-    same draws, the same generator state).  Without multinomial's checks of the
-    distribution, which cost a GPU nine kernels more: ``probs`` is a softmax's."""
-    variates = torch.empty_like(probs).exponential_(generator=generator)
-    return (probs / variates).argmax(dim=-1, keepdim=True)
-
-
 def draw_rows(probs: Tensor, generators: Sequence[torch.Generator | None]) -> Tensor:
-    """One token per row of ``probs`` [B, V], row i drawn as :func:`draw` draws it with
-    ``generators[i]``: [B].  Each row's variates come from its own generator; the
+    """One token per row of ``probs`` [B, V]: [B], row i drawn as ``torch.multinomial(probs[i],
+    1)`` draws it with ``generators[i]`` (one Exp(1) variate per token from the generator, the
+    argmax of probs / variate: the same draws, the same generator state), without its checks
+    of the distribution, which cost a GPU nine kernels more (``probs`` is a softmax's).  The
     division and the argmax run once for every row."""
     variates = torch.empty_like(probs)
     for row, generator in zip(variates, generators, strict=True):

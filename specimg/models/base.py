@@ -58,7 +58,7 @@ class Target(Protocol):
     The cache holds the condition and every committed image token.  ``forward_tree``
     appends nothing permanently: the tree's entries stay provisional until ``commit``
     keeps a root-to-node path of them.  A target may also run its step forwards at fixed
-    shapes and as CUDA graphs (``set_step_mode``, :class:`specimg.graphs.FixedSteps`).
+    shapes and as CUDA graphs (``set_step_mode``, :class:`specimg.compiled.FixedSteps`).
     """
 
     vocab_size: int

@@ -510,13 +510,10 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         h, fused = self._run(x, self.rope[:s], mask, 0, [None] * len(self.layers))
         return self._head(h[:, cls - 1 :], fused if fused is None else fused[:, cls - 1 :])
 
-    # -- batched steps (Engine(batch_size=B))
+    # -- batched steps (Engine(batch_size=B)): specimg.models.base.BatchTrees
 
     @torch.no_grad()
     def prefill_batch(self, conditions: Sequence[Condition], cfg: bool, tree_nodes: int = 0) -> TargetOutput:
-        """Start one image per condition in a cache of their own (the tree cache is left as
-        it is), with room for trees of ``tree_nodes``: the outputs [rows, B, ...] at the
-        last condition position, as ``prefill``'s are for one image."""
         if tree_nodes > self.max_tree_nodes:
             raise ValueError(f"trees of {tree_nodes} nodes exceed max_tree_nodes={self.max_tree_nodes}")
         self._batch, _, out = self._open(self._batch, conditions, cfg, tree_nodes)
@@ -524,8 +521,6 @@ class LlamaGenTarget(FixedSteps, nn.Module):
 
     @torch.no_grad()
     def forward_batch(self, tokens: Tensor) -> Tensor:
-        """Consume each image's next token (tokens [B], image i's at i) and return the raw
-        logits [rows, B, V] for the token after it."""
         batch = self._opened(self._batch, "prefill_batch", "forward_batch")
         if len(set(batch.lengths)) > 1:
             raise RuntimeError("forward_batch takes images at one length; tree steps left them apart (use forward_trees)")
