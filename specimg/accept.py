@@ -47,12 +47,6 @@ class DeviceRule(NamedTuple):
     levels: Callable[..., Level]
 
 
-def rejects_recursively(sampling: Sampling, exact: bool, tree: DraftTree) -> bool:
-    """Whether the core's default rule is recursive rejection (a sampled tree, sampled
-    tokens, an exact stack); otherwise it walks the tree (greedy or sample-and-match)."""
-    return not sampling.greedy and exact and tree.sampled
-
-
 def walk_forest(
     forest: DraftTree, roots: Sequence[int], dist: Tensor, generators: Sequence[torch.Generator | None] | None, compiled: bool = False,
     target_dist: Tensor | None = None,
@@ -301,11 +295,11 @@ def accept_forest(
     generators: Sequence[torch.Generator | None], compiled: bool = False,
 ) -> list[Acceptance]:
     """The core's rule on every tree of a forest (or one tree, root 0): recursive rejection
-    against ``target_dist`` where it applies (:func:`rejects_recursively`), else
-    sample-and-match on ``dist`` (greedy at temperature 0), whose device walk measures the
-    budget each path spent where ``dist`` is not ``target_dist``; the device walk compiled
-    where ``compiled``."""
-    if rejects_recursively(sampling, exact, forest):
+    against ``target_dist`` where it applies (a sampled tree, sampled tokens, an exact
+    stack), else sample-and-match on ``dist`` (greedy at temperature 0), whose device walk
+    measures the budget each path spent where ``dist`` is not ``target_dist``; the device
+    walk compiled where ``compiled``."""
+    if not sampling.greedy and exact and forest.sampled:
         return reject_forest(forest, roots, target_dist, generators, compiled)
     return walk_forest(forest, roots, dist, None if sampling.greedy else generators, compiled, target_dist)
 

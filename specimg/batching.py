@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, NamedTuple, cast
 
 import torch
@@ -26,10 +25,11 @@ from specimg.planner import TreePlanner
 from specimg.sampling import cfg_active_at
 from specimg.stats import ImageStats
 from specimg.step import Acceptance, Scores, Walked
-from specimg.tree import BatchSession, DraftTree, FixedBatch, build_dynamic_batch, dynamic_shape, fixed_growth, grow_forest, stack_trees
+from specimg.tree import BatchSession, DraftTree, build_dynamic_batch, dynamic_shape, fixed_growth, grow_forest, stack_trees
 
 if TYPE_CHECKING:
     from specimg.engine import Engine, OnImage
+    from specimg.models.eagle import DraftBatch
 
 
 class LaneStep(NamedTuple):
@@ -60,8 +60,6 @@ def decode(
     target, sampling, device = engine.target, engine.sampling, engine.device
     assert isinstance(target, BatchTrees)
     size = min(engine.batch_size, len(conditions))
-    if engine._threads is None:  # the threads a batch's images propose in, one per image, kept for the engine's life
-        engine._threads = ThreadPoolExecutor(max_workers=engine.batch_size, thread_name_prefix="specimg-lane")
     lockstep = None if engine.drafter_free else Lockstep(engine.drafter.batch(size, sampling.cfg), engine._threads)  # type: ignore[union-attr]
     drafters = [None if lockstep is None else LaneDrafter(lockstep, place, engine.drafter) for place in range(size)]
     decoding = list(range(size))  # the image at each place of the batch
@@ -149,10 +147,7 @@ def step(engine: Engine, lanes: Sequence[Lane], running: Sequence[int], riding: 
         paths[i] = torch.zeros(1, dtype=torch.long, device=device)  # the root alone
         if lane.progress:
             lane.progress(1)
-    steps: dict[int, LaneStep] = {}
-    if drafted:
-        assert forest is not None
-        steps = _relax_and_accept(engine, scores, list(proposed), [lanes[i] for i in proposed], forest, drafted)
+    steps = {} if forest is None else _relax_and_accept(engine, scores, list(proposed), [lanes[i] for i in proposed], forest, drafted)
     for i, done in steps.items():
         paths[i] = done.walked.path
     with Booking("commit", stepping):
@@ -198,7 +193,7 @@ def _draft_together(engine: Engine, lanes: Mapping[int, Lane], batch: BatchDraft
                 continue
 
             if getattr(batch, "step_mode", "eager") != "eager" and fixed_growth(shape, sampling):  # a DraftBatch at fixed shapes
-                grown = _grow_every_place(engine, cast(FixedBatch, batch), {i: lanes[i] for i in images}, roots, shape)
+                grown = _grow_every_place(engine, cast("DraftBatch", batch), {i: lanes[i] for i in images}, roots, shape)
                 every_place = grown.trees()
                 trees.update((i, every_place[i]) for i in images)
                 forest = grown if len(images) == len(every_place) else None  # a forest of these images' trees alone
@@ -220,7 +215,7 @@ def _draft_together(engine: Engine, lanes: Mapping[int, Lane], batch: BatchDraft
 
 
 def _grow_every_place(
-    engine: Engine, batch: FixedBatch, lanes: Mapping[int, Lane], roots: Mapping[int, Tensor], shape: tuple[int, int, int, bool]
+    engine: Engine, batch: DraftBatch, lanes: Mapping[int, Lane], roots: Mapping[int, Tensor], shape: tuple[int, int, int, bool]
 ) -> DraftTree:
     """The forest of a tree of ``shape`` at every place of the batch, grown at fixed
     shapes (:func:`~specimg.tree.grow_forest`) for the ``lanes`` that draft that shape.  Any other place (its image
@@ -276,8 +271,8 @@ def _relax_and_accept(
             results = acceptance.accept_forest(forest, starts, dist, scores.probs, engine.sampling, engine.exact, [lane.generator for lane in lanes],
                                                engine.compiled)
         else:
-            results = [engine._core_accept(*step, lane.generator) if result is None else result
-                       for lane, step, result in zip(lanes, zip(trees, dists, own), methods)]
+            results = [acceptance.accept_forest(tree, [0], q, mine.probs, engine.sampling, engine.exact, [lane.generator], engine.compiled)[0]
+                       if result is None else result for lane, tree, q, mine, result in zip(lanes, trees, dists, own, methods)]
         walks = [lane.walked(*step) for lane, step in zip(lanes, zip(trees, own, dists, results))]
     return {place: LaneStep(tree=tree, scores=mine, dist=q, result=result, walked=walk)
             for place, tree, mine, q, result, walk in zip(places, trees, own, dists, results, walks)}

@@ -181,26 +181,22 @@ def _save(path: Path, text: str) -> None:
         pass
 
 
-def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
+def _timed(device: torch.device, call: Callable[..., Any], repeats: int = _REPEATS, setup: Callable[[], Any] | None = None) -> float:
     """Median milliseconds of a call, after warm-up; waits for the device each time.  The
-    median, not the minimum: a decode step pays what a call typically costs, and the
-    fastest of a tight loop of identical calls underestimates that by a fifth on a CPU.
-    ``setup`` runs untimed before each call and hands it its argument."""
+    median, not the minimum: a decode step pays what a call typically costs, which the
+    fastest of a tight loop of identical calls underestimates on a CPU.  ``setup`` runs
+    untimed before each call and hands it its argument."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    def timed(call: Callable[[], Any], repeats: int = _REPEATS, setup: Callable[[], Any] | None = None) -> float:
-        samples = []
-        for i in range(_WARMUP + repeats):
-            arg = setup() if setup else None
-            sync()
-            start = time.perf_counter()
-            call(arg) if setup else call()
-            sync()
-            if i >= _WARMUP:
-                samples.append(1000 * (time.perf_counter() - start))
-        return statistics.median(samples)
-
-    return timed
+    samples = []
+    for i in range(_WARMUP + repeats):
+        arg = setup() if setup else None
+        sync()
+        start = time.perf_counter()
+        call(arg) if setup else call()
+        sync()
+        if i >= _WARMUP:
+            samples.append(1000 * (time.perf_counter() - start))
+    return statistics.median(samples)
 
 
 @torch.inference_mode()
@@ -211,7 +207,7 @@ def measure(target: Target, drafter: Drafter, sampling: Sampling, condition: Con
     share of a forward over ``batch`` images, each with the tree (the drafting and the
     rest of a step are each image's own, as in a batch)."""
     device = device_of(target)
-    timed = _timer(device)
+    timed = functools.partial(_timed, device)
     capacity = min(getattr(target, "max_tree_nodes", VERIFY_SIZES[-1]), getattr(drafter, "max_tree_nodes", VERIFY_SIZES[-1]))
     prefill = target.prefill(condition, sampling.cfg)
     token = torch.zeros(1, dtype=torch.long, device=device)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
@@ -27,6 +27,7 @@ from specimg.sampling import cfg_active_at, probabilities
 
 if TYPE_CHECKING:
     from specimg.models.base import Drafter
+    from specimg.models.eagle import DraftBatch
 
 
 @attrs.frozen(eq=False)
@@ -530,7 +531,7 @@ def fixed_growth(shape: tuple[int, int, int, bool], sampling: Sampling) -> bool:
     return not shape[3] and sampling.cfg_interval < 0
 
 
-def grow_forest(batch: FixedBatch, sampling: Sampling, root_logits: Tensor, root_tokens: Tensor, shape: tuple[int, int, int, bool]) -> DraftTree:
+def grow_forest(batch: DraftBatch, sampling: Sampling, root_logits: Tensor, root_tokens: Tensor, shape: tuple[int, int, int, bool]) -> DraftTree:
     """The core's EAGLE-2 growth for every place of a batch, each growing a top-k tree of
     ``shape`` (:func:`fixed_growth`) from its root logits [rows, B, V] and root token [B],
     from no nodes fed: every level's drafter forward one call for all the places
@@ -541,11 +542,3 @@ def grow_forest(batch: FixedBatch, sampling: Sampling, root_logits: Tensor, root
     batch.clear_nodes()
     session = BatchSession(batch.expand_all, sampling, root_logits, root_tokens.new_zeros(root_tokens.shape), filtered=False)  # the index matters only where guidance stops
     return build_dynamic_batch(session, root_tokens, depth, topk, nodes)
-
-
-class FixedBatch(Protocol):
-    """A batch's draft state that feeds every image at once (``DraftBatch.expand_all``)."""
-
-    def clear_nodes(self) -> None: ...
-
-    def expand_all(self, parents: Tensor, tokens: Tensor) -> Tensor: ...
