@@ -172,7 +172,7 @@ def _draft_together(engine: Engine, lanes: Mapping[int, Lane], batch: BatchDraft
     """Every drafting lane's tree, grown together where the core grows EAGLE-2 trees
     (no method brings its own, no static tree): one drafter call and one top-k per level
     for all the lanes that draft one shape (:func:`specimg.tree.build_dynamic_batch`;
-    at fixed shapes one program for every place, :func:`_grow_every_place`), each tree
+    at fixed shapes one program for every place, :func:`specimg.tree.grow_forest`), each tree
     the one its lane grows alone; and where every lane drafted one shape, their forest.
     None otherwise: the lanes then propose side by side (:mod:`specimg.lockstep`)."""
     assert engine.hooks is not None
@@ -193,7 +193,7 @@ def _draft_together(engine: Engine, lanes: Mapping[int, Lane], batch: BatchDraft
                 continue
 
             if getattr(batch, "step_mode", "eager") != "eager" and fixed_growth(shape, sampling):  # a DraftBatch at fixed shapes
-                grown = _grow_every_place(engine, cast("DraftBatch", batch), {i: lanes[i] for i in images}, roots, shape)
+                grown = grow_forest(cast("DraftBatch", batch), sampling, {i: (roots[i], lanes[i].tokens[-1]) for i in images}, shape)
                 every_place = grown.trees()
                 trees.update((i, every_place[i]) for i in images)
                 forest = grown if len(images) == len(every_place) else None  # a forest of these images' trees alone
@@ -212,20 +212,6 @@ def _draft_together(engine: Engine, lanes: Mapping[int, Lane], batch: BatchDraft
             forest = build_dynamic_batch(session, root_tokens, depth, topk, nodes, sample, generators)
             trees.update(zip(images, forest.trees()))
     return {i: trees[i] for i in lanes}, forest if forest is not None and len(forest.sizes) == len(lanes) else None
-
-
-def _grow_every_place(
-    engine: Engine, batch: DraftBatch, lanes: Mapping[int, Lane], roots: Mapping[int, Tensor], shape: tuple[int, int, int, bool]
-) -> DraftTree:
-    """The forest of a tree of ``shape`` at every place of the batch, grown at fixed
-    shapes (:func:`~specimg.tree.grow_forest`) for the ``lanes`` that draft that shape.  Any other place (its image
-    finished, sent to AR, or drafting another shape, grown before or after) grows a
-    scratch tree from a uniform root, so that the program keeps its shape; that tree
-    is never used."""
-    scratch = torch.zeros_like(next(iter(roots.values()))) if len(lanes) < batch.size else None  # one uniform root for every other place
-    root_logits = torch.stack([roots[place] if place in lanes else scratch for place in range(batch.size)], dim=1)
-    root_tokens = stalls.on_device([lanes[place].tokens[-1] if place in lanes else 0 for place in range(batch.size)], engine.device)
-    return grow_forest(batch, engine.sampling, root_logits, root_tokens, shape)
 
 
 def _verify(

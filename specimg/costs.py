@@ -146,11 +146,10 @@ def step_scale(wall_s: float, predicted_ms: float, ar_wall_s: float, ar_predicte
     """A stack's step scale from its calibration: how much longer its real steps took than
     the timed parts predict (``wall_s`` against ``predicted_ms``), relative to the same
     ratio for AR steps decoded beside them.  Relative, because a shared machine runs
-    faster or slower from one minute to the next (timings of the same step a few minutes
-    apart differ by a third on a busy CPU): a ratio of two decodes made together does not
-    depend on when the parts were timed, and AR's real steps carry loop work its timed
-    part does not, as the stack's do.  The planner's predicted speedups are then real
-    speed against real AR speed."""
+    faster or slower from one minute to the next: a ratio of two decodes made together
+    does not depend on when the parts were timed, and AR's real steps carry loop work its
+    timed part does not, as the stack's do.  The planner's predicted speedups are then
+    real speed against real AR speed."""
     if predicted_ms <= 0 or ar_predicted_ms <= 0 or ar_wall_s <= 0:
         return 1.0
     return (1000 * wall_s / predicted_ms) / (1000 * ar_wall_s / ar_predicted_ms)

@@ -86,13 +86,11 @@ class PluginManager:
         try:
             self.pm.check_pending()
             methods = self._collect(plugin)
-        except (pluggy.PluginValidationError, SpecimgError) as err:
-            fault = _fault(err, self.pm)
+        except Exception as err:  # a hook specimg lacks, a method refused, or register_methods itself failed
+            checked = isinstance(err, (pluggy.PluginValidationError, SpecimgError))
+            fault = _fault(err, self.pm) if checked else f"register_methods raised {type(err).__name__}: {err}"
             self.pm.unregister(plugin)
             return self._fail(info, fault, warn)
-        except Exception as err:  # register_methods itself failed
-            self.pm.unregister(plugin)
-            return self._fail(info, f"register_methods raised {type(err).__name__}: {err}", warn)
         self._methods.update(methods)
         info = attrs.evolve(info, methods=tuple(methods))
         self.plugins.append(info)
