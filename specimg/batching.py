@@ -48,15 +48,14 @@ def decode(
     done: OnImage, planners: Callable[[], TreePlanner] | None = None,
 ) -> None:
     """Speculative decoding of the images ``batch_size`` at a time, each handed to
-    ``done`` (index, tokens, statistics) when it finishes.  Each image drafts, relaxes
-    and accepts in its own lane (its own generator and planner, from ``planners``, by
-    default the engine's) as it would alone; the lanes' trees are grown, verified and
-    relaxed together (:func:`step`).  When an image finishes, the next takes its place
-    (``refill``), so the batch stays full until the images run out; a finished lane with
-    none to follow rides along as a one-node tree that commits nothing, as does a lane
-    its planner sent to AR.  When every unfinished image was sent to AR, they take AR
-    steps together, one forward per token, until a place frees or to the end.  An
-    image's wall time is its share of the batch's while it decoded."""
+    ``done`` (index, tokens, statistics) when it finishes, in a lane of its own (its
+    planner from ``planners``, by default the engine's); the lanes step together
+    (:func:`step`).  When an image finishes, the next takes its place (``refill``), so
+    the batch stays full until the images run out; a finished lane with none to follow
+    rides along as a one-node tree that commits nothing, as does a lane its planner sent
+    to AR.  When every unfinished image was sent to AR, they take AR steps together, one
+    forward per token, until a place frees or to the end.  An image's wall time is its
+    share of the batch's while it decoded."""
     target, sampling, device = engine.target, engine.sampling, engine.device
     assert isinstance(target, BatchTrees)
     size = min(engine.batch_size, len(conditions))
@@ -152,20 +151,15 @@ def step(engine: Engine, lanes: Sequence[Lane], running: Sequence[int], riding: 
         paths[i] = done.walked.path
     with Booking("commit", stepping):
         target.commit_trees(paths)
-        features = _path_features(engine, scores, forest, [done.result for done in steps.values()]) if steps else []
+        features: list[Tensor | None] = [None] * len(steps)  # the drafter's features at each accepted path, picked in one gather
+        if steps and engine.drafter is not None:
+            assert forest is not None
+            nodes = stalls.on_device([start + node for (start, _), done in zip(forest.spans, steps.values()) for node in done.result.path], device)
+            features = list(draft_features(engine.drafter, scores)[:, nodes].split_with_sizes([len(done.result.path) for done in steps.values()], 1))
         for (i, done), hidden in zip(steps.items(), features):
             lanes[i].advance(done.tree, done.scores, done.result, done.walked, hidden)
     for i, done in steps.items():
         lanes[i].learn(done.tree, done.dist, done.result, done.walked)
-
-
-def _path_features(engine: Engine, scores: Scores, forest: DraftTree, results: Sequence[Acceptance]) -> list[Tensor | None]:
-    """The drafter's features at each tree's accepted path (``results``, tree after tree
-    in the ``forest`` that ``scores`` score), picked for every tree in one gather."""
-    if engine.drafter is None:
-        return [None] * len(results)
-    nodes = stalls.on_device([start + node for (start, _), result in zip(forest.spans, results) for node in result.path], engine.device)
-    return list(draft_features(engine.drafter, scores)[:, nodes].split_with_sizes([len(result.path) for result in results], 1))
 
 
 def _draft_together(engine: Engine, lanes: Mapping[int, Lane], batch: BatchDrafting) -> tuple[dict[int, DraftTree], DraftTree | None] | None:

@@ -219,8 +219,7 @@ def measure(target: Target, drafter: Drafter, sampling: Sampling, condition: Con
     ar, verify = _verify_times(target, sampling, condition, trees, timed, batch)
     news = torch.zeros(_START_TOKENS, dtype=torch.long, device=device)
     start = timed(lambda _: drafter.start(last.expand(-1, _START_TOKENS, -1), news), setup=lambda: drafter.prefill(condition, sampling.cfg))
-    setup, rest = _step_overhead(target, sampling, condition, device)
-    overhead = timed(rest, setup=setup)
+    overhead = _step_overhead(target, sampling, condition, device, timed)
     base, levels = [], []
     for width in LEVEL_WIDTHS:
 
@@ -282,11 +281,11 @@ def _verify_times(target: Target, sampling: Sampling, condition: Condition, tree
     return ar, [(n, statistics.median(ms)) for n, ms in rounds.items()]
 
 
-def _step_overhead(target: Target, sampling: Sampling, condition: Condition, device: torch.device) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
-    """(setup, call): a step's work besides drafting and verifying, on an 8-node chain
+def _step_overhead(target: Target, sampling: Sampling, condition: Condition, device: torch.device, timed: Callable[..., float]) -> float:
+    """The median ms of a step's work besides drafting and verifying, on an 8-node chain
     whose first three drafts are accepted: the walk (compiled where the target's steps
-    are, as the engine's), the commit and the planner's observation.  The
-    setup restarts the image and verifies the chain, untimed."""
+    are, as the engine's), the commit and the planner's observation; each call's setup
+    restarts the image and verifies the chain, untimed."""
     chain = DraftTree.from_parents([0] * 8, [-1, *range(7)])
     tree = attrs.evolve(chain, **{f: getattr(chain, f).to(device) for f in ("tokens", "parents", "depths", "mask", "logprobs", "child_ids")})
     dist = torch.zeros(8, target.vocab_size, device=device)
@@ -307,7 +306,7 @@ def _step_overhead(target: Target, sampling: Sampling, condition: Condition, dev
         tree.tokens[path[1:]].tolist()
         profile.observe(tree, dist, result.path, sampling.greedy)
 
-    return verify, rest
+    return timed(rest, setup=verify)
 
 
 def _monotone(table: list[tuple[int, float]]) -> tuple[tuple[int, float], ...]:

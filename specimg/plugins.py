@@ -7,6 +7,7 @@ distribution itself).  A faulty plugin is reported and left out, never fatal.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import os
 import warnings
@@ -21,7 +22,6 @@ from specimg.errors import SpecimgError
 from specimg.methods import AR, Member, MethodSpec, Stack, check_method_spec, resolve_stack
 
 ENTRY_POINT_GROUP = "specimg"
-DISABLE_AUTOLOAD_ENV = "SPECIMG_DISABLE_PLUGIN_AUTOLOAD"
 _BUILTIN_DIST = "specimg"
 
 
@@ -49,7 +49,7 @@ class PluginManager:
         self.plugins: list[PluginInfo] = []
         self._methods: dict[str, MethodSpec] = {}
         if autoload is None:
-            autoload = os.environ.get(DISABLE_AUTOLOAD_ENV, "") in ("", "0")
+            autoload = os.environ.get("SPECIMG_DISABLE_PLUGIN_AUTOLOAD", "") in ("", "0")
         self.load_entry_points(third_party=autoload)
 
     def load_entry_points(self, third_party: bool = True) -> None:
@@ -87,8 +87,11 @@ class PluginManager:
             self.pm.check_pending()
             methods = self._collect(plugin)
         except Exception as err:  # a hook specimg lacks, a method refused, or register_methods itself failed
-            checked = isinstance(err, (pluggy.PluginValidationError, SpecimgError))
-            fault = _fault(err, self.pm) if checked else f"register_methods raised {type(err).__name__}: {err}"
+            if isinstance(err, pluggy.PluginValidationError):  # pluggy names a hook specimg lacks with the plugin's repr: name the hook
+                unknown = sorted(caller.name for caller in self.pm.get_hookcallers(err.plugin) or () if caller.spec is None)
+                fault = f"it implements {', '.join(map(repr, unknown))}, which is not a specimg hook (misspelled?)" if unknown else str(err)
+            else:
+                fault = str(err) if isinstance(err, SpecimgError) else f"register_methods raised {type(err).__name__}: {err}"
             self.pm.unregister(plugin)
             return self._fail(info, fault, warn)
         self._methods.update(methods)
@@ -154,21 +157,7 @@ class PluginManager:
         return self.pm.subset_hook_caller(hook, remove_plugins=remove)
 
 
-_default: PluginManager | None = None
-
-
+@functools.cache
 def get_plugin_manager() -> PluginManager:
     """The process-wide manager, loaded on first use."""
-    global _default
-    if _default is None:
-        _default = PluginManager()
-    return _default
-
-
-def _fault(err: Exception, pm: pluggy.PluginManager) -> str:
-    """A plugin's fault in words: pluggy names an unknown hook with the plugin's repr."""
-    if isinstance(err, pluggy.PluginValidationError):
-        unknown = sorted(caller.name for caller in pm.get_hookcallers(err.plugin) or () if caller.spec is None)
-        if unknown:
-            return f"it implements {', '.join(map(repr, unknown))}, which is not a specimg hook (misspelled?)"
-    return str(err)
+    return PluginManager()
