@@ -282,10 +282,7 @@ class DraftSession:
         self.batch = BatchSession(lambda parents, tokens: drafter.expand(parents[0], tokens[0])[:, None], sampling, root_logits[:, None],
                                   torch.full((1,), root_index, device=self.device), filtered)
         self.sampling = self.batch.sampling
-
-    @property
-    def root_probs(self) -> Tensor:
-        return self.batch.root_probs[0]
+        self.root_probs = self.batch.root_probs[0]
 
     def feed(self, parents: Tensor | Sequence[int], tokens: Tensor | Sequence[int]) -> Tensor:
         """Feed nodes (children of fed session nodes ``parents``) and return their draft
