@@ -267,10 +267,9 @@ class Engine:
     ) -> None:
         """One image per condition, each handed to ``done`` (index, tokens, statistics) when it
         finishes: one at a time, or ``batch_size`` at a time (:func:`specimg.batching.decode`,
-        or AR images in one forward per token, each image's wall time its share of the
-        batch's); with AR steps whatever the method, with ``ar``.  Auto trees plan with
-        ``planners``' planners, by default :meth:`planner`'s.  Image i draws with its own
-        generator seeded ``seeds[i]`` exactly as it would alone."""
+        or AR images in one forward per token, each drawn as it would be alone, its wall
+        time its share of the batch's); with AR steps whatever the method, with ``ar``.
+        Auto trees plan with ``planners``' planners, by default :meth:`planner`'s."""
         if self.batch_size == 1:
             for index, (condition, seed) in enumerate(zip(conditions, seeds)):
                 planner = (planners or self.planner)() if self.auto_tree and not ar else None

@@ -7,7 +7,6 @@ distribution itself).  A faulty plugin is reported and left out, never fatal.
 
 from __future__ import annotations
 
-import functools
 import importlib.metadata
 import os
 import warnings
@@ -157,7 +156,12 @@ class PluginManager:
         return self.pm.subset_hook_caller(hook, remove_plugins=remove)
 
 
-@functools.cache
+_default: PluginManager | None = None
+
+
 def get_plugin_manager() -> PluginManager:
     """The process-wide manager, loaded on first use."""
-    return PluginManager()
+    global _default
+    if _default is None:
+        _default = PluginManager()
+    return _default
