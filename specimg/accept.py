@@ -17,7 +17,6 @@ from __future__ import annotations
 import itertools
 import operator
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -33,24 +32,6 @@ Level = Callable[[Tensor, Sequence[Tensor]], tuple[Tensor, Tensor]]
 """One level of a device walk: each walker's node (-1 once it stopped) and its draws for
 the level ([walkers, size] per kind of draw) -> its emitted token and the child it
 descends to (-1: it stops; always -1 from node -1)."""
-
-
-class DeviceRule(NamedTuple):
-    """A rule as a device walk (:func:`_walk_on_device`): the step's ``tensors``, what each
-    walker draws at every level (``draws``: per kind, in drawing order, the ``Tensor``
-    method that draws it in place, its size and dtype) and ``levels``, which makes the
-    level function from the tensors alone: a rule keeps no tensor of its own, so its
-    program compiles once per shape and runs on any step's tensors."""
-
-    tensors: tuple[Tensor, ...]
-    draws: tuple[tuple[str, int, torch.dtype], ...]
-    levels: Callable[..., Level]
-
-
-def rejects_recursively(sampling: Sampling, exact: bool, tree: DraftTree) -> bool:
-    """Whether the core's default rule is recursive rejection (a sampled tree, sampled
-    tokens, an exact stack); otherwise it walks the tree (greedy or sample-and-match)."""
-    return not sampling.greedy and exact and tree.sampled
 
 
 def walk_forest(
@@ -75,8 +56,8 @@ def walk_forest(
         return _walk_on_host(forest, roots, dist, generators)
     spent = None if target_dist is None or target_dist is dist else (dist, target_dist)
     draws = (("exponential_", dist.shape[-1], dist.dtype),) if generators is not None else ()
-    rule = DeviceRule((dist, forest.parents, forest.tokens), draws, _match_levels)
-    return _walk_on_device(forest, roots, generators, rule, compiled, spent)  # type: ignore[arg-type]
+    tensors = (dist, forest.parents, forest.tokens)
+    return _walk_on_device(forest, roots, generators, _match_levels, tensors, draws, compiled, spent)  # type: ignore[arg-type]
 
 
 def _walk_on_host(forest: DraftTree, roots: Sequence[int], dist: Tensor, generators: Sequence[torch.Generator | None] | None) -> list[Acceptance]:
@@ -110,11 +91,15 @@ def _copied(paths: Sequence[list[int]], news: Sequence[list[int]], device: torch
 
 
 def _walk_on_device(
-    forest: DraftTree, roots: Sequence[int], generators: Sequence[torch.Generator] | None, rule: DeviceRule, compiled: bool = False,
-    spent: tuple[Tensor, Tensor] | None = None,
+    forest: DraftTree, roots: Sequence[int], generators: Sequence[torch.Generator] | None, levels: Callable[..., Level], tensors: tuple[Tensor, ...],
+    draws: Sequence[tuple[str, int, torch.dtype]], compiled: bool = False, spent: tuple[Tensor, Tensor] | None = None,
 ) -> list[Acceptance]:
     """Every tree's walk as one device program of ``forest.height + 1`` levels, whatever
-    the outcome.  Each walker's draws for every level are made first, from its own
+    the outcome, of a rule's level function, which ``levels`` makes from the step's
+    ``tensors`` alone (a rule keeps no tensor of its own, so its program compiles once per
+    shape and runs on any step's tensors); ``draws``: what each walker draws at every
+    level (per kind, in drawing order, the ``Tensor`` method that draws it in place, its
+    size and dtype).  Each walker's draws for every level are made first, from its own
     generator (:func:`_draw`); the program of levels then takes them as it takes the
     step's tensors, so that it compiles as one program per shape where ``compiled`` (the
     generators stay outside it).  The host reads the outcome once for every tree (the
@@ -124,9 +109,9 @@ def _walk_on_device(
     TVD of q_R to p (``Walked.spent``)."""
     device, walkers, depth = forest.tokens.device, len(roots), forest.height + 1
     start = stalls.on_device(list(roots), device)
-    draws, states = _draw(rule.draws, generators or (), depth, device)
-    inputs = [start, *rule.tensors, *draws, *(spent or ())]
-    packed, *measured = run(_levels, rule.levels, len(rule.tensors), len(draws), depth, *inputs, compiled=compiled)
+    drawn, states = _draw(draws, generators or (), depth, device)
+    inputs = [start, *tensors, *drawn, *(spent or ())]
+    packed, *measured = run(_levels, levels, len(tensors), len(drawn), depth, *inputs, compiled=compiled)
     outcome = packed.tolist()  # the one host read
     results = []
     for walker, saved in enumerate(states or [None] * walkers):
@@ -259,8 +244,7 @@ def chain_acceptance(chain: DraftTree, accept_prob: Tensor, residual: Tensor, ge
         raise ValueError("chain_acceptance takes a chain: every node has at most one child")
     if stalls.host_reads_stall(residual.device):
         draws = (("uniform_", 1, torch.float64), ("exponential_", residual.shape[-1], torch.float32))
-        rule = DeviceRule((accept_prob, residual, chain.tokens, chain.child_ids), draws, _threshold_levels)
-        return _walk_on_device(chain, [0], [generator], rule)[0]
+        return _walk_on_device(chain, [0], [generator], _threshold_levels, (accept_prob, residual, chain.tokens, chain.child_ids), draws)[0]
     uniforms = torch.rand(accept_prob.shape, generator=generator, dtype=torch.float64, device=residual.device)
     accepted = (uniforms < accept_prob.double()).tolist()
     path, node, next_ids = [0], 0, chain.child_ids[:, 0].tolist()
@@ -289,8 +273,8 @@ def reject_forest(
         raise ValueError("recursive rejection needs the draft distributions of a sampled tree")
     if stalls.host_reads_stall(target_dist.device) and None not in generators:
         draws = (("uniform_", forest.child_ids.shape[1], torch.float64), ("exponential_", target_dist.shape[-1], torch.float32))
-        rule = DeviceRule((target_dist, forest.draft_probs, forest.tokens, forest.child_ids), draws, _reject_levels)
-        return _walk_on_device(forest, roots, generators, rule, compiled)  # type: ignore[arg-type]
+        tensors = (target_dist, forest.draft_probs, forest.tokens, forest.child_ids)
+        return _walk_on_device(forest, roots, generators, _reject_levels, tensors, draws, compiled)  # type: ignore[arg-type]
     trees, dists = ([forest], [target_dist]) if forest.images is None else (forest.trees(), target_dist.split(list(forest.sizes)))
     walks = [_reject_on_host(tree, dist, generator) for tree, dist, generator in zip(trees, dists, generators)]
     return _copied([path for path, _ in walks], [new for _, new in walks], forest.tokens.device)
@@ -301,11 +285,11 @@ def accept_forest(
     generators: Sequence[torch.Generator | None], compiled: bool = False,
 ) -> list[Acceptance]:
     """The core's rule on every tree of a forest (or one tree, root 0): recursive rejection
-    against ``target_dist`` where it applies (:func:`rejects_recursively`), else
-    sample-and-match on ``dist`` (greedy at temperature 0), whose device walk measures the
-    budget each path spent where ``dist`` is not ``target_dist``; the device walk compiled
-    where ``compiled``."""
-    if rejects_recursively(sampling, exact, forest):
+    against ``target_dist`` where it applies (a sampled tree, sampled tokens, an exact
+    stack), else sample-and-match on ``dist`` (greedy at temperature 0), whose device walk
+    measures the budget each path spent where ``dist`` is not ``target_dist``; the device
+    walk compiled where ``compiled``."""
+    if not sampling.greedy and exact and forest.sampled:
         return reject_forest(forest, roots, target_dist, generators, compiled)
     return walk_forest(forest, roots, dist, None if sampling.greedy else generators, compiled, target_dist)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, NamedTuple, cast
 
 import torch
@@ -26,10 +25,11 @@ from specimg.planner import TreePlanner
 from specimg.sampling import cfg_active_at
 from specimg.stats import ImageStats
 from specimg.step import Acceptance, Scores, Walked
-from specimg.tree import BatchSession, DraftTree, FixedBatch, build_dynamic_batch, dynamic_shape, fixed_growth, grow_forest, stack_trees
+from specimg.tree import BatchSession, DraftTree, build_dynamic_batch, dynamic_shape, fixed_growth, grow_forest, stack_trees
 
 if TYPE_CHECKING:
     from specimg.engine import Engine, OnImage
+    from specimg.models.eagle import DraftBatch
 
 
 class LaneStep(NamedTuple):
@@ -48,20 +48,17 @@ def decode(
     done: OnImage, planners: Callable[[], TreePlanner] | None = None,
 ) -> None:
     """Speculative decoding of the images ``batch_size`` at a time, each handed to
-    ``done`` (index, tokens, statistics) when it finishes.  Each image drafts, relaxes
-    and accepts in its own lane (its own generator and planner, from ``planners``, by
-    default the engine's) as it would alone; the lanes' trees are grown, verified and
-    relaxed together (:func:`step`).  When an image finishes, the next takes its place
-    (``refill``), so the batch stays full until the images run out; a finished lane with
-    none to follow rides along as a one-node tree that commits nothing, as does a lane
-    its planner sent to AR.  When every unfinished image was sent to AR, they take AR
-    steps together, one forward per token, until a place frees or to the end.  An
-    image's wall time is its share of the batch's while it decoded."""
+    ``done`` (index, tokens, statistics) when it finishes, in a lane of its own (its
+    planner from ``planners``, by default the engine's); the lanes step together
+    (:func:`step`).  When an image finishes, the next takes its place (``refill``), so
+    the batch stays full until the images run out; a finished lane with none to follow
+    rides along as a one-node tree that commits nothing, as does a lane its planner sent
+    to AR.  When every unfinished image was sent to AR, they take AR steps together, one
+    forward per token, until a place frees or to the end.  An image's wall time is its
+    share of the batch's while it decoded."""
     target, sampling, device = engine.target, engine.sampling, engine.device
     assert isinstance(target, BatchTrees)
     size = min(engine.batch_size, len(conditions))
-    if engine._threads is None:  # the threads a batch's images propose in, one per image, kept for the engine's life
-        engine._threads = ThreadPoolExecutor(max_workers=engine.batch_size, thread_name_prefix="specimg-lane")
     lockstep = None if engine.drafter_free else Lockstep(engine.drafter.batch(size, sampling.cfg), engine._threads)  # type: ignore[union-attr]
     drafters = [None if lockstep is None else LaneDrafter(lockstep, place, engine.drafter) for place in range(size)]
     decoding = list(range(size))  # the image at each place of the batch
@@ -149,35 +146,27 @@ def step(engine: Engine, lanes: Sequence[Lane], running: Sequence[int], riding: 
         paths[i] = torch.zeros(1, dtype=torch.long, device=device)  # the root alone
         if lane.progress:
             lane.progress(1)
-    steps: dict[int, LaneStep] = {}
-    if drafted:
-        assert forest is not None
-        steps = _relax_and_accept(engine, scores, list(proposed), [lanes[i] for i in proposed], forest, drafted)
+    steps = {} if forest is None else _relax_and_accept(engine, scores, list(proposed), [lanes[i] for i in proposed], forest, drafted)
     for i, done in steps.items():
         paths[i] = done.walked.path
     with Booking("commit", stepping):
         target.commit_trees(paths)
-        features = _path_features(engine, scores, forest, [done.result for done in steps.values()]) if steps else []
+        features: list[Tensor | None] = [None] * len(steps)  # the drafter's features at each accepted path, picked in one gather
+        if steps and engine.drafter is not None:
+            assert forest is not None
+            nodes = stalls.on_device([start + node for (start, _), done in zip(forest.spans, steps.values()) for node in done.result.path], device)
+            features = list(draft_features(engine.drafter, scores)[:, nodes].split_with_sizes([len(done.result.path) for done in steps.values()], 1))
         for (i, done), hidden in zip(steps.items(), features):
             lanes[i].advance(done.tree, done.scores, done.result, done.walked, hidden)
     for i, done in steps.items():
         lanes[i].learn(done.tree, done.dist, done.result, done.walked)
 
 
-def _path_features(engine: Engine, scores: Scores, forest: DraftTree, results: Sequence[Acceptance]) -> list[Tensor | None]:
-    """The drafter's features at each tree's accepted path (``results``, tree after tree
-    in the ``forest`` that ``scores`` score), picked for every tree in one gather."""
-    if engine.drafter is None:
-        return [None] * len(results)
-    nodes = stalls.on_device([start + node for (start, _), result in zip(forest.spans, results) for node in result.path], engine.device)
-    return list(draft_features(engine.drafter, scores)[:, nodes].split_with_sizes([len(result.path) for result in results], 1))
-
-
 def _draft_together(engine: Engine, lanes: Mapping[int, Lane], batch: BatchDrafting) -> tuple[dict[int, DraftTree], DraftTree | None] | None:
     """Every drafting lane's tree, grown together where the core grows EAGLE-2 trees
     (no method brings its own, no static tree): one drafter call and one top-k per level
     for all the lanes that draft one shape (:func:`specimg.tree.build_dynamic_batch`;
-    at fixed shapes one program for every place, :func:`_grow_every_place`), each tree
+    at fixed shapes one program for every place, :func:`specimg.tree.grow_forest`), each tree
     the one its lane grows alone; and where every lane drafted one shape, their forest.
     None otherwise: the lanes then propose side by side (:mod:`specimg.lockstep`)."""
     assert engine.hooks is not None
@@ -198,7 +187,7 @@ def _draft_together(engine: Engine, lanes: Mapping[int, Lane], batch: BatchDraft
                 continue
 
             if getattr(batch, "step_mode", "eager") != "eager" and fixed_growth(shape, sampling):  # a DraftBatch at fixed shapes
-                grown = _grow_every_place(engine, cast(FixedBatch, batch), {i: lanes[i] for i in images}, roots, shape)
+                grown = grow_forest(cast("DraftBatch", batch), sampling, {i: (roots[i], lanes[i].tokens[-1]) for i in images}, shape)
                 every_place = grown.trees()
                 trees.update((i, every_place[i]) for i in images)
                 forest = grown if len(images) == len(every_place) else None  # a forest of these images' trees alone
@@ -217,20 +206,6 @@ def _draft_together(engine: Engine, lanes: Mapping[int, Lane], batch: BatchDraft
             forest = build_dynamic_batch(session, root_tokens, depth, topk, nodes, sample, generators)
             trees.update(zip(images, forest.trees()))
     return {i: trees[i] for i in lanes}, forest if forest is not None and len(forest.sizes) == len(lanes) else None
-
-
-def _grow_every_place(
-    engine: Engine, batch: FixedBatch, lanes: Mapping[int, Lane], roots: Mapping[int, Tensor], shape: tuple[int, int, int, bool]
-) -> DraftTree:
-    """The forest of a tree of ``shape`` at every place of the batch, grown at fixed
-    shapes (:func:`~specimg.tree.grow_forest`) for the ``lanes`` that draft that shape.  Any other place (its image
-    finished, sent to AR, or drafting another shape, grown before or after) grows a
-    scratch tree from a uniform root, so that the program keeps its shape; that tree
-    is never used."""
-    scratch = torch.zeros_like(next(iter(roots.values()))) if len(lanes) < batch.size else None  # one uniform root for every other place
-    root_logits = torch.stack([roots[place] if place in lanes else scratch for place in range(batch.size)], dim=1)
-    root_tokens = stalls.on_device([lanes[place].tokens[-1] if place in lanes else 0 for place in range(batch.size)], engine.device)
-    return grow_forest(batch, engine.sampling, root_logits, root_tokens, shape)
 
 
 def _verify(
@@ -276,8 +251,8 @@ def _relax_and_accept(
             results = acceptance.accept_forest(forest, starts, dist, scores.probs, engine.sampling, engine.exact, [lane.generator for lane in lanes],
                                                engine.compiled)
         else:
-            results = [engine._core_accept(*step, lane.generator) if result is None else result
-                       for lane, step, result in zip(lanes, zip(trees, dists, own), methods)]
+            results = [acceptance.accept_forest(tree, [0], q, mine.probs, engine.sampling, engine.exact, [lane.generator], engine.compiled)[0]
+                       if result is None else result for lane, tree, q, mine, result in zip(lanes, trees, dists, own, methods)]
         walks = [lane.walked(*step) for lane, step in zip(lanes, zip(trees, own, dists, results))]
     return {place: LaneStep(tree=tree, scores=mine, dist=q, result=result, walked=walk)
             for place, tree, mine, q, result, walk in zip(places, trees, own, dists, results, walks)}

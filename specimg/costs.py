@@ -146,11 +146,10 @@ def step_scale(wall_s: float, predicted_ms: float, ar_wall_s: float, ar_predicte
     """A stack's step scale from its calibration: how much longer its real steps took than
     the timed parts predict (``wall_s`` against ``predicted_ms``), relative to the same
     ratio for AR steps decoded beside them.  Relative, because a shared machine runs
-    faster or slower from one minute to the next (timings of the same step a few minutes
-    apart differ by a third on a busy CPU): a ratio of two decodes made together does not
-    depend on when the parts were timed, and AR's real steps carry loop work its timed
-    part does not, as the stack's do.  The planner's predicted speedups are then real
-    speed against real AR speed."""
+    faster or slower from one minute to the next: a ratio of two decodes made together
+    does not depend on when the parts were timed, and AR's real steps carry loop work its
+    timed part does not, as the stack's do.  The planner's predicted speedups are then
+    real speed against real AR speed."""
     if predicted_ms <= 0 or ar_predicted_ms <= 0 or ar_wall_s <= 0:
         return 1.0
     return (1000 * wall_s / predicted_ms) / (1000 * ar_wall_s / ar_predicted_ms)
@@ -181,26 +180,22 @@ def _save(path: Path, text: str) -> None:
         pass
 
 
-def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
+def _timed(device: torch.device, call: Callable[..., Any], repeats: int = _REPEATS, setup: Callable[[], Any] | None = None) -> float:
     """Median milliseconds of a call, after warm-up; waits for the device each time.  The
-    median, not the minimum: a decode step pays what a call typically costs, and the
-    fastest of a tight loop of identical calls underestimates that by a fifth on a CPU.
-    ``setup`` runs untimed before each call and hands it its argument."""
+    median, not the minimum: a decode step pays what a call typically costs, which the
+    fastest of a tight loop of identical calls underestimates on a CPU.  ``setup`` runs
+    untimed before each call and hands it its argument."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    def timed(call: Callable[[], Any], repeats: int = _REPEATS, setup: Callable[[], Any] | None = None) -> float:
-        samples = []
-        for i in range(_WARMUP + repeats):
-            arg = setup() if setup else None
-            sync()
-            start = time.perf_counter()
-            call(arg) if setup else call()
-            sync()
-            if i >= _WARMUP:
-                samples.append(1000 * (time.perf_counter() - start))
-        return statistics.median(samples)
-
-    return timed
+    samples = []
+    for i in range(_WARMUP + repeats):
+        arg = setup() if setup else None
+        sync()
+        start = time.perf_counter()
+        call(arg) if setup else call()
+        sync()
+        if i >= _WARMUP:
+            samples.append(1000 * (time.perf_counter() - start))
+    return statistics.median(samples)
 
 
 @torch.inference_mode()
@@ -211,7 +206,7 @@ def measure(target: Target, drafter: Drafter, sampling: Sampling, condition: Con
     share of a forward over ``batch`` images, each with the tree (the drafting and the
     rest of a step are each image's own, as in a batch)."""
     device = device_of(target)
-    timed = _timer(device)
+    timed = functools.partial(_timed, device)
     capacity = min(getattr(target, "max_tree_nodes", VERIFY_SIZES[-1]), getattr(drafter, "max_tree_nodes", VERIFY_SIZES[-1]))
     prefill = target.prefill(condition, sampling.cfg)
     token = torch.zeros(1, dtype=torch.long, device=device)
@@ -224,8 +219,7 @@ def measure(target: Target, drafter: Drafter, sampling: Sampling, condition: Con
     ar, verify = _verify_times(target, sampling, condition, trees, timed, batch)
     news = torch.zeros(_START_TOKENS, dtype=torch.long, device=device)
     start = timed(lambda _: drafter.start(last.expand(-1, _START_TOKENS, -1), news), setup=lambda: drafter.prefill(condition, sampling.cfg))
-    setup, rest = _step_overhead(target, sampling, condition, device)
-    overhead = timed(rest, setup=setup)
+    overhead = _step_overhead(target, sampling, condition, device, timed)
     base, levels = [], []
     for width in LEVEL_WIDTHS:
 
@@ -287,11 +281,11 @@ def _verify_times(target: Target, sampling: Sampling, condition: Condition, tree
     return ar, [(n, statistics.median(ms)) for n, ms in rounds.items()]
 
 
-def _step_overhead(target: Target, sampling: Sampling, condition: Condition, device: torch.device) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
-    """(setup, call): a step's work besides drafting and verifying, on an 8-node chain
+def _step_overhead(target: Target, sampling: Sampling, condition: Condition, device: torch.device, timed: Callable[..., float]) -> float:
+    """The median ms of a step's work besides drafting and verifying, on an 8-node chain
     whose first three drafts are accepted: the walk (compiled where the target's steps
-    are, as the engine's), the commit and the planner's observation.  The
-    setup restarts the image and verifies the chain, untimed."""
+    are, as the engine's), the commit and the planner's observation; each call's setup
+    restarts the image and verifies the chain, untimed."""
     chain = DraftTree.from_parents([0] * 8, [-1, *range(7)])
     tree = attrs.evolve(chain, **{f: getattr(chain, f).to(device) for f in ("tokens", "parents", "depths", "mask", "logprobs", "child_ids")})
     dist = torch.zeros(8, target.vocab_size, device=device)
@@ -312,7 +306,7 @@ def _step_overhead(target: Target, sampling: Sampling, condition: Condition, dev
         tree.tokens[path[1:]].tolist()
         profile.observe(tree, dist, result.path, sampling.greedy)
 
-    return verify, rest
+    return timed(rest, setup=verify)
 
 
 def _monotone(table: list[tuple[int, float]]) -> tuple[tuple[int, float], ...]:

@@ -20,7 +20,7 @@ from specimg.config import Sampling, TreeConfig
 from specimg.costmodel import CostModel
 from specimg.errors import SpecimgError
 from specimg.compiled import Compile, CompileClock, Refused, compiles, run, step_mode
-from specimg.lane import Lane, Rules
+from specimg.lane import Booking, Lane, Rules
 from specimg.methods import AR, Stack
 from specimg.models.base import BatchSteps, BatchTrees, Condition, Drafter, Target, TargetOutput, placed
 from specimg.planner import TreePlanner
@@ -121,7 +121,6 @@ class Engine:
                 raise SpecimgError(f"the {role} has a vocabulary of {size} tokens, the target {target.vocab_size}")
         self.stack: Stack | None = None
         self.hooks: StackHooks | None = None
-        self._threads: ThreadPoolExecutor | None = None  # a batch's images propose in these (made on first use)
         self.batch_size = batch_size
         if batch_size < 1:
             raise SpecimgError(f"batch size {batch_size}: give 1 or more")
@@ -146,7 +145,7 @@ class Engine:
     def _check_batch_trees(self) -> None:
         """Speculative decoding at a batch size above 1 verifies every image's tree in one
         forward of the target's and drafts them together, so it needs the core's scoring
-        and a drafter that drafts for a batch."""
+        and a drafter that drafts for a batch (its images propose in threads of their own)."""
         assert self.hooks is not None and self.stack is not None
         size = self.batch_size
         if not isinstance(self.target, BatchTrees):
@@ -159,6 +158,7 @@ class Engine:
             raise SpecimgError(f"batch size {size} needs a drafter that drafts for a batch (batch()); a {type(self.drafter).__name__} drafts for one image at a time")
         if getattr(self.drafter, "context", 0):
             raise SpecimgError(f"batch size {size}: this drafter reads the whole condition (LANTERN's released drafters), which batched decoding does not give it yet; run at batch size 1")
+        self._threads = ThreadPoolExecutor(max_workers=size, thread_name_prefix="specimg-lane")
 
     @property
     def compiled(self) -> bool:
@@ -216,19 +216,15 @@ class Engine:
 
     def _calibrated(self, condition: Condition) -> CostModel:
         """The cost model with this stack's step scale and acceptance.  The parts are timed
-        as calls in a tight loop; a real step interleaves them with other work and adds the
-        method's relaxation and the loop's own Python (a fifth of a step or more on a small
-        model).  So the first engine of a stack decodes one image (a batch of images, at a
-        batch size above 1) on auto trees (drafting to the end: no AR fallback) and divides
-        its wall time by what the parts predict for the steps it took, and does the same
-        for AR images of the same condition decoded right after (:func:`specimg.costs.step_scale`):
-        the planner weighs real steps against real AR steps, measured in the same minute,
-        however much faster or slower the machine was when the parts were timed.  The same decode
-        measures how often the stack's drafts are accepted, which every later image's
-        planner starts from (where it predicts no tree pays, an image runs AR from its
-        first step rather than drafting a dozen steps to find out).  Both are cached with
-        the model, so runs stay reproducible.  At a batch size above 1 the model is the
-        one measured at that size (:func:`specimg.costs.measure`)."""
+        in a tight loop, which misses what a real step adds (the method's relaxation, the
+        loop's own Python).  So the first engine of a stack decodes ``batch_size`` images on
+        auto trees (drafting to the end: no AR fallback), then AR images of the same
+        condition, and scales the parts by how much longer each decode took than they
+        predict, relative to AR's (:func:`specimg.costs.step_scale`): real steps against real
+        AR steps, timed in the same minute.  The same decode measures how often the stack's
+        drafts are accepted: every later planner's prior (where no tree is predicted to pay,
+        an image runs AR from its first step).  Both are cached with the model, measured at
+        this batch size (:func:`specimg.costs.measure`), so runs stay reproducible."""
         size, start = self.batch_size, time.perf_counter()
         name = costs.scale_key(self.stack)
         with contextlib.ExitStack() as bars:
@@ -271,36 +267,38 @@ class Engine:
     ) -> None:
         """One image per condition, each handed to ``done`` (index, tokens, statistics) when it
         finishes: one at a time, or ``batch_size`` at a time (:func:`specimg.batching.decode`,
-        :meth:`_batch`); with AR steps whatever the method, with ``ar``.  Auto trees plan with
-        ``planners``' planners, by default :meth:`planner`'s."""
+        or AR images in one forward per token, each drawn as it would be alone, its wall
+        time its share of the batch's); with AR steps whatever the method, with ``ar``.
+        Auto trees plan with ``planners``' planners, by default :meth:`planner`'s."""
         if self.batch_size == 1:
             for index, (condition, seed) in enumerate(zip(conditions, seeds)):
                 planner = (planners or self.planner)() if self.auto_tree and not ar else None
-                tokens, image = self._image(condition, seed, progress, planner, ar)
-                done(index, torch.tensor(tokens, dtype=torch.long), image)
+                stats, start = ImageStats(target_forwards=1), time.perf_counter()
+                with torch.inference_mode():
+                    prefill = self.target.prefill(condition, self.sampling.cfg)
+                    generator, first, tokens = self._first_token(prefill, seed, progress)
+                    if ar or self.stack is None:
+                        self._ar_alone(ARImage(generator, tokens, stats), progress)
+                    else:
+                        drafter = None if self.drafter_free else self.drafter
+                        self._decode_speculative(Lane(self._rules(), drafter, condition, prefill, first, tokens, generator, stats, planner, progress))
+                stats.tokens, stats.wall = len(tokens), time.perf_counter() - start
+                done(index, torch.tensor(tokens, dtype=torch.long), stats)
         elif self.stack is not None and not ar:
             batching.decode(self, conditions, seeds, progress, done, planners)
         else:
+            target = cast(BatchSteps, self.target)
             for at in range(0, len(conditions), self.batch_size):
-                for row, image in enumerate(self._batch(conditions[at : at + self.batch_size], seeds[at : at + self.batch_size], progress)):
+                batch = conditions[at : at + self.batch_size]
+                images = [ARImage(torch.Generator(self.device).manual_seed(s), [], ImageStats()) for s in seeds[at : at + self.batch_size]]
+                start = time.perf_counter()
+                with torch.inference_mode():  # the prefill is the first step
+                    self._ar(images, None, target.num_tokens, 0,
+                             lambda last, step: target.forward_batch(last) if step else target.prefill_batch(batch, self.sampling.cfg).logits, None, progress)
+                wall = (time.perf_counter() - start) / len(images)
+                for row, image in enumerate(images):
+                    image.stats.tokens, image.stats.wall = len(image.tokens), wall
                     done(at + row, torch.tensor(image.tokens), image.stats)
-
-    def _image(self, condition: Condition, seed: int, progress: Callable[[int], None] | None, planner: TreePlanner | None,
-               ar: bool = False) -> tuple[list[int], ImageStats]:
-        """One image's tokens and statistics, drawn with a generator seeded ``seed`` (with
-        AR steps whatever the method, with ``ar``)."""
-        stats = ImageStats(target_forwards=1)
-        start = time.perf_counter()
-        with torch.inference_mode():
-            prefill = self.target.prefill(condition, self.sampling.cfg)
-            generator, first, tokens = self._first_token(prefill, seed, progress)
-            if ar or self.stack is None:
-                self._ar_alone(ARImage(generator, tokens, stats), progress)
-            else:
-                drafter = None if self.drafter_free else self.drafter
-                self._decode_speculative(Lane(self._rules(), drafter, condition, prefill, first, tokens, generator, stats, planner, progress))
-        stats.tokens, stats.wall = len(tokens), time.perf_counter() - start
-        return tokens, stats
 
     def _rules(self) -> Rules:
         """What the lanes of a decode need of this engine (its ``on_step`` as set now)."""
@@ -315,23 +313,6 @@ class Engine:
         if progress:
             progress(1)
         return generator, first, tokens
-
-    def _batch(self, conditions: Sequence[Condition], seeds: Sequence[int], progress: Callable[[int], None] | None) -> list[ARImage]:
-        """AR for several images at once, image i drawn with its own generator seeded
-        ``seeds[i]`` exactly as one image's AR loop draws it (:meth:`_ar`, the prefill its
-        first step), each image's wall time its share of the batch's."""
-        target = cast(BatchSteps, self.target)
-        images = [ARImage(torch.Generator(self.device).manual_seed(s), [], ImageStats()) for s in seeds]
-
-        def forward(last: Tensor, step: int) -> Tensor:
-            return target.forward_batch(last) if step else target.prefill_batch(conditions, self.sampling.cfg).logits
-
-        start = time.perf_counter()
-        with torch.inference_mode():
-            self._ar(images, None, target.num_tokens, 0, forward, None, progress)
-        for image in images:
-            image.stats.tokens, image.stats.wall = len(image.tokens), (time.perf_counter() - start) / len(images)
-        return images
 
     def _ar(
         self, images: Sequence[ARImage | Lane], last: Tensor | None, steps: int, first: int | Tensor, forward: Callable[[Tensor, int], Tensor],
@@ -456,9 +437,12 @@ class Engine:
 
     def accept(self, tree: DraftTree, dist: Tensor, scores: Scores, generator: torch.Generator) -> Acceptance:
         """One step's acceptance by the stack's accept hook, else (no member implements
-        it, or it passes) by the core's own rule."""
+        it, or it passes) by the core's own rule (:func:`specimg.accept.accept_forest`,
+        its device walk compiled where the step's programs are)."""
         result = self._method_accept(tree, dist, scores, generator)
-        return self._core_accept(tree, dist, scores, generator) if result is None else result
+        if result is None:
+            result = acceptance.accept_forest(tree, [0], dist, scores.probs, self.sampling, self.exact, [generator], self.compiled)[0]
+        return result
 
     def _method_accept(self, tree: DraftTree, dist: Tensor, scores: Scores, generator: torch.Generator) -> Acceptance | None:
         """The acceptance of the stack's member that implements ``accept``; None where none
@@ -469,29 +453,24 @@ class Engine:
         return self.hooks.accept(tree=tree, dist=dist, scores=scores, sampling=self.sampling, generator=generator, exact=self.exact,
                                  target=self.target)
 
-    def _core_accept(self, tree: DraftTree, dist: Tensor, scores: Scores, generator: torch.Generator) -> Acceptance:
-        """The core's own rule on one tree (:func:`specimg.accept.accept_forest`), its device
-        walk compiled where the step's programs are."""
-        return acceptance.accept_forest(tree, [0], dist, scores.probs, self.sampling, self.exact, [generator], self.compiled)[0]
-
     def _decode_speculative(self, lane: Lane) -> None:
         """One image's speculative steps; once its planner finds no tree that pays, the rest
         as AR steps (its lane booked them as one-node steps that accept nothing)."""
         assert self.hooks is not None
         while not lane.done:
             if lane.goes_ar:
-                with lane.timed("verify"):
+                with Booking("verify", [lane]):
                     self._ar_alone(lane, lane.progress)
                 break
             tree = lane.propose()
-            with lane.timed("verify"):  # by the stack's score hook, else by the core's own
+            with Booking("verify", [lane]):  # by the stack's score hook, else by the core's own
                 scores = self.hooks.score(target=self.target, tree=tree, sampling=self.sampling, token_index=len(lane.tokens))
-            with lane.timed("relax"):
+            with Booking("relax", [lane]):
                 dist = self.relax(tree, scores)
-            with lane.timed("accept"):
+            with Booking("accept", [lane]):
                 result = self.accept(tree, dist, scores, lane.generator)
             walked = lane.walked(tree, scores, dist, result)
-            with lane.timed("commit"):
+            with Booking("commit", [lane]):
                 self.target.commit(walked.path)
                 lane.advance(tree, scores, result, walked)
             lane.learn(tree, dist, result, walked)

@@ -81,10 +81,6 @@ class Lane:
         copied in)."""
         return attrs.evolve(self._one_node, tokens=stalls.on_device(self.tokens[-1:], self.device))
 
-    def timed(self, phase: str) -> Booking:
-        """Book the block's time to ``phase``."""
-        return Booking(phase, [self])
-
     @property
     def tree_config(self) -> TreeConfig:
         """This step's tree: the planner's, else the engine's."""
@@ -99,7 +95,7 @@ class Lane:
         """This step's draft tree, by the stack's propose_tree."""
         rules, sampling, tokens = self.rules, self.rules.sampling, self.tokens
         tree_config = self.tree_config
-        with self.timed("draft"):
+        with Booking("draft", [self]):
             session = None
             if self.drafter is not None:
                 root_logits = self.drafter.start(self.hidden, self.new_ids)
@@ -114,7 +110,11 @@ class Lane:
         """The accepted path on the device (one copy where the rule handed none over);
         the budget its nodes spent (q_R against p, where q_R is not p itself; measured by
         the walk where it did) is booked."""
-        walked = result.walked or walk_on_device(tree, result)
+        walked = result.walked
+        if walked is None:  # a method's own accept returned the path alone: one copy to the device, one read back
+            path = torch.tensor(result.path, dtype=torch.long, device=tree.tokens.device)
+            new_tokens = tree.tokens[path[1:]].tolist() + [result.next_token]
+            walked = Walked(path, torch.tensor(new_tokens, device=path.device), new_tokens)
         if dist is not scores.probs:
             spent = walked.spent if walked.spent is not None else relax.tvd(dist[walked.path], scores.probs[walked.path]).sum()
             self.spent.append(spent)
@@ -132,9 +132,11 @@ class Lane:
 
     def learn(self, tree: DraftTree, dist: Tensor, result: Acceptance, walked: Walked) -> None:
         """After :meth:`advance`: the planner's lesson from the step, and its statistics."""
-        stats = self.stats
-        if self.planner:
-            self._plan_step(self.planner, tree, dist, walked.path)
+        stats, planner = self.stats, self.planner
+        if planner:  # the step booked against its plan's prediction, then the planner's lesson
+            self._book(planner, 1)
+            planner.observe(tree, dist, walked.path, self.rules.sampling.greedy)
+            self.goes_ar = planner.plan.is_ar
         if self.rules.on_step:
             self.rules.on_step(tree, dist, result.path)
         stats.target_forwards += 1
@@ -145,27 +147,24 @@ class Lane:
         if self.goes_ar and not self.done:
             self._book_ar_rest()
 
-    def _plan_step(self, planner: TreePlanner, tree: DraftTree, dist: Tensor, path: Tensor) -> None:
-        """Book the step against its plan's prediction, then let the planner learn from it."""
+    def _book(self, planner: TreePlanner, steps: int) -> None:
+        """Book ``steps`` steps of the planner's plan (a tree it switched to from the step
+        on) and the cost model's prediction for them."""
         plan, stats = planner.plan, self.stats
         if not stats.trees or stats.trees[-1][1:] != [plan.depth, plan.topk, plan.nodes]:
             stats.trees.append([len(stats.accepted), plan.depth, plan.topk, plan.nodes])
-        stats.predicted_ms += plan.step_ms
-        stats.predicted_ar_ms += plan.tokens_per_step * planner.cost.ar_ms
-        planner.observe(tree, dist, path, self.rules.sampling.greedy)
-        self.goes_ar = planner.plan.is_ar
+        stats.predicted_ms += steps * plan.step_ms
+        stats.predicted_ar_ms += steps * plan.tokens_per_step * planner.cost.ar_ms
 
     def _book_ar_rest(self) -> None:
         """The planner sent the image to AR: book the rest of it as one-node steps that
         accept nothing, with the AR plan's prediction (the engine decodes them)."""
         assert self.planner is not None
-        plan, stats, steps = self.planner.plan, self.stats, self.rules.target.num_tokens - len(self.tokens)
+        steps = self.rules.target.num_tokens - len(self.tokens)
         self.ar_since = time.perf_counter()
-        stats.trees.append([len(stats.accepted), plan.depth, plan.topk, plan.nodes])
-        stats.predicted_ms += steps * plan.step_ms
-        stats.predicted_ar_ms += steps * self.planner.cost.ar_ms
-        stats.tree_sizes.extend([1] * steps)
-        stats.accepted.extend([0] * steps)
+        self._book(self.planner, steps)
+        self.stats.tree_sizes.extend([1] * steps)
+        self.stats.accepted.extend([0] * steps)
 
     def close(self, images: int = 1) -> None:
         """The budget spent per emitted draw, and with auto trees the time its drafted and
@@ -198,11 +197,3 @@ class Booking:
         share = (time.perf_counter() - self.start) / max(1, len(self.lanes))
         for lane in self.lanes:
             lane.stats.seconds[self.phase] += share
-
-
-def walk_on_device(tree: DraftTree, result: Acceptance) -> Walked:
-    """The device side of a path a method's own ``accept`` returned without it (the core's
-    walks hand theirs over): one copy there, one read back."""
-    path = torch.tensor(result.path, dtype=torch.long, device=tree.tokens.device)
-    new_tokens = tree.tokens[path[1:]].tolist() + [result.next_token]
-    return Walked(path, torch.tensor(new_tokens, device=path.device), new_tokens)

@@ -171,8 +171,9 @@ def make_options(spec: MethodSpec, values: Mapping[str, Any]) -> Any:
         kwargs[key] = _convert(spec.name, key, fields[key].type, value)
     try:
         options = cls(**kwargs)
-    except (TypeError, ValueError) as err:
-        raise SpecimgError(f"bad option for method {spec.name!r}: {_message(err)}") from None
+    except (TypeError, ValueError) as err:  # an attrs validator's error carries the attribute, the allowed values and the value after its message
+        message = err.args[0] if err.args and isinstance(err.args[0], str) and err.args[0] else str(err)
+        raise SpecimgError(f"bad option for method {spec.name!r}: {message}") from None
     refuse_ignored(spec.name, options, values)
     return options
 
@@ -186,13 +187,6 @@ def refuse_ignored(method: str, options: Any, values: Mapping[str, Any]) -> None
     if given:
         key = setting.partition("=")[0]
         raise SpecimgError(f"{method}.{setting} does not use {', '.join(given)}: drop {'it' if len(given) == 1 else 'them'}, or set {method}.{key}")
-
-
-def _message(err: Exception) -> str:
-    """An attrs validator's error carries the attribute, the allowed values and the value
-    after its message; a user needs the message alone."""
-    first = err.args[0] if err.args else ""
-    return first if isinstance(first, str) and first else str(err)
 
 
 def _convert(method: str, key: str, kind: Any, value: Any) -> Any:

@@ -64,14 +64,11 @@ def neighbour_table(codebook: Tensor, k: int, device: torch.device | str | None 
     device = torch.device(device if device is not None else codebook.device)
     key = codebook_key(codebook)
     k = min(k, codebook.shape[0] - 1)
-    table = _memory.get((key, k, str(device)))
-    if table is None:
-        cpu = _memory.get((key, k, "cpu"))
-        if cpu is None:
-            cpu = _load_or_build(codebook, key, k)
-            _memory[(key, k, "cpu")] = cpu
-        table = _memory[(key, k, str(device))] = cpu.to(device)
-    return table
+    if (key, k, str(device)) not in _memory:
+        if (key, k, "cpu") not in _memory:
+            _memory[(key, k, "cpu")] = _load_or_build(codebook, key, k)
+        _memory[(key, k, str(device))] = _memory[(key, k, "cpu")].to(device)
+    return _memory[(key, k, str(device))]
 
 
 def _load_or_build(codebook: Tensor, key: str, k: int) -> Tensor:

@@ -21,7 +21,6 @@ from specimg.errors import SpecimgError
 from specimg.methods import AR, Member, MethodSpec, Stack, check_method_spec, resolve_stack
 
 ENTRY_POINT_GROUP = "specimg"
-DISABLE_AUTOLOAD_ENV = "SPECIMG_DISABLE_PLUGIN_AUTOLOAD"
 _BUILTIN_DIST = "specimg"
 
 
@@ -49,7 +48,7 @@ class PluginManager:
         self.plugins: list[PluginInfo] = []
         self._methods: dict[str, MethodSpec] = {}
         if autoload is None:
-            autoload = os.environ.get(DISABLE_AUTOLOAD_ENV, "") in ("", "0")
+            autoload = os.environ.get("SPECIMG_DISABLE_PLUGIN_AUTOLOAD", "") in ("", "0")
         self.load_entry_points(third_party=autoload)
 
     def load_entry_points(self, third_party: bool = True) -> None:
@@ -86,13 +85,14 @@ class PluginManager:
         try:
             self.pm.check_pending()
             methods = self._collect(plugin)
-        except (pluggy.PluginValidationError, SpecimgError) as err:
-            fault = _fault(err, self.pm)
+        except Exception as err:  # a hook specimg lacks, a method refused, or register_methods itself failed
+            if isinstance(err, pluggy.PluginValidationError):  # pluggy names a hook specimg lacks with the plugin's repr: name the hook
+                unknown = sorted(caller.name for caller in self.pm.get_hookcallers(err.plugin) or () if caller.spec is None)
+                fault = f"it implements {', '.join(map(repr, unknown))}, which is not a specimg hook (misspelled?)" if unknown else str(err)
+            else:
+                fault = str(err) if isinstance(err, SpecimgError) else f"register_methods raised {type(err).__name__}: {err}"
             self.pm.unregister(plugin)
             return self._fail(info, fault, warn)
-        except Exception as err:  # register_methods itself failed
-            self.pm.unregister(plugin)
-            return self._fail(info, f"register_methods raised {type(err).__name__}: {err}", warn)
         self._methods.update(methods)
         info = attrs.evolve(info, methods=tuple(methods))
         self.plugins.append(info)
@@ -165,12 +165,3 @@ def get_plugin_manager() -> PluginManager:
     if _default is None:
         _default = PluginManager()
     return _default
-
-
-def _fault(err: Exception, pm: pluggy.PluginManager) -> str:
-    """A plugin's fault in words: pluggy names an unknown hook with the plugin's repr."""
-    if isinstance(err, pluggy.PluginValidationError):
-        unknown = sorted(caller.name for caller in pm.get_hookcallers(err.plugin) or () if caller.spec is None)
-        if unknown:
-            return f"it implements {', '.join(map(repr, unknown))}, which is not a specimg hook (misspelled?)"
-    return str(err)

@@ -22,10 +22,6 @@ PRIOR_FIRST, PRIOR_DECAY, PRIOR_WEIGHT = 0.5, 0.5, 2.0
 is worth two observed visits."""
 
 
-def weak_prior(depth: int = MAX_DEPTH, width: int = MAX_TOPK) -> np.ndarray:
-    return np.tile([PRIOR_FIRST * PRIOR_DECAY**r for r in range(width)], (depth, 1))
-
-
 class AcceptanceProfile:
     """Running acceptance chances per (depth, rank), kept on the decode's device so that
     observing a step costs no host round trip.  ``prior`` [depth, rank]: the chances
@@ -33,7 +29,7 @@ class AcceptanceProfile:
 
     def __init__(self, device: torch.device | str = "cpu", depth: int = MAX_DEPTH, width: int = MAX_TOPK, prior: np.ndarray | None = None):
         self.measured = prior is not None
-        prior = weak_prior(depth, width) if prior is None else np.asarray(prior, dtype=np.float64)
+        prior = np.tile([PRIOR_FIRST * PRIOR_DECAY**r for r in range(width)], (depth, 1)) if prior is None else np.asarray(prior, dtype=np.float64)
         if prior.shape != (depth, width):
             raise ValueError(f"an acceptance prior of shape {prior.shape} for a profile of {(depth, width)}")
         self.prior = prior

@@ -162,13 +162,10 @@ def raise_breach(names: Sequence[str], breaches: Tensor, stack_delta: float) -> 
             raise BudgetError(name, _BROKEN[row.index(True)].format(delta=stack_delta))
 
 
-CHECKS_ENV = "SPECIMG_RELAX_CHECKS"
-
-
 def checks_enabled() -> bool:
     """Whether fold checks every relaxation's contract: on unless ``$SPECIMG_RELAX_CHECKS``
     is 0.  Turn it off only to time a method without the checks' passes over [n, V]."""
-    return os.environ.get(CHECKS_ENV, "1") != "0"
+    return os.environ.get("SPECIMG_RELAX_CHECKS", "1") != "0"
 
 
 def fold(

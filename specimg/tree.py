@@ -11,8 +11,8 @@ one top-k per level, whatever the number of nodes, and no host round trip per no
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
@@ -27,6 +27,7 @@ from specimg.sampling import cfg_active_at, probabilities
 
 if TYPE_CHECKING:
     from specimg.models.base import Drafter
+    from specimg.models.eagle import DraftBatch
 
 
 @attrs.frozen(eq=False)
@@ -281,10 +282,7 @@ class DraftSession:
         self.batch = BatchSession(lambda parents, tokens: drafter.expand(parents[0], tokens[0])[:, None], sampling, root_logits[:, None],
                                   torch.full((1,), root_index, device=self.device), filtered)
         self.sampling = self.batch.sampling
-
-    @property
-    def root_probs(self) -> Tensor:
-        return self.batch.root_probs[0]
+        self.root_probs = self.batch.root_probs[0]
 
     def feed(self, parents: Tensor | Sequence[int], tokens: Tensor | Sequence[int]) -> Tensor:
         """Feed nodes (children of fed session nodes ``parents``) and return their draft
@@ -376,11 +374,6 @@ class _Growth:
         )
 
 
-def _alone(forest: DraftTree) -> DraftTree:
-    """The one tree of a forest of one."""
-    return attrs.evolve(forest, images=None, sizes=())
-
-
 def build_dynamic(
     session: DraftSession,
     root_token: int | Tensor,
@@ -393,7 +386,8 @@ def build_dynamic(
     """EAGLE-2's dynamic tree of one image (:func:`build_dynamic_batch`), from its root's
     token (or that token [1] on the device)."""
     root = root_token if isinstance(root_token, Tensor) else torch.full((1,), root_token, device=session.device)
-    return _alone(build_dynamic_batch(session.batch, root, depth, topk, total_tokens, sample, [generator]))
+    forest = build_dynamic_batch(session.batch, root, depth, topk, total_tokens, sample, [generator])
+    return attrs.evolve(forest, images=None, sizes=())  # the one tree of a forest of one
 
 
 def build_dynamic_batch(
@@ -493,7 +487,7 @@ def build_static(
     wanted = torch.zeros(1, grow.size, dtype=torch.bool, device=device)
     wanted[0, sorted(node_of.values())] = True
     keep = wanted & (grow.columns()[2] > -torch.inf)  # not a pick of probability 0, nor anything below it
-    return _alone(grow.forest(keep, keep.sum(dim=1).tolist(), sample))
+    return attrs.evolve(grow.forest(keep, keep.sum(dim=1).tolist(), sample), images=None, sizes=())
 
 
 def build_tree(
@@ -530,22 +524,20 @@ def fixed_growth(shape: tuple[int, int, int, bool], sampling: Sampling) -> bool:
     return not shape[3] and sampling.cfg_interval < 0
 
 
-def grow_forest(batch: FixedBatch, sampling: Sampling, root_logits: Tensor, root_tokens: Tensor, shape: tuple[int, int, int, bool]) -> DraftTree:
+def grow_forest(
+    batch: DraftBatch, sampling: Sampling, roots: Mapping[int, tuple[Tensor, int]], shape: tuple[int, int, int, bool]
+) -> DraftTree:
     """The core's EAGLE-2 growth for every place of a batch, each growing a top-k tree of
-    ``shape`` (:func:`fixed_growth`) from its root logits [rows, B, V] and root token [B],
-    from no nodes fed: every level's drafter forward one call for all the places
-    (``expand_all``, a fixed-shape program), so that each level runs at one shape
-    whichever images draft."""
+    ``shape`` (:func:`fixed_growth`) from no nodes fed: the places in ``roots`` from their
+    root logits [rows, V] and root token; any other place (its image finished, sent to
+    AR, or drafting another shape) a scratch tree from a uniform root, never used.  Every
+    level's drafter forward is one call for all the places (``expand_all``, a fixed-shape
+    program), so that each level runs at one shape whichever images draft."""
     depth, topk, nodes, _ = shape
     assert fixed_growth(shape, sampling), "a fixed growth draws nothing and tracks no guidance interval"
+    scratch = torch.zeros_like(next(iter(roots.values()))[0]) if len(roots) < batch.size else None  # one uniform root for every other place
+    root_logits = torch.stack([roots[place][0] if place in roots else scratch for place in range(batch.size)], dim=1)
+    tokens = stalls.on_device([roots[place][1] if place in roots else 0 for place in range(batch.size)], root_logits.device)
     batch.clear_nodes()
-    session = BatchSession(batch.expand_all, sampling, root_logits, root_tokens.new_zeros(root_tokens.shape), filtered=False)  # the index matters only where guidance stops
-    return build_dynamic_batch(session, root_tokens, depth, topk, nodes)
-
-
-class FixedBatch(Protocol):
-    """A batch's draft state that feeds every image at once (``DraftBatch.expand_all``)."""
-
-    def clear_nodes(self) -> None: ...
-
-    def expand_all(self, parents: Tensor, tokens: Tensor) -> Tensor: ...
+    session = BatchSession(batch.expand_all, sampling, root_logits, tokens.new_zeros(tokens.shape), filtered=False)  # the index matters only where guidance stops
+    return build_dynamic_batch(session, tokens, depth, topk, nodes)
