@@ -1,12 +1,10 @@
 """EAGLE-style drafter folders, as LANTERN releases its LlamaGen drafters (``llamagen_drafter``).
 
-A folder holds ``config.json`` (Hugging Face Llama fields: ``hidden_size``,
-``num_attention_heads``, ``intermediate_size``, ``rms_norm_eps``, ``vocab_size``, one
-hidden layer, and ``input_type``; ``"bias": false`` drops ``fc``'s bias) and its weights,
-``pytorch_model.bin`` (a plain state dict) or ``model.safetensors``, in Llama names:
-``fc``, ``layers.0.self_attn.*``, ``layers.0.mlp.*``, ``layers.0.post_attention_layernorm``
-(no input norm) and its **own** ``embed_tokens`` (LANTERN copies the target's head into it
-and freezes it; the drafter reads its copy).  Its logits are the target's head on its states.
+A folder holds ``config.json`` (Hugging Face Llama fields, one hidden layer, and
+``input_type``; ``"bias": false`` drops ``fc``'s bias) and its weights in Llama names
+(docs/models.md, "A drafter folder"), with no input norm and its **own** ``embed_tokens``
+(LANTERN copies the target's head into it and freezes it; the drafter reads its copy).
+Its logits are the target's head on its states.
 
 What LANTERN's drafter sees differs from specimg's EAGLE-1 in two ways:
 
@@ -89,12 +87,6 @@ class FolderDrafter(EagleDrafter):
         self._start.fill_(self.context)
 
 
-def to_specimg(state: dict[str, Tensor], origin: str) -> dict[str, Tensor]:
-    """A drafter folder's tensors in specimg's names (unknown keys keep theirs, so the strict
-    load names them)."""
-    return {**layers_to_llamagen(state, "", origin), **{k: v for k, v in state.items() if not k.startswith("layers.")}}
-
-
 def folder_config(config: dict[str, Any], target: EagleTarget, origin: str) -> tuple[GPTConfig, int, int]:
     """The draft layer's shape, its RoPE grid side and its context length, checked against
     the target it is loaded for."""
@@ -133,6 +125,7 @@ def load_drafter_folder(target: EagleTarget, folder: str | os.PathLike[str], *, 
     drafter = FolderDrafter(target, layer, grid, context, bool(config.get("bias", True)), max_tree_nodes)
     w = target.input_embeddings()
     state = {k: v.to(w.dtype) for k, v in read_checkpoint(weights_file(origin, WEIGHT_FILES)).state.items()}
-    load_into(drafter, to_specimg(state, origin), origin=origin)
+    others = {k: v for k, v in state.items() if not k.startswith("layers.")}  # unknown keys keep their names: the strict load names them
+    load_into(drafter, {**layers_to_llamagen(state, "", origin), **others}, origin=origin)
     target.requires_grad_(False)
     return drafter.to(device=w.device, dtype=w.dtype).eval()

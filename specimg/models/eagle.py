@@ -532,31 +532,26 @@ def save_drafter(drafter: TreeDrafter, path: str | os.PathLike[str]) -> None:
         save_file({k: v.detach().contiguous() for k, v in drafter.state_dict().items()}, tmp, metadata=meta)
 
 
-def drafter_settings(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """A drafter file's type and settings (``{"type": "eagle1"}`` for a file without them)."""
-    path = os.fspath(path)
-    if not path.endswith(".safetensors") or not os.path.isfile(path):
-        return {"type": "eagle1"}
-    from safetensors import safe_open
-
-    try:
-        with safe_open(path, framework="pt") as f:
-            text = (f.metadata() or {}).get(DRAFTER_KEY)
-        settings = json.loads(text) if text else {"type": "eagle1"}
-    except Exception as err:  # safetensors and json raise several types for a bad file
-        raise SpecimgError(f"cannot read drafter file {path}: {err}") from None
-    if not isinstance(settings, dict) or settings.get("type") not in DRAFTER_TYPES:
-        raise SpecimgError(f"{path}: its header names no drafter type of {', '.join(DRAFTER_TYPES)}")
-    return settings
-
-
 def load_drafter_file(target: EagleTarget, path: str | os.PathLike[str], *, max_tree_nodes: int = 128) -> TreeDrafter:
-    """A drafter for ``target`` from a specimg drafter file, of the type its header records;
-    a missing, extra or misshapen key (a drafter trained for another target) is a
-    SpecimgError naming it.  :func:`specimg.models.load_drafter` takes EAGLE-style folders too."""
-    settings = drafter_settings(path)
+    """A drafter for ``target`` from a specimg drafter file, of the type its header records
+    (EAGLE-1 for a file without one); a missing, extra or misshapen key (a drafter trained
+    for another target) is a SpecimgError naming it.  :func:`specimg.models.load_drafter`
+    takes EAGLE-style folders too."""
+    path = os.fspath(path)
+    settings: Any = {"type": "eagle1"}
+    if path.endswith(".safetensors") and os.path.isfile(path):
+        from safetensors import safe_open
+
+        try:
+            with safe_open(path, framework="pt") as f:
+                text = (f.metadata() or {}).get(DRAFTER_KEY)
+            settings = json.loads(text) if text else settings
+        except Exception as err:  # safetensors and json raise several types for a bad file
+            raise SpecimgError(f"cannot read drafter file {path}: {err}") from None
+        if not isinstance(settings, dict) or settings.get("type") not in DRAFTER_TYPES:
+            raise SpecimgError(f"{path}: its header names no drafter type of {', '.join(DRAFTER_TYPES)}")
     drafter = build_drafter(target, max_tree_nodes=max_tree_nodes, kind=settings.pop("type"), **settings)
     w = target.input_embeddings()
     state = {k: v.to(w.dtype) for k, v in read_checkpoint(path).state.items()}
-    load_into(drafter, state, origin=os.fspath(path))
+    load_into(drafter, state, origin=path)
     return drafter.to(w.device)

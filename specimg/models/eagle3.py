@@ -15,10 +15,6 @@ What differs from EAGLE-1, and why:
   by side (2D wide); the residual stream carries the state alone;
 - training-time test (:meth:`Eagle3Drafter.forward_train`): it is trained on its own
   unrolled predictions, as it drafts (deeper tree levels feed it its own output states).
-
-At inference depth 0 consumes the target's fused layers (``start``), deeper levels the
-drafter's own output state at the parent, as :class:`~specimg.models.eagle.TreeDrafter`
-does for both types.
 """
 
 from __future__ import annotations

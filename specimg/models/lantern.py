@@ -7,11 +7,10 @@ The folder holds ``config.json`` (``architectures: ["LlamaForCausalLM"]``, ``mod
 q/k/v are not permuted: the model keeps LlamaGen's interleaved 2D RoPE, so the weights load
 into specimg's LlamaGen unchanged, q, k and v side by side in ``wqkv``.
 
-One thing differs from LlamaGen: LANTERN masks the caption with a float mask (the dtype's
-minimum for padded keys, float32's minimum above the diagonal, added), where LlamaGen lets a
-padded caption row see only itself.  Valid rows and image tokens never see a padded key
+One thing differs from LlamaGen: what a padded caption row sees under LANTERN's float mask
+(:meth:`LanternTarget.condition_mask`).  Valid rows and image tokens never see a padded key
 either way, so the logits are the same; the states at padded rows are not, and LANTERN's
-drafters read them (:meth:`LanternTarget.condition_mask`).
+drafters read them.
 """
 
 from __future__ import annotations
@@ -77,14 +76,6 @@ def layers_to_llamagen(state: dict[str, Tensor], prefix: str, origin: str) -> di
         for key, value in state.items():
             if key.startswith(head) and key[len(head):] not in QKV:
                 out[f"layers.{i}.{LAYER_NAMES.get(key[len(head):], key[len(head):])}"] = value
-    return out
-
-
-def to_llamagen(state: dict[str, Tensor], origin: str) -> dict[str, Tensor]:
-    """A LANTERN target's tensors in specimg's LlamaGen names (an unknown key keeps its
-    name, so the strict load names it)."""
-    out = layers_to_llamagen(state, "model.", origin)
-    out.update({LLAMA_NAMES.get(k, k): v for k, v in state.items() if not k.startswith("model.layers.")})
     return out
 
 
@@ -161,5 +152,6 @@ def load_lantern_target(
     if "model.cls_embedding.cap_proj.fc1.weight" not in state:
         raise SpecimgError(f"{origin}: its weights hold no model.cls_embedding: a Llama model, not a LlamaGen conversion")
     target = LanternTarget(config, max_tree_nodes)
-    load_into(target, to_llamagen(state, origin), origin=origin)
+    others = {LLAMA_NAMES.get(k, k): v for k, v in state.items() if not k.startswith("model.layers.")}  # an unknown key keeps its name
+    load_into(target, {**layers_to_llamagen(state, "model.", origin), **others}, origin=origin)
     return target.to(device=device, dtype=dtype).eval()

@@ -394,17 +394,13 @@ def _make_shard(target: EagleTarget, out: str, shard: int, plan: _Plan, progress
         if progress:
             progress(hi - lo)
         return
-    parts = [{"features": [], "tokens": [], "labels": [], "sample": [], **({"layers": []} if plan.eagle3 else {})} for _ in range(1 + plan.uncond)]
+    parts: list[list[dict[str, Tensor]]] = [[] for _ in range(1 + plan.uncond)]
     for start in range(lo, hi, plan.spec.batch_size):
         idx = torch.arange(start, min(hi, start + plan.spec.batch_size))
         tokens, rows = (_prompt_batch if plan.kind == "text" else _llamagen_batch)(target, idx, plan)
         for part, (labels, features, layers) in zip(parts, rows):  # row r to part r, the states in the spec's dtype on the CPU
-            part["features"].append(features.to("cpu", DTYPES[plan.spec.dtype]))
-            if plan.eagle3:
-                part["layers"].append(layers.to("cpu", DTYPES[plan.spec.dtype]))
-            part["tokens"].append(tokens)
-            part["labels"].append(labels)
-            part["sample"].append(idx)
+            states = {"features": features, **({"layers": layers} if plan.eagle3 else {})}
+            part.append({**{k: v.to("cpu", DTYPES[plan.spec.dtype]) for k, v in states.items()}, "tokens": tokens, "labels": labels, "sample": idx})
         if progress:
             progress(len(idx))
     from safetensors import SafetensorError
@@ -414,7 +410,7 @@ def _make_shard(target: EagleTarget, out: str, shard: int, plan: _Plan, progress
     # one line: the shards already written are kept, and the same command resumes from this one
     try:
         with atomic_path(path, ".safetensors") as tmp:
-            save_file({k: torch.cat([t for part in parts for t in part[k]]).contiguous() for k in parts[0]}, tmp, metadata={"format": FORMAT})
+            save_file({k: torch.cat([row[k] for part in parts for row in part]).contiguous() for k in parts[0][0]}, tmp, metadata={"format": FORMAT})
     except SafetensorError as err:
         raise SpecimgError(f"{path} cannot be written ({err}); free space or fix the folder and run the same command again: it resumes") from None
 
@@ -518,13 +514,7 @@ class DrafterData:
     def get(self, indices: Sequence[int]) -> dict[str, Tensor]:
         """Examples ``indices`` stacked: features [b, N, D] float32, tokens [b, N], labels [b]
         (and layers [b, N, kD] float32 in EAGLE-3 data)."""
-        out: dict[str, list[Tensor]] = {"features": [], "tokens": [], "labels": [], **({"layers": []} if self.drafter_type == "eagle3" else {})}
-        for i in indices:
-            k, j = self._locate[int(i)]
-            for key in out:
-                out[key].append(self._files[k].get_slice(key)[j : j + 1])
-        batch = {k: torch.cat(v) for k, v in out.items()}
-        for key in ("features", "layers"):
-            if key in batch:
-                batch[key] = batch[key].float()
-        return batch
+        keys = ("features", "tokens", "labels", *(("layers",) if self.drafter_type == "eagle3" else ()))
+        rows = [self._locate[int(i)] for i in indices]
+        batch = {key: torch.cat([self._files[k].get_slice(key)[j : j + 1] for k, j in rows]) for key in keys}
+        return {k: v.float() if k in ("features", "layers") else v for k, v in batch.items()}

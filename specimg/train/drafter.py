@@ -21,10 +21,8 @@ own output states of step i - 1, and
     loss[b, t] = sum_i 0.8^i * w_cls * soft_CE_i(p_target, q_drafter)[b, t]
 
 (EAGLE-3's decay: a deeper step's error matters less, as its node is reached less often).
-Entry t of step i consumes token t + i and matches the target's distribution for token
-t + i + 1; entries whose tokens lie past the image are masked.  The hooks get the parts per
-step, [K, B, T] (regression zero).  The masked mean divides by the step-0 positions, so
-the steps' weights stay 0.8^i.
+The hooks get the parts per step, [K, B, T] (regression zero).  The masked mean divides by
+the step-0 positions, so the steps' weights stay 0.8^i.
 
 ``batch_size`` is the global batch: each of P processes takes its own B / P examples of
 the same global batch, the local loss is scaled so that DDP's gradient average is the
@@ -147,25 +145,15 @@ def eagle_loss(
     noise: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Per-position EAGLE-1 terms for whole images: ``features`` [B, N, D] as
-    ``forward_sequence`` returns them, ``tokens`` [B, N].  Returns ``ce`` (the soft
-    cross-entropy), ``kl`` (ce minus the target's entropy), ``reg`` and ``correct`` (drafter
-    argmax == target argmax), each [B, N - 1], and ``target`` (the features F the positions
-    regress to) [B, N - 1, D].  The loss, ``w_cls * ce + w_reg * reg``, is summed after the
-    ``train_loss`` hooks (:func:`apply_loss_hooks`)."""
+    ``forward_sequence`` returns them, ``tokens`` [B, N].  Returns :func:`eagle3_terms`'
+    entries of its one step, [B, N - 1] (``target`` [B, N - 1, D]: the features the positions
+    regress to), with ``reg`` the regression.  The loss, ``w_cls * ce + w_reg * reg``, is
+    summed after the ``train_loss`` hooks (:func:`apply_loss_hooks`)."""
     inputs, target = features[:, :-1], features[:, 1:]
-    if noise is not None:
-        inputs = inputs + noise
-    pred, logits = drafter(inputs, tokens[:, :-1])
-    with torch.no_grad():
-        target_logits = head(target).float()
-        log_p = target_logits.log_softmax(dim=-1)
-        p = log_p.exp()
-        entropy = -(p * log_p).sum(dim=-1)
-    logits = logits.float()
-    ce = -(p * logits.log_softmax(dim=-1)).sum(dim=-1)
-    reg = F.smooth_l1_loss(pred.float(), target.float(), reduction="none").mean(dim=-1)
-    correct = (logits.argmax(dim=-1) == target_logits.argmax(dim=-1)).float()
-    return {"ce": ce, "kl": ce.detach() - entropy, "reg": reg, "correct": correct, "target": target}
+    pred, logits = drafter(inputs if noise is None else inputs + noise, tokens[:, :-1])
+    terms = {k: v[0] for k, v in _unrolled_terms([logits], head, features, tokens).items()}
+    terms["reg"] = F.smooth_l1_loss(pred.float(), target.float(), reduction="none").mean(dim=-1)
+    return terms
 
 
 def eagle3_terms(
@@ -179,11 +167,19 @@ def eagle3_terms(
 ) -> dict[str, Tensor]:
     """Per-step EAGLE-3 terms for whole images: ``layers`` [B, N, kD] (the drafter's input)
     and ``features`` [B, N, D] (the target's distributions) as ``forward_sequence`` returns
-    them, ``tokens`` [B, N].  Returns ``ce``, ``kl``, ``reg`` (zero), ``correct`` and ``mask``
-    [K, B, N - 1], and what the hooks read, ``target`` [K, B, N - 1, D] and ``tokens`` [K, B,
-    N - 1]: entry t of step i consumes token t + i and matches the target's distribution
-    for token t + i + 1, ``softmax(head(features[:, t + i + 1]))``."""
+    them, ``tokens`` [B, N].  Returns ``ce`` (the soft cross-entropy), ``kl`` (ce minus the
+    target's entropy), ``reg`` (zero), ``correct`` (drafter argmax == target argmax) and
+    ``mask`` [K, B, N - 1], and what the hooks read, ``target`` [K, B, N - 1, D] and ``tokens``
+    [K, B, N - 1]: entry t of step i consumes token t + i and matches the target's
+    distribution for token t + i + 1, ``softmax(head(features[:, t + i + 1]))``."""
     inputs = layers[:, :-1] if noise is None else layers[:, :-1] + noise
+    out = _unrolled_terms(drafter(inputs, tokens[:, :-1], steps), head, features, tokens)
+    out["reg"] = torch.zeros_like(out["ce"])
+    return out
+
+
+def _unrolled_terms(steps_logits: Sequence[Tensor], head: Callable[[Tensor], Tensor], features: Tensor, tokens: Tensor) -> dict[str, Tensor]:
+    """:func:`eagle3_terms` but ``reg``, from the drafter's logits [B, N - 1, V] of each step."""
     consumed, after = tokens[:, :-1], features[:, 1:]
     t = consumed.shape[1]
     with torch.no_grad():
@@ -193,17 +189,15 @@ def eagle3_terms(
         entropy = -(p * log_p).sum(dim=-1)
         best = target_logits.argmax(dim=-1)
     terms: dict[str, list[Tensor]] = {k: [] for k in ("ce", "kl", "correct", "mask", "target", "tokens")}
-    for i, logits in enumerate(drafter(inputs, consumed, steps)):
-        log_q = logits[:, : t - i].float().log_softmax(dim=-1)  # entries with a token to consume
-        ce = -(p[:, i:] * log_q).sum(dim=-1)
+    for i, logits in enumerate(steps_logits):
+        logits = logits[:, : t - i].float()  # entries with a token to consume
+        ce = -(p[:, i:] * logits.log_softmax(dim=-1)).sum(dim=-1)
         for key, value in (
-            ("ce", ce), ("kl", ce.detach() - entropy[:, i:]), ("correct", (log_q.argmax(dim=-1) == best[:, i:]).float()),
+            ("ce", ce), ("kl", ce.detach() - entropy[:, i:]), ("correct", (logits.argmax(dim=-1) == best[:, i:]).float()),
             ("mask", torch.ones_like(ce, dtype=torch.bool)), ("target", after[:, i:]), ("tokens", consumed[:, i:]),
         ):
             terms[key].append(torch.cat([value, value.new_zeros(value.shape[0], min(i, t), *value.shape[2:])], dim=1))
-    out = {k: torch.stack(v) for k, v in terms.items()}
-    out["reg"] = torch.zeros_like(out["ce"])
-    return out
+    return {k: torch.stack(v) for k, v in terms.items()}
 
 
 def ttt_fold(loss: Tensor, mask: Tensor) -> Tensor:
@@ -327,17 +321,15 @@ def train_drafter(
         "init": os.path.abspath(init) if init else None, "processes": accelerator.num_processes,
     }
     state = _open_run(out, settings, config.keep_checkpoints, accelerator)
-    training = _Training.build(target, init, config, hooks, accelerator, data.feature_layers)
-    step = 0
+    step = int(state["step"]) if state is not None else 0
+    training = _Training.build(target, init, config, hooks, accelerator, data.feature_layers, step)
     if state is not None:  # restore the checkpoint the state points to
         ckpt = os.path.join(out, state["checkpoint"])
         if not os.path.isdir(ckpt):
             raise SpecimgError(f"{os.path.join(out, STATE)} points to {ckpt}, which is missing")
         accelerator.load_state(ckpt)
-        step = int(state["step"])
     if state is not None and state.get("done") and os.path.exists(os.path.join(out, FINAL)):
         return TrainResult(training.drafter().eval(), step, os.path.join(out, FINAL))
-    training.start_schedule(step)
     bar = progress_bar(total=config.steps, initial=step, unit="step", desc="train-drafter", show=accelerator.is_main_process and progress)
     tick = time.perf_counter()
     while step < config.steps:
@@ -433,13 +425,14 @@ class _Training:
     head: Callable[[Tensor], Tensor]
     hooks: Sequence[MemberHook]
     config: TrainConfig
-    schedule: WarmupCosine | None = None
+    schedule: WarmupCosine
 
     @classmethod
     def build(
         cls, target: EagleTarget, init: str | os.PathLike[str] | None, config: TrainConfig, hooks: Sequence[MemberHook], accelerator: Any,
-        feature_layers: Sequence[int],
+        feature_layers: Sequence[int], step: int,
     ) -> _Training:
+        """The learning-rate schedule starts at optimizer step ``step`` (a resumed run's)."""
         # frozen (build_drafter turns its gradients off); the drafter shares its embeddings (EAGLE-1: and head),
         # and trains in float32 (mixed precision comes from the accelerator's autocast)
         target.to(device=accelerator.device, dtype=torch.float32).eval()
@@ -453,20 +446,15 @@ class _Training:
         optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
         model, optimizer = accelerator.prepare(_Trainable(drafter), optimizer)
         params = [p for p in drafter.parameters() if p.requires_grad]
-        return cls(accelerator, model, optimizer, params, target.code_logits, hooks, config)
+        schedule = WarmupCosine(optimizer, config.lr, config.steps, config.warmup, config.min_lr_ratio, start=step)
+        return cls(accelerator, model, optimizer, params, target.code_logits, hooks, config, schedule)
 
     def drafter(self) -> TreeDrafter:
         return self.accelerator.unwrap_model(self.model).drafter
 
-    def start_schedule(self, step: int) -> None:
-        """The learning-rate schedule from optimizer step ``step`` on (a resumed run's)."""
-        c = self.config
-        self.schedule = WarmupCosine(self.optimizer, c.lr, c.steps, c.warmup, c.min_lr_ratio, start=step)
-
     def step(self, batch: dict[str, Tensor], noise: Tensor | None) -> dict[str, float]:
         """One optimizer step on this process's share of the global batch; the metrics of
         the whole batch (losses, top-1 agreement, learning rate, gradient norm)."""
-        assert self.schedule is not None
         accelerator, config = self.accelerator, self.config
         device = accelerator.device
         features, tokens = batch["features"].to(device), batch["tokens"].to(device)
@@ -478,12 +466,14 @@ class _Training:
                 terms = eagle3_terms(self.model, self.head, batch["layers"].to(device), features, tokens, config.ttt_steps, noise)
             else:
                 terms = eagle_loss(self.model, self.head, features, tokens, noise)
-                terms.update(tokens=tokens[:, :-1], mask=torch.ones_like(terms["ce"], dtype=torch.bool))
         loss = apply_loss_hooks(self.hooks, terms["ce"], terms["reg"], config.w_cls, config.w_reg, terms["target"], terms["tokens"], terms["mask"])
         m = terms["mask"].float()
-        if eagle3:  # over the positions of step 0
-            loss, m, steps_m = ttt_fold(loss, m), m[0], m
-            terms = {k: terms[k][0] if k in ("ce", "kl", "reg") else terms[k] for k in terms}
+        step_acc = []
+        if eagle3:  # top-1 agreement per unrolled step, over its own positions; the rest over the positions of step 0
+            hits = accelerator.reduce(torch.stack([(terms["correct"] * m).sum(dim=(1, 2)), m.sum(dim=(1, 2))]), "sum")
+            step_acc = (hits[0] / hits[1].clamp(min=1)).tolist()
+            loss, m = ttt_fold(loss, m), m[0]
+            terms = {k: v[0] for k, v in terms.items()}
         count = accelerator.reduce(m.sum().detach().reshape(1), "sum").clamp(min=1)
         # scaled so that DDP's gradient average is the gradient of the global masked mean
         accelerator.backward((loss * m).sum() * accelerator.num_processes / count[0])
@@ -494,13 +484,7 @@ class _Training:
         self.optimizer.step()
         self.schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
-        correct = terms["correct"]
-        step_acc = []
-        if eagle3:  # top-1 agreement per unrolled step, over its own positions
-            hits = accelerator.reduce(torch.stack([(correct * steps_m).sum(dim=(1, 2)), steps_m.sum(dim=(1, 2))]).detach(), "sum")
-            step_acc = (hits[0] / hits[1].clamp(min=1)).tolist()
-            correct = correct[0]
-        sums = torch.stack([(loss * m).sum(), *((terms[k] * m).sum() for k in ("ce", "kl", "reg")), (correct * m).sum()]).detach()
+        sums = torch.stack([(loss * m).sum(), *((terms[k] * m).sum() for k in ("ce", "kl", "reg", "correct"))]).detach()
         sums = accelerator.reduce(sums, "sum") / count
         return {
             "loss": float(sums[0]), "ce": float(sums[1]), "kl": float(sums[2]), "reg": float(sums[3]), "acc": float(sums[4]),
