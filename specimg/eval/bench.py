@@ -37,8 +37,7 @@ from specimg.stats import PHASES, ImageStats, RunStats
 
 DEFAULT_METHODS = ("ar", "naive", "lantern", "lantern++", "gsd", "cascade", "cascade+lantern", "coolsd")
 DEFAULT_IMAGES = 16
-"""Images per method of a default ``specimg bench``: the default run (7 methods plus a
-warm-up image each, one thread) stays within 15 minutes on 2 CPU cores on the demo."""
+"""Images per method of a default ``specimg bench``: few, so that the default run stays short on a CPU."""
 FORMAT = "specimg-bench/1"
 MISSING_PLOT = "no bench.png: the plot needs matplotlib (pip install 'specimg[plot]')"
 
@@ -90,13 +89,6 @@ def parse_sweep(text: str) -> tuple[str, list[str]]:
     return key, items
 
 
-def check_batch_sizes(sizes: Sequence[int]) -> Sequence[int]:
-    """``sizes`` if they are distinct and positive (a size twice would run a variant twice)."""
-    if not sizes or len(set(sizes)) != len(sizes) or min(sizes) < 1:
-        raise SpecimgError(f"--batch-size takes distinct sizes of 1 or more, not {','.join(map(str, sizes))!r}")
-    return sizes
-
-
 def plan_variants(
     methods: Sequence[str] | None,
     installed: Iterable[str],
@@ -109,7 +101,8 @@ def plan_variants(
     skipped, AR added).  With more than one batch size, labels end in `` B=<size>``.
 
     ``methods`` None: DEFAULT_METHODS, keeping the stacks whose members are installed."""
-    check_batch_sizes(batch_sizes)
+    if not batch_sizes or len(set(batch_sizes)) != len(batch_sizes) or min(batch_sizes) < 1:  # a size twice would run a variant twice
+        raise SpecimgError(f"--batch-size takes distinct sizes of 1 or more, not {','.join(map(str, batch_sizes))!r}")
     installed = set(installed)
     notes: list[str] = []
     if methods is None:
@@ -577,13 +570,12 @@ def _clean(obj: Any) -> Any:
 def save_sample_grid(records: Sequence[Mapping[str, Any]], spec: BenchSpec, tokenizer: Any, path: str, per_row: int = 8) -> None:
     """One row per variant, named on its left: its first ``per_row`` samples, the same
     conditions and seeds in every row, each column headed by its condition."""
-    from specimg.runs.images import condition_label, make_table, save_png_atomic
+    from specimg.runs.images import condition_label, decode_images, make_table, save_png_atomic
 
     columns = min(per_row, len(spec.conditions))
     rows = {v.label: {r["sample"]: r["tokens"] for r in records if r["label"] == v.label} for v in spec.variants}
     labels = [label for label, samples in rows.items() if all(i in samples for i in range(columns))]
     if not labels or not columns:
         return
-    with torch.inference_mode():
-        images = tokenizer.decode(torch.tensor([rows[label][i] for label in labels for i in range(columns)])).float().clamp(-1, 1)
+    images = decode_images(tokenizer, torch.tensor([rows[label][i] for label in labels for i in range(columns)]))
     save_png_atomic(make_table(images, labels, [condition_label(spec.condition_keys[i]) for i in range(columns)]), path)
