@@ -1,5 +1,5 @@
-"""Option groups shared by the ``specimg`` commands (generate, bench), as click decorators,
-so that a flag means the same thing, with the same default and help, everywhere."""
+"""Options shared by the ``specimg`` commands (generate, bench, tune, the training commands), as
+click decorators, so that a flag means the same thing, with the same default and help, everywhere."""
 
 from __future__ import annotations
 
@@ -87,10 +87,10 @@ def _apply(options: list[Callable[[F], F]]) -> Callable[[F], F]:
     return decorate
 
 
+# options that the commands that decode and those that train share
 METHOD_OPTION = click.option("--option", "-o", "options", multiple=True, metavar="METHOD.KEY=VALUE", help="a method option (repeatable)")
 PRESET = click.option("--preset", default=None, help="LlamaGen preset of the --target checkpoint (GPT-B ... GPT-7B) [default: what the checkpoint says, else GPT-B]")
 TARGET_CONFIG = click.option("--target-config", multiple=True, metavar="KEY=VALUE", help="a loading option: a GPTConfig field for LlamaGen (block_size=576), or dtype, device, attn_implementation (and image_size for Lumina-mGPT) for a Hugging Face folder")
-"""Options that the commands that decode and those that train share."""
 
 
 def prompt_options(fn: F) -> F:
