@@ -397,10 +397,8 @@ _QUALITY_COLUMNS = (
 
 
 def _q(row: Mapping[str, Any], key: str) -> float | None:
-    m = row.get("quality", {}).get(key)
-    if m is None:
-        return None
-    return float(m["value"]) if isinstance(m, Mapping) else float(m)
+    m = row.get("quality", {}).get(key)  # a Frechet's dict, or a plain number
+    return None if m is None else float(m["value"] if isinstance(m, Mapping) else m)
 
 
 def _fmt(x: float | None, digits: int = 2) -> str:
@@ -433,9 +431,7 @@ def _tvd(row: Mapping[str, Any]) -> str:
 
 def _sig(x: float | None) -> str:
     """Distances: two decimals from 1 up, else three significant digits (tiny feature scales)."""
-    if x is None or not math.isfinite(x):
-        return "-"
-    return f"{x:.2f}" if abs(x) >= 1 or x == 0 else f"{x:.3g}"
+    return f"{x:.3g}" if x is not None and 0 < abs(x) < 1 else _fmt(x)
 
 
 def _n(rows: Sequence[Mapping[str, Any]], key: str) -> str:
@@ -550,21 +546,11 @@ def write_outputs(summary: dict[str, Any], spec: BenchSpec, out: str | os.PathLi
         },
         **(extra or {}),
     }
-    _write_atomic(paths["json"], json.dumps(_clean(doc), indent=1) + "\n")
+    safe = json.loads(json.dumps(doc), parse_constant=lambda _: None)  # JSON-safe: NaN and infinities as null
+    _write_atomic(paths["json"], json.dumps(safe, indent=1) + "\n")
     _write_atomic(paths["csv"], csv_text(summary))
     _write_atomic(paths["md"], markdown_table(summary) + "\n")
     return paths
-
-
-def _clean(obj: Any) -> Any:
-    """JSON-safe: NaN and infinities as null (:func:`summarise` made the metrics dicts)."""
-    if isinstance(obj, Mapping):
-        return {str(k): _clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    return obj
 
 
 def save_sample_grid(records: Sequence[Mapping[str, Any]], spec: BenchSpec, tokenizer: Any, path: str, per_row: int = 8) -> None:
