@@ -313,14 +313,11 @@ def _generate(
 def summarise(
     records: Sequence[Mapping[str, Any]], spec: BenchSpec, quality: Any = None, engines: Mapping[str, Engine] | None = None
 ) -> dict[str, Any]:
-    """One row per variant: tau (tokens per target forward, all images pooled), target
-    forwards per image, wall seconds per image (an image's share of its batch's) and images
-    per second, speedup (the total wall time of AR at the variant's batch size over the
-    variant's, on the same samples), mean accepted draft tokens per step, the TVD spent per
-    emitted token (``tvd``: TVD(q_R, p) at the nodes the walks emitted from, pooled over
-    images; None for records written before it was kept), seconds per phase per image, and
-    the quality metrics (``quality``: a :class:`specimg.eval.quality.Quality`).
-    With ``engines``, each row also records the options and budget actually used."""
+    """One row per variant: its speed (speedup against AR at the variant's batch size, on the
+    same samples), draft and budget figures, seconds per phase per image, and the quality
+    metrics (``quality``: a :class:`specimg.eval.quality.Quality`); what each means:
+    docs/usage.md, "What the numbers mean".  With ``engines``, each row also records the
+    options and budget actually used."""
     by_label: dict[str, list[Mapping[str, Any]]] = {v.label: [] for v in spec.variants}
     for r in records:
         by_label[r["label"]].append(r)
