@@ -13,7 +13,8 @@ import torch
 from specimg.cli.conditions import sample_captions
 from specimg.cli.loading import base_sampling, process_state, train_target
 from specimg.cli.options import (
-    DTYPES, IMAGES, METHOD_OPTION, PRESET, SEED, TARGET_CONFIG, THREADS, FiniteFloat, device_from, device_options, prompt_options, sampling_from, sampling_options,
+    DTYPES, IMAGES, METHOD_OPTION, PRESET, SEED, TARGET_CONFIG, THREADS, FiniteFloat, device_from, device_options, prompt_options, sampling_from,
+    sampling_options,
 )
 from specimg.cli.prompts import class_labels, comma_items
 from specimg.demo.recipe import DEFAULT_SCALE as DEFAULT_DEMO_SCALE
