@@ -33,16 +33,10 @@ def writable_folder(path: str | os.PathLike[str], flag: str = "--out") -> str:
         os.makedirs(path, exist_ok=True)
         tempfile.TemporaryFile(dir=path).close()
     except (FileExistsError, NotADirectoryError):
-        raise SpecimgError(f"{flag} {path}: {_file_in_the_way(path)} is a file, not a folder; choose another {flag}") from None
+        in_the_way = next((os.fspath(p) for p in (Path(path), *Path(path).parents) if p.exists() and not p.is_dir()), path)
+        raise SpecimgError(f"{flag} {path}: {in_the_way} is a file, not a folder; choose another {flag}") from None
     except OSError as err:
         raise SpecimgError(f"{flag} {path} cannot be written to ({err.strerror or err}); choose another {flag}") from None
-    return path
-
-
-def _file_in_the_way(path: str) -> str:
-    for place in (Path(path), *Path(path).parents):
-        if place.exists() and not place.is_dir():
-            return os.fspath(place)
     return path
 
 

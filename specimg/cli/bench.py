@@ -17,7 +17,10 @@ from specimg.cli.options import THREADS, check_tree_fits, device_from, run_optio
 from specimg.cli.prompts import comma_items
 from specimg.config import Sampling
 from specimg.errors import SpecimgError
-from specimg.eval.bench import DEFAULT_IMAGES, MISSING_PLOT, BenchSpec, build_engines, check_batch_sizes, markdown_table, plan_variants, run_bench, save_sample_grid, summarise, write_outputs
+from specimg.eval.bench import (
+    DEFAULT_IMAGES, DEFAULT_METHODS, MISSING_PLOT, BenchSpec, build_engines, markdown_table, plan_variants, run_bench, save_sample_grid,
+    summarise, write_outputs,
+)
 from specimg.methods import parse_options
 from specimg.plugins import get_plugin_manager
 from specimg.runs.folder import on_main
@@ -27,7 +30,7 @@ from specimg.relax import checks_enabled
 
 
 @click.command()
-@click.option("--methods", default=None, help="comma-separated method stacks [default: ar,naive,lantern,lantern++,gsd,cascade,cascade+lantern, those installed]")
+@click.option("--methods", default=None, help=f"comma-separated method stacks [default: {','.join(DEFAULT_METHODS)}, those installed]")
 @click.option("--sweep", multiple=True, metavar="METHOD.KEY=V1,V2,...", help="one run per value, for each stack with METHOD (repeatable; delta=... sweeps the stack budget)")
 @run_options(num_images=DEFAULT_IMAGES)
 @click.option("--classifier", type=click.Path(dir_okay=False), help="demo-format classifier for accuracy and Frechet distances [default: the demo bundle's]")
@@ -56,7 +59,7 @@ def bench(**kw: Any) -> None:
     tree = tree_from(kw)
     models = placed(models_from(kw, model), device, dtype)
     check_tree_fits(tree, models.target, models.drafter)
-    sizes = batch_sizes(kw["batch_sizes"])  # bad input fails before the output folder is made
+    sizes = batch_sizes(kw["batch_sizes"])
     writable_folder(kw["out"])
     sampling = sampling_from(kw, base_sampling(model, kw["target"], models.target))
     start = time.perf_counter()
@@ -104,12 +107,11 @@ def bench(**kw: Any) -> None:
 
 
 def batch_sizes(text: str) -> list[int]:
-    """``"1,4,16"`` -> [1, 4, 16], checked."""
+    """``"1,4,16"`` -> [1, 4, 16] (:func:`plan_variants` checks that they are distinct and positive)."""
     try:
-        sizes = [int(t) for t in comma_items(text, "--batch-size")]
+        return [int(t) for t in comma_items(text, "--batch-size")]
     except ValueError:
         raise SpecimgError(f"--batch-size takes sizes such as 1,4,16, not {text!r}") from None
-    return list(check_batch_sizes(sizes))
 
 
 def build_quality(models: Any, model_name: str, sampling: Sampling, conditions: list[Any], captions: list[str] | None, kw: dict[str, Any]) -> Any:

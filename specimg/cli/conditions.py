@@ -55,12 +55,9 @@ def is_t2i(target: Any) -> bool:
     return getattr(getattr(target, "config", None), "model_type", "c2i") == "t2i"
 
 
-PREVIEW = 40
-"""Characters of a ``--prompt`` shown in a message about it (it may be far longer)."""
-
-
-def _preview(text: str) -> str:
-    return f"{text[:PREVIEW]!r}{'...' if len(text) > PREVIEW else ''}"
+def _preview(text: str, width: int = 40) -> str:
+    """A prompt as a message about it shows it: its first ``width`` characters (it may be far longer)."""
+    return f"{text[:width]!r}{'...' if len(text) > width else ''}"
 
 
 def _given_prompts(kw: dict[str, Any]) -> list[tuple[str, str | PromptIds]]:
@@ -91,10 +88,6 @@ def _all_ids(given: list[tuple[str, str | PromptIds]]) -> bool:
     return bool(ids)
 
 
-def _cycled(prompts: list[Any], num: int) -> list[Any]:
-    return [prompts[i % len(prompts)] for i in range(num)]
-
-
 def _checked_ids(target: Any, given: list[tuple[str, str | PromptIds]]) -> None:
     """Refuse, before anything runs, prompt ids the target cannot take (an id outside its
     vocabulary; for Janus, ids not ending in begin-of-image), naming where they came from."""
@@ -117,21 +110,17 @@ def _refuse_unused_flags(target: Any, kw: dict[str, Any]) -> None:
         raise SpecimgError("--prompt-category picks among the prompts of --prompts FILE: give the file, or drop --prompt-category")
     if kw.get("prompt") and kw.get("prompt_ids"):
         raise SpecimgError("--prompt and --prompt-ids do not go together: give a run's prompts all as texts or all as token ids")
-    if takes_text(target):
-        if kw.get("class_labels"):
-            raise SpecimgError("this target is text-conditional: give --prompt or --prompts, not --class-labels")
-        if kw.get("text_encoder"):
-            raise SpecimgError("--text-encoder is for LlamaGen t2i targets; this one tokenizes prompts with its own folder's tokenizer: drop it")
-    elif is_t2i(target):
-        if kw.get("class_labels"):
-            raise SpecimgError("this target is text-conditional (t2i): give --prompt or --prompts, not --class-labels")
-        if kw.get("prompt_ids"):
-            raise SpecimgError(_T2I_IDS.format("--prompt-ids gives"))
-    else:
+    if not (takes_text(target) or is_t2i(target)):
         if kw.get("prompt") or kw.get("prompts") or kw.get("prompt_ids"):
             raise SpecimgError("--prompt / --prompts / --prompt-ids needs a t2i target; this one is class-conditional: give --class-labels")
         if kw.get("text_encoder"):
             raise SpecimgError("--text-encoder is for LlamaGen t2i targets; this one is class-conditional: drop it")
+    elif kw.get("class_labels"):
+        raise SpecimgError(f"this target is text-conditional{'' if takes_text(target) else ' (t2i)'}: give --prompt or --prompts, not --class-labels")
+    elif takes_text(target) and kw.get("text_encoder"):
+        raise SpecimgError("--text-encoder is for LlamaGen t2i targets; this one tokenizes prompts with its own folder's tokenizer: drop it")
+    elif not takes_text(target) and kw.get("prompt_ids"):
+        raise SpecimgError(_T2I_IDS.format("--prompt-ids gives"))
 
 
 def conditions_for(target: Any, kw: dict[str, Any]) -> Conditions:
@@ -142,36 +131,32 @@ def conditions_for(target: Any, kw: dict[str, Any]) -> Conditions:
 
     _refuse_unused_flags(target, kw)
     n = kw["num_images"]
-    wants_prompts = bool(kw.get("prompt") or kw.get("prompts") or kw.get("prompt_ids"))
-    if takes_text(target):
-        if not wants_prompts:
-            raise SpecimgError("a text-conditional target needs --prompts FILE or --prompt TEXT (or --prompt-ids IDS where its folder has no text tokenizer)")
-        given = _given_prompts(kw)
-        if _all_ids(given):
-            _checked_ids(target, given)
-            ids = _cycled([prompt for _, prompt in given], n)
-            return Conditions(ids, [list(x) for x in ids], None)
-        if getattr(target, "text_tokenizer", True) is None:  # Janus, Lumina-mGPT: the folder had none
-            raise SpecimgError(
-                "this target's folder has no text tokenizer (tokenizer.json or tokenizer.model) to read --prompt / --prompts with: "
-                "give each prompt as token ids (--prompt-ids, or a .jsonl's ids field; see docs/models.md)"
-            )
-        texts = _cycled([prompt for _, prompt in given], n)
-        return Conditions(list(texts), list(texts), texts)
-    if not is_t2i(target):
+    if not (takes_text(target) or is_t2i(target)):
         labels = class_labels(kw.get("class_labels"), n, target.config.num_classes)
         return Conditions(list(labels), list(labels), None)
-    if not wants_prompts:
+    if not (kw.get("prompt") or kw.get("prompts") or kw.get("prompt_ids")):
+        if takes_text(target):
+            raise SpecimgError("a text-conditional target needs --prompts FILE or --prompt TEXT (or --prompt-ids IDS where its folder has no text tokenizer)")
         raise SpecimgError("a t2i target needs --prompts FILE or --prompt TEXT, and --text-encoder")
-    if not kw.get("text_encoder"):
+    if not takes_text(target) and not kw.get("text_encoder"):
         raise SpecimgError("prompts need --text-encoder: a local T5 folder (flan-t5-xl for LlamaGen) or a specimg text-encoder file")
     given = _given_prompts(kw)
+    prompts = [given[i % len(given)][1] for i in range(n)]  # cycled over the images
     if _all_ids(given):
-        raise SpecimgError(_T2I_IDS.format(f"{kw['prompts']} gives"))
-    texts = _cycled([prompt for _, prompt in given], n)
-    config = target.config
-    captions = captions_for_target(load_text_encoder(kw["text_encoder"]), texts, config.cls_token_num, config.caption_dim)
-    return Conditions(list(captions), list(texts), texts)
+        if not takes_text(target):
+            raise SpecimgError(_T2I_IDS.format(f"{kw['prompts']} gives"))
+        _checked_ids(target, given)
+        return Conditions(prompts, [list(ids) for ids in prompts], None)
+    if not takes_text(target):
+        config = target.config
+        captions = captions_for_target(load_text_encoder(kw["text_encoder"]), prompts, config.cls_token_num, config.caption_dim)
+        return Conditions(list(captions), list(prompts), prompts)
+    if getattr(target, "text_tokenizer", True) is None:  # Janus, Lumina-mGPT: the folder had none
+        raise SpecimgError(
+            "this target's folder has no text tokenizer (tokenizer.json or tokenizer.model) to read --prompt / --prompts with: "
+            "give each prompt as token ids (--prompt-ids, or a .jsonl's ids field; see docs/models.md)"
+        )
+    return Conditions(list(prompts), list(prompts), prompts)
 
 
 def sample_captions(target: Any, kw: dict[str, Any]) -> tuple[tuple[Condition, ...], tuple[str, ...]]:

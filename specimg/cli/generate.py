@@ -12,8 +12,8 @@ import torch
 
 from specimg import costs, payoff
 from specimg.cli.conditions import Conditions, conditions_for, grid_label
-from specimg.cli.loading import base_sampling, default_model, models_from, process_device, run_inputs
-from specimg.cli.options import THREADS, check_tree_fits, device_from, run_options, sampling_from, tree_from
+from specimg.cli.loading import base_sampling, default_model, models_from, process_state, run_inputs
+from specimg.cli.options import THREADS, check_tree_fits, run_options, sampling_from, tree_from
 from specimg.engine import Engine
 from specimg.errors import SpecimgError
 from specimg.eval.bench import tree_label
@@ -35,11 +35,7 @@ def generate(**kw: Any) -> None:
     takes --class-labels, a t2i one --prompt / --prompts with --text-encoder.  Under
     `torchrun --nproc_per_node N -m specimg.cli generate ...` the images are dealt over
     the processes (the same images as one process gives; resumable on any process count)."""
-    from accelerate import PartialState
-
-    device, dtype = device_from(kw)
-    state = PartialState(cpu=device.type == "cpu")  # one process, or one per image slice under torchrun / accelerate launch
-    device = process_device(device, state)
+    state, device, dtype = process_state(kw)
     if kw["threads"] or not kw["target"]:  # after PartialState, which sets (cores / processes) threads
         torch.set_num_threads(kw["threads"] or 1)
     model = kw["model"] or default_model()
@@ -99,7 +95,7 @@ def write_run(engine: Engine, models: Any, conditions: Conditions, seed: int, ou
 
 
 def _write_images(engine: Engine, models: Any, conditions: Conditions, seed: int, log: RunLog, mine: list[int], main: bool) -> list[ImageStats]:
-    from specimg.runs.images import save_png_atomic, to_pil
+    from specimg.runs.images import decode_images, save_png_atomic, to_pil
 
     images: list[ImageStats] = []
 
@@ -108,7 +104,7 @@ def _write_images(engine: Engine, models: Any, conditions: Conditions, seed: int
         index = mine[position]
         images.append(stats)
         if models.tokenizer is not None:
-            save_png_atomic(to_pil(_decode(models.tokenizer, tokens[None]))[0], os.path.join(log.out, "images", f"{index:05d}.png"))
+            save_png_atomic(to_pil(decode_images(models.tokenizer, tokens[None]))[0], os.path.join(log.out, "images", f"{index:05d}.png"))
         log.add(index, {conditions.field: conditions.keys[index], "seed": seed + index, "tokens": tokens.tolist(), "stats": stats.as_dict()})
 
     with progress_bar(total=len(mine) * models.target.num_tokens, unit="tok", desc=engine.method, show=main) as bar:
@@ -120,13 +116,13 @@ def _report(engine: Engine, models: Any, log: RunLog, run: RunStats, images: int
     """The grid of every image in the folder, and the run's summary lines (the images'
     time apart from the first run's measuring of what trees cost, which it would inflate;
     per target forward, each image's own decode time, so also under several processes)."""
-    from specimg.runs.images import make_grid, save_png_atomic
+    from specimg.runs.images import decode_images, make_grid, save_png_atomic
 
     if models.tokenizer is not None:
         entries = log.all_entries()
         codes = torch.tensor([e["tokens"] for e in entries])
         labels = [grid_label(e) for e in entries]
-        grid = make_grid(_decode(models.tokenizer, codes), nrow=min(8, len(entries)), labels=labels)
+        grid = make_grid(decode_images(models.tokenizer, codes), nrow=min(8, len(entries)), labels=labels)
         save_png_atomic(grid, os.path.join(log.out, "grid.png"))
     s = engine.sampling
     batches = f" (batches of {engine.batch_size})" if engine.batch_size > 1 else ""
@@ -148,8 +144,3 @@ def _report(engine: Engine, models: Any, log: RunLog, run: RunStats, images: int
     click.echo(f"tree: auto: {run.tree_shares()}; predicted speedup {run.predicted_speedup:.2f}x (cost model {cost.key}: {cost.machine})")
     for line in [payoff.measured(run), *payoff.verdict(cost, run, costs.scale_key(engine.stack))]:
         click.echo(line)
-
-
-def _decode(tokenizer: Any, codes: torch.Tensor) -> torch.Tensor:
-    with torch.inference_mode():
-        return tokenizer.decode(codes)

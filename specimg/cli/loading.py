@@ -10,6 +10,7 @@ from typing import Any
 import attrs
 import torch
 
+from specimg.cli.options import device_from
 from specimg.config import LLAMAGEN_SAMPLING, Sampling
 from specimg.errors import SpecimgError
 from specimg.runs.folder import inputs_fingerprint
@@ -104,6 +105,11 @@ def base_sampling(model: str, path: str | None, target: Any) -> Sampling:
     return getattr(target, "default_sampling", LLAMAGEN_SAMPLING)
 
 
-def process_device(device: torch.device, state: Any) -> torch.device:
-    """``device``, or this process's GPU when several processes share ``--device cuda``."""
-    return state.device if device.type == "cuda" and device.index is None else device
+def process_state(kw: dict[str, Any]) -> tuple[Any, torch.device, torch.dtype]:
+    """accelerate's state (one process, or one per slice of the work under torchrun / accelerate launch), and this
+    process's --device (its own GPU when several processes share ``--device cuda``) and --dtype."""
+    from accelerate import PartialState
+
+    device, dtype = device_from(kw)
+    state = PartialState(cpu=device.type == "cpu")
+    return state, state.device if device.type == "cuda" and device.index is None else device, dtype

@@ -1,5 +1,5 @@
-"""Option groups shared by the ``specimg`` commands (generate, bench), as click decorators,
-so that a flag means the same thing, with the same default and help, everywhere."""
+"""Options shared by the ``specimg`` commands (generate, bench, tune, the training commands), as
+click decorators, so that a flag means the same thing, with the same default and help, everywhere."""
 
 from __future__ import annotations
 
@@ -87,34 +87,10 @@ def _apply(options: list[Callable[[F], F]]) -> Callable[[F], F]:
     return decorate
 
 
-def method_options(fn: F) -> F:
-    """``-o METHOD.KEY=VALUE`` (repeatable) and ``--delta``."""
-    return _apply([
-        click.option("--option", "-o", "options", multiple=True, metavar="METHOD.KEY=VALUE", help="a method option (repeatable)"),
-        click.option("--delta", type=FiniteFloat(0.0, 1.0), default=None, help="the stack's total-variation budget [default: largest member delta]"),
-    ])(fn)
-
-
-def model_options(fn: F) -> F:
-    """The built-in models or a target / drafter / tokenizer from paths."""
-    return _apply([
-        click.option("--model", default=None, help="built-in models when no --target is given: demo, demo-cascade (its drafter trained with CASCADE's loss), demo-eagle3 (an EAGLE-3 drafter) or tiny-random [default: demo when its bundle is installed]"),
-        click.option("--target", type=click.Path(), help="target checkpoint: a LlamaGen file, or a Hugging Face folder of another family (see `specimg models`)"),
-        click.option("--preset", default=None, help="LlamaGen preset of the --target checkpoint (GPT-B ... GPT-7B) [default: what the checkpoint says, else GPT-B]"),
-        click.option("--target-config", multiple=True, metavar="KEY=VALUE", help="a loading option: a GPTConfig field for LlamaGen (block_size=576), or dtype, device, attn_implementation (and image_size for Lumina-mGPT) for a Hugging Face folder"),
-        click.option("--drafter", type=click.Path(), help="EAGLE-1 or EAGLE-3 drafter weights (safetensors; the file records its type), or an EAGLE-style drafter folder as LANTERN releases them (config.json + weights), for --target or in place of the --model's own drafter"),
-        click.option("--tokenizer", type=click.Path(dir_okay=False), help="the file that decodes the --target's codes: a LlamaGen VQ checkpoint, or Chameleon's vqgan.ckpt for Lumina-mGPT (a Janus folder and each built-in --model bring their own; see `specimg models`)"),
-        click.option("--tokenizer-config", multiple=True, metavar="KEY=VALUE", help="override a VQConfig field"),
-    ])(fn)
-
-
-def condition_options(num_images: int) -> Callable[[F], F]:
-    """``--class-labels``, ``--num-images`` (default ``num_images``) and ``--seed``."""
-    return _apply([
-        click.option("--class-labels", help="comma-separated class ids, cycled over the images [default: 0, 1, 2, ...]"),
-        click.option("--num-images", "-n", type=IMAGES, default=num_images, show_default=True),
-        click.option("--seed", type=SEED, default=0, show_default=True, help="image i uses seed + i"),
-    ])
+# options that the commands that decode and those that train share
+METHOD_OPTION = click.option("--option", "-o", "options", multiple=True, metavar="METHOD.KEY=VALUE", help="a method option (repeatable)")
+PRESET = click.option("--preset", default=None, help="LlamaGen preset of the --target checkpoint (GPT-B ... GPT-7B) [default: what the checkpoint says, else GPT-B]")
+TARGET_CONFIG = click.option("--target-config", multiple=True, metavar="KEY=VALUE", help="a loading option: a GPTConfig field for LlamaGen (block_size=576), or dtype, device, attn_implementation (and image_size for Lumina-mGPT) for a Hugging Face folder")
 
 
 def prompt_options(fn: F) -> F:
@@ -139,21 +115,6 @@ def sampling_options(fn: F) -> F:
     ])(fn)
 
 
-def tree_options(fn: F) -> F:
-    """The draft tree's shape: chosen per step from the machine's cost model (auto) unless
-    a kind or a size is given."""
-    sizes = ", ".join(f"{k} {v}" for k, v in DYNAMIC_DEFAULTS.items())
-    return _apply([
-        click.option("--tree", "tree_kind", type=click.Choice(["auto", "dynamic", "chain", "static"]), default=None, help="auto: the EAGLE-2 tree with the most expected tokens per second on this machine [default: auto, or dynamic when a size is given]"),
-        click.option("--depth", type=click.IntRange(min=1), default=None, help=f"tree depth (dynamic, chain) [default for dynamic: {sizes}]"),
-        click.option("--topk", type=click.IntRange(min=1), default=None, help="children per expanded node (dynamic)"),
-        click.option("--total-tokens", type=click.IntRange(min=1), default=None, help="tree size budget (dynamic)"),
-        click.option("--rank-paths", type=RankPaths(), help="the nodes of --tree static, e.g. '0 1 0.0 0.1' (dot-separated draft ranks from the root)"),
-        click.option("--sample-drafts", is_flag=True, help="draw draft children instead of taking the drafter's top-k"),
-        click.option("--ar-fallback/--no-ar-fallback", default=True, show_default=True, help="auto trees: AR steps once no tree is predicted faster than AR (by the method's acceptance measured with the cost model, or the image's own steps)"),
-    ])(fn)
-
-
 def device_options(fn: F) -> F:
     """Where the models run and in which floating type."""
     return _apply([
@@ -162,21 +123,44 @@ def device_options(fn: F) -> F:
     ])(fn)
 
 
-def compile_option(fn: F) -> F:
-    """Whether the step's programs are compiled (``--cuda-graphs``, its former name, still works)."""
-    return click.option(
-        "--compile", "--cuda-graphs", "compile", type=click.Choice(list(COMPILE)), default="auto", show_default=True,
-        help="compile the step's programs with torch.compile (captured as CUDA graphs on a GPU): auto = on a GPU, for targets "
-             "with fixed-shape steps (LlamaGen); on = on any device (inductor's C++ on a CPU)",
-    )(fn)
-
-
 def run_options(num_images: int, tree: bool = True) -> Callable[[F], F]:
     """The options of the commands that decode (generate, bench; tune, which values auto
     trees, without the tree's)."""
-    trees = [tree_options] if tree else []
+    sizes = ", ".join(f"{k} {v}" for k, v in DYNAMIC_DEFAULTS.items())
+    trees = [  # the draft tree's shape: chosen per step from the machine's cost model (auto) unless a kind or a size is given
+        click.option("--tree", "tree_kind", type=click.Choice(["auto", "dynamic", "chain", "static"]), default=None, help="auto: the EAGLE-2 tree with the most expected tokens per second on this machine [default: auto, or dynamic when a size is given]"),
+        click.option("--depth", type=click.IntRange(min=1), default=None, help=f"tree depth (dynamic, chain) [default for dynamic: {sizes}]"),
+        click.option("--topk", type=click.IntRange(min=1), default=None, help="children per expanded node (dynamic)"),
+        click.option("--total-tokens", type=click.IntRange(min=1), default=None, help="tree size budget (dynamic)"),
+        click.option("--rank-paths", type=RankPaths(), help="the nodes of --tree static, e.g. '0 1 0.0 0.1' (dot-separated draft ranks from the root)"),
+        click.option("--sample-drafts", is_flag=True, help="draw draft children instead of taking the drafter's top-k"),
+        click.option("--ar-fallback/--no-ar-fallback", default=True, show_default=True, help="auto trees: AR steps once no tree is predicted faster than AR (by the method's acceptance measured with the cost model, or the image's own steps)"),
+    ]
     return _apply([
-        method_options, model_options, condition_options(num_images), prompt_options, sampling_options, *trees, device_options, compile_option,
+        # the method stack's options and budget
+        METHOD_OPTION,
+        click.option("--delta", type=FiniteFloat(0.0, 1.0), default=None, help="the stack's total-variation budget [default: largest member delta]"),
+        # the built-in models, or a target / drafter / tokenizer from paths
+        click.option("--model", default=None, help="built-in models when no --target is given: demo, demo-cascade (its drafter trained with CASCADE's loss), demo-eagle3 (an EAGLE-3 drafter) or tiny-random [default: demo when its bundle is installed]"),
+        click.option("--target", type=click.Path(), help="target checkpoint: a LlamaGen file, or a Hugging Face folder of another family (see `specimg models`)"),
+        PRESET,
+        TARGET_CONFIG,
+        click.option("--drafter", type=click.Path(), help="EAGLE-1 or EAGLE-3 drafter weights (safetensors; the file records its type), or an EAGLE-style drafter folder as LANTERN releases them (config.json + weights), for --target or in place of the --model's own drafter"),
+        click.option("--tokenizer", type=click.Path(dir_okay=False), help="the file that decodes the --target's codes: a LlamaGen VQ checkpoint, or Chameleon's vqgan.ckpt for Lumina-mGPT (a Janus folder and each built-in --model bring their own; see `specimg models`)"),
+        click.option("--tokenizer-config", multiple=True, metavar="KEY=VALUE", help="override a VQConfig field"),
+        # the conditions
+        click.option("--class-labels", help="comma-separated class ids, cycled over the images [default: 0, 1, 2, ...]"),
+        click.option("--num-images", "-n", type=IMAGES, default=num_images, show_default=True),
+        click.option("--seed", type=SEED, default=0, show_default=True, help="image i uses seed + i"),
+        prompt_options,
+        sampling_options,
+        *(trees if tree else []),
+        device_options,
+        click.option(  # --cuda-graphs, its former name, still works
+            "--compile", "--cuda-graphs", "compile", type=click.Choice(list(COMPILE)), default="auto", show_default=True,
+            help="compile the step's programs with torch.compile (captured as CUDA graphs on a GPU): auto = on a GPU, for targets "
+                 "with fixed-shape steps (LlamaGen); on = on any device (inductor's C++ on a CPU)",
+        ),
     ])
 
 

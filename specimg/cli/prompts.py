@@ -96,14 +96,8 @@ def read_prompts(path: str | os.PathLike[str]) -> list[Prompt]:
         text = data.decode("utf-8-sig")  # a byte-order mark, as some editors write, is not part of the first line
     except UnicodeDecodeError as err:
         raise SpecimgError(f"cannot read prompt file {path}: byte {err.start} is not UTF-8") from None
-    if name.endswith(".tsv"):
-        prompts = _parti(text, path)
-    elif name.endswith(".jsonl"):
-        prompts = _jsonl(text, path)
-    elif name.endswith(".json"):
-        prompts = _coco(text, path)
-    else:
-        prompts = _plain(text, path)
+    read = next((read for suffix, read in ((".tsv", _parti), (".jsonl", _jsonl), (".json", _coco)) if name.endswith(suffix)), _plain)
+    prompts = read(text, path)
     if not prompts:
         raise SpecimgError(f"prompt file {path} holds no caption")
     return prompts

@@ -6,12 +6,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import attrs
 import click
 import torch
 
 from specimg.cli.conditions import sample_captions
-from specimg.cli.loading import base_sampling, process_device, train_target
-from specimg.cli.options import DTYPES, IMAGES, SEED, THREADS, FiniteFloat, device_from, device_options, prompt_options, sampling_from, sampling_options
+from specimg.cli.loading import base_sampling, process_state, train_target
+from specimg.cli.options import (
+    DTYPES, IMAGES, METHOD_OPTION, PRESET, SEED, TARGET_CONFIG, THREADS, FiniteFloat, device_from, device_options, prompt_options, sampling_from,
+    sampling_options,
+)
 from specimg.cli.prompts import class_labels, comma_items
 from specimg.demo.recipe import DEFAULT_SCALE as DEFAULT_DEMO_SCALE
 from specimg.demo.recipe import SCALES as DEMO_SCALES
@@ -53,8 +57,8 @@ def train_demo(out: str, scale: str, threads: int | None, keep_work: bool) -> No
 
 @click.command("make-drafter-data")
 @click.option("--target", required=True, help="a target checkpoint or folder (see `specimg models`), 'demo' or 'tiny-random'")
-@click.option("--preset", default=None, help="LlamaGen preset of the --target checkpoint (GPT-B ... GPT-7B) [default: what the checkpoint says, else GPT-B]")
-@click.option("--target-config", multiple=True, metavar="KEY=VALUE", help="a loading option: a GPTConfig field for LlamaGen (block_size=576), or dtype, device, attn_implementation (and image_size for Lumina-mGPT) for a Hugging Face folder")
+@PRESET
+@TARGET_CONFIG
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="data folder (resumed if it holds the same run)")
 @click.option("--tokens", "tokens_file", type=click.Path(dir_okay=False), help="teacher-force these sequences (safetensors: 'tokens' [M, N], optional 'labels' [M]) instead of sampling")
 @click.option("--num-samples", "-n", type=IMAGES, help="images to sample (self-distillation) or to take from --tokens")
@@ -73,14 +77,11 @@ def make_drafter_data_command(**kw: Any) -> None:
     self-sampled (or given) token sequences, as safetensors shards.  A c2i target samples
     under --class-labels, a t2i one under --prompt / --prompts with --text-encoder.  Runs
     on several processes under `accelerate launch`."""
-    from accelerate import PartialState
-
     from specimg.train.data import DataSpec, make_drafter_data
 
     writable_folder(kw["out"])
-    device, dtype = device_from(kw)
-    state = PartialState(cpu=device.type == "cpu")
-    target = train_target(kw["target"], kw["preset"], kw["target_config"]).to(process_device(device, state), dtype)
+    state, device, dtype = process_state(kw)
+    target = train_target(kw["target"], kw["preset"], kw["target_config"]).to(device, dtype)
     sampling = sampling_from(kw, base_sampling(kw["target"], None, target))
     captions, prompts = sample_captions(target, kw)
     labels = kw["class_labels"]  # checked against the target, each once
@@ -105,19 +106,19 @@ def make_drafter_data_command(**kw: Any) -> None:
 
 @click.command("train-drafter")
 @click.option("--target", required=True, help="a target checkpoint or folder (see `specimg models`), 'demo' or 'tiny-random' (the one that made --data)")
-@click.option("--preset", default=None, help="LlamaGen preset of the --target checkpoint (GPT-B ... GPT-7B) [default: what the checkpoint says, else GPT-B]")
-@click.option("--target-config", multiple=True, metavar="KEY=VALUE", help="a loading option: a GPTConfig field for LlamaGen (block_size=576), or dtype, device, attn_implementation (and image_size for Lumina-mGPT) for a Hugging Face folder")
+@PRESET
+@TARGET_CONFIG
 @click.option("--data", required=True, type=click.Path(file_okay=False), help="a folder made by make-drafter-data")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="run folder; a run started again on it resumes")
 @click.option("--method", "-m", default=None, help="method stack whose train_loss hooks reweight the loss, e.g. cascade")
-@click.option("--option", "-o", "options", multiple=True, metavar="METHOD.KEY=VALUE", help="a method option (repeatable)")
+@METHOD_OPTION
 @click.option("--drafter-type", type=click.Choice(list(DRAFTER_TYPES)), default="eagle1", show_default=True, help="eagle3 needs data made with --drafter-type eagle3")
 @click.option("--ttt-steps", type=click.IntRange(1, 16), default=TrainConfig().ttt_steps, show_default=True, help="EAGLE-3's unrolled training-time-test steps (EAGLE-3's own 7)")
 @click.option("--init", type=click.Path(dir_okay=False), help="start from these drafter weights (safetensors)")
 @click.option("--steps", type=click.IntRange(min=1), default=TrainConfig().steps, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=TrainConfig().batch_size, show_default=True, help="global batch (all processes), in images")
 @click.option("--lr", type=FiniteFloat(min=0.0, min_open=True), default=None, help="[default: the drafter type's published one: eagle1 3e-5, eagle3 5e-5]")
-@click.option("--warmup", type=click.IntRange(min=0), default=None, help="warmup steps [default: 5% of --steps]")
+@click.option("--warmup", "warmup_steps", type=click.IntRange(min=0), default=None, help="warmup steps [default: 5% of --steps]")
 @click.option("--min-lr-ratio", type=FiniteFloat(0.0, 1.0), default=0.0, show_default=True, help="cosine floor, as a fraction of --lr")
 @click.option("--weight-decay", type=FiniteFloat(min=0.0), default=0.0, show_default=True)
 @click.option("--w-cls", type=FiniteFloat(min=0.0), default=None, help="weight of the soft cross-entropy [default: 0.1, EAGLE-1's p_w; 1.0 for eagle3]")
@@ -138,14 +139,10 @@ def train_drafter_command(**kw: Any) -> None:
 
     from specimg.train.drafter import train_drafter
 
-    by_type = {key: kw[key] for key in ("lr", "w_cls") if kw[key] is not None}  # unset: the drafter type's published value
-    by_type |= {key: kw[key] or None for key in ("clip_value", "clip_norm") if kw[key] is not None}  # 0: off
-    config = TrainConfig(
-        steps=kw["steps"], batch_size=kw["batch_size"], weight_decay=kw["weight_decay"], warmup_steps=kw["warmup"],
-        min_lr_ratio=kw["min_lr_ratio"], w_reg=kw["w_reg"], noise=kw["noise"], checkpoint_every=kw["checkpoint_every"],
-        keep_checkpoints=kw["keep_checkpoints"], log_every=kw["log_every"], seed=kw["seed"],
-        mixed_precision=kw["mixed_precision"], drafter_type=kw["drafter_type"], ttt_steps=kw["ttt_steps"], **by_type,
-    )
+    fields = {field.name for field in attrs.fields(TrainConfig)}  # each option sets the field of its name
+    given = {key: value for key, value in kw.items() if key in fields and value is not None}  # unset: the drafter type's published value
+    given |= {key: kw[key] or None for key in ("clip_value", "clip_norm") if kw[key] is not None}  # 0: off
+    config = TrainConfig(**given)
     writable_folder(kw["out"])
     target = train_target(kw["target"], kw["preset"], kw["target_config"])
     accelerator = Accelerator(mixed_precision=config.mixed_precision, cpu=device_from(kw)[0].type == "cpu")

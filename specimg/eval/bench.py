@@ -37,8 +37,7 @@ from specimg.stats import PHASES, ImageStats, RunStats
 
 DEFAULT_METHODS = ("ar", "naive", "lantern", "lantern++", "gsd", "cascade", "cascade+lantern", "coolsd")
 DEFAULT_IMAGES = 16
-"""Images per method of a default ``specimg bench``: the default run (7 methods plus a
-warm-up image each, one thread) stays within 15 minutes on 2 CPU cores on the demo."""
+"""Images per method of a default ``specimg bench``: few, so that the default run stays short on a CPU."""
 FORMAT = "specimg-bench/1"
 MISSING_PLOT = "no bench.png: the plot needs matplotlib (pip install 'specimg[plot]')"
 
@@ -90,13 +89,6 @@ def parse_sweep(text: str) -> tuple[str, list[str]]:
     return key, items
 
 
-def check_batch_sizes(sizes: Sequence[int]) -> Sequence[int]:
-    """``sizes`` if they are distinct and positive (a size twice would run a variant twice)."""
-    if not sizes or len(set(sizes)) != len(sizes) or min(sizes) < 1:
-        raise SpecimgError(f"--batch-size takes distinct sizes of 1 or more, not {','.join(map(str, sizes))!r}")
-    return sizes
-
-
 def plan_variants(
     methods: Sequence[str] | None,
     installed: Iterable[str],
@@ -109,7 +101,8 @@ def plan_variants(
     skipped, AR added).  With more than one batch size, labels end in `` B=<size>``.
 
     ``methods`` None: DEFAULT_METHODS, keeping the stacks whose members are installed."""
-    check_batch_sizes(batch_sizes)
+    if not batch_sizes or len(set(batch_sizes)) != len(batch_sizes) or min(batch_sizes) < 1:  # a size twice would run a variant twice
+        raise SpecimgError(f"--batch-size takes distinct sizes of 1 or more, not {','.join(map(str, batch_sizes))!r}")
     installed = set(installed)
     notes: list[str] = []
     if methods is None:
@@ -320,14 +313,11 @@ def _generate(
 def summarise(
     records: Sequence[Mapping[str, Any]], spec: BenchSpec, quality: Any = None, engines: Mapping[str, Engine] | None = None
 ) -> dict[str, Any]:
-    """One row per variant: tau (tokens per target forward, all images pooled), target
-    forwards per image, wall seconds per image (an image's share of its batch's) and images
-    per second, speedup (the total wall time of AR at the variant's batch size over the
-    variant's, on the same samples), mean accepted draft tokens per step, the TVD spent per
-    emitted token (``tvd``: TVD(q_R, p) at the nodes the walks emitted from, pooled over
-    images; None for records written before it was kept), seconds per phase per image, and
-    the quality metrics (``quality``: a :class:`specimg.eval.quality.Quality`).
-    With ``engines``, each row also records the options and budget actually used."""
+    """One row per variant: its speed (speedup against AR at the variant's batch size, on the
+    same samples), draft and budget figures, seconds per phase per image, and the quality
+    metrics (``quality``: a :class:`specimg.eval.quality.Quality`); what each means:
+    docs/usage.md, "What the numbers mean".  With ``engines``, each row also records the
+    options and budget actually used."""
     by_label: dict[str, list[Mapping[str, Any]]] = {v.label: [] for v in spec.variants}
     for r in records:
         by_label[r["label"]].append(r)
@@ -404,10 +394,8 @@ _QUALITY_COLUMNS = (
 
 
 def _q(row: Mapping[str, Any], key: str) -> float | None:
-    m = row.get("quality", {}).get(key)
-    if m is None:
-        return None
-    return float(m["value"]) if isinstance(m, Mapping) else float(m)
+    m = row.get("quality", {}).get(key)  # a Frechet's dict, or a plain number
+    return None if m is None else float(m["value"] if isinstance(m, Mapping) else m)
 
 
 def _fmt(x: float | None, digits: int = 2) -> str:
@@ -440,9 +428,7 @@ def _tvd(row: Mapping[str, Any]) -> str:
 
 def _sig(x: float | None) -> str:
     """Distances: two decimals from 1 up, else three significant digits (tiny feature scales)."""
-    if x is None or not math.isfinite(x):
-        return "-"
-    return f"{x:.2f}" if abs(x) >= 1 or x == 0 else f"{x:.3g}"
+    return f"{x:.3g}" if x is not None and 0 < abs(x) < 1 else _fmt(x)
 
 
 def _n(rows: Sequence[Mapping[str, Any]], key: str) -> str:
@@ -557,33 +543,22 @@ def write_outputs(summary: dict[str, Any], spec: BenchSpec, out: str | os.PathLi
         },
         **(extra or {}),
     }
-    _write_atomic(paths["json"], json.dumps(_clean(doc), indent=1) + "\n")
+    safe = json.loads(json.dumps(doc), parse_constant=lambda _: None)  # JSON-safe: NaN and infinities as null
+    _write_atomic(paths["json"], json.dumps(safe, indent=1) + "\n")
     _write_atomic(paths["csv"], csv_text(summary))
     _write_atomic(paths["md"], markdown_table(summary) + "\n")
     return paths
 
 
-def _clean(obj: Any) -> Any:
-    """JSON-safe: NaN and infinities as null (:func:`summarise` made the metrics dicts)."""
-    if isinstance(obj, Mapping):
-        return {str(k): _clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    return obj
-
-
 def save_sample_grid(records: Sequence[Mapping[str, Any]], spec: BenchSpec, tokenizer: Any, path: str, per_row: int = 8) -> None:
     """One row per variant, named on its left: its first ``per_row`` samples, the same
     conditions and seeds in every row, each column headed by its condition."""
-    from specimg.runs.images import condition_label, make_table, save_png_atomic
+    from specimg.runs.images import condition_label, decode_images, make_table, save_png_atomic
 
     columns = min(per_row, len(spec.conditions))
     rows = {v.label: {r["sample"]: r["tokens"] for r in records if r["label"] == v.label} for v in spec.variants}
     labels = [label for label, samples in rows.items() if all(i in samples for i in range(columns))]
     if not labels or not columns:
         return
-    with torch.inference_mode():
-        images = tokenizer.decode(torch.tensor([rows[label][i] for label in labels for i in range(columns)])).float().clamp(-1, 1)
+    images = decode_images(tokenizer, torch.tensor([rows[label][i] for label in labels for i in range(columns)]))
     save_png_atomic(make_table(images, labels, [condition_label(spec.condition_keys[i]) for i in range(columns)]), path)

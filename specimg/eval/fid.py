@@ -70,10 +70,8 @@ class FID:
         except ImportError:
             raise SpecimgError("FID needs torchmetrics: pip install 'specimg[eval]'") from None
         try:
-            if isinstance(features, tuple):
-                self.metric = FrechetInceptionDistance(feature=features[0], feature_extractor_weights_path=features[1], reset_real_features=False)
-            else:
-                self.metric = FrechetInceptionDistance(feature=features, reset_real_features=False)
+            feature, weights = features if isinstance(features, tuple) else (features, None)
+            self.metric = FrechetInceptionDistance(feature=feature, feature_extractor_weights_path=weights, reset_real_features=False)
         except (ModuleNotFoundError, ImportError) as err:
             raise SpecimgError(f"FID: {err}") from None
         self.batch_size = batch_size

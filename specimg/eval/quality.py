@@ -17,6 +17,7 @@ from specimg.engine import ar_tokens
 from specimg.errors import SpecimgError
 from specimg.eval.metrics import Frechet, class_accuracy, frechet_distance, token_log_likelihood
 from specimg.models.base import BatchSteps, Condition
+from specimg.runs.images import decode_images
 
 LOWER_IS_BETTER = {"fid": True, "frechet_real": True, "frechet_ar": True, "loglik": False, "accuracy": False, "clip": False}
 PRIMARY_ORDER = ("fid", "frechet_real", "frechet_ar", "loglik")
@@ -55,10 +56,6 @@ class Quality:
         self.notes: list[str] = []
         self._real_features: Tensor | None = None
 
-    def decode(self, tokens: Tensor, batch: int = 32) -> Tensor:
-        with torch.inference_mode():
-            return torch.cat([self.tokenizer.decode(tokens[s : s + batch]).float().clamp(-1, 1) for s in range(0, tokens.shape[0], batch)])
-
     def _real(self) -> Tensor | None:
         if self._real_features is None and self.real_images is not None and self.classifier is not None:
             try:
@@ -73,7 +70,7 @@ class Quality:
         dict of metrics, and the floors."""
         labels = [c for c in self.conditions if isinstance(c, int)]
         classes = torch.tensor(labels) if len(labels) == len(self.conditions) else None
-        images = {k: self.decode(v) for k, v in samples.items()} if self.tokenizer is not None else {}
+        images = {k: decode_images(self.tokenizer, v, 32) for k, v in samples.items()} if self.tokenizer is not None else {}
         feats = {k: self.classifier.all_features(v) for k, v in images.items()} if self.classifier is not None else {}
         real = self._real() if feats else None
         out: dict[str, dict[str, Any]] = {k: {} for k in samples}
@@ -100,7 +97,7 @@ class Quality:
             floors["frechet_real"] = frechet_distance(self.classifier.all_features(self.real_images(n, DEMO_REAL_SEED + 1)), real)
         if baseline in feats and n >= 2 and isinstance(self.target, BatchSteps):
             again = ar_tokens(self.target, self.conditions, [AR_FLOOR_SEED + i for i in range(n)], self.sampling)
-            floors["frechet_ar"] = frechet_distance(self.classifier.all_features(self.decode(again)), feats[baseline])
+            floors["frechet_ar"] = frechet_distance(self.classifier.all_features(decode_images(self.tokenizer, again, 32)), feats[baseline])
         return out, floors
 
 

@@ -85,7 +85,7 @@ def unmade_on_failure() -> Iterator[None]:
 def _remove_unused(folder: str) -> None:
     """Remove ``folder`` if it holds nothing, or only a run's lock that this process can take."""
     lock = os.path.join(folder, LOCK)
-    try:
+    with contextlib.suppress(OSError):  # in use or not empty: kept
         if os.listdir(folder) == [LOCK]:
             fd = os.open(lock, os.O_RDWR)
             try:
@@ -94,8 +94,6 @@ def _remove_unused(folder: str) -> None:
             finally:
                 os.close(fd)
         os.rmdir(folder)
-    except OSError:  # in use or not empty: kept
-        pass
 
 
 def _lock(folder: str) -> int:
@@ -111,26 +109,17 @@ def _lock(folder: str) -> int:
             holder = os.pread(fd, 1000, 0).decode("utf-8", "replace").strip() or "a run that has not said which"
             os.close(fd)
             raise SpecimgError(f"{folder} is in use by another run ({holder}); wait for it to end or give another --out") from None
-        if _same_file(fd, path):
-            break
+        with contextlib.suppress(OSError):  # done once the path still names the file locked
+            here, there = os.fstat(fd), os.stat(path)
+            if (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino):
+                break
         os.close(fd)  # locked a file its run removed as it ended: lock the folder's file now
     command = " ".join(["specimg", *sys.argv[1:]])[:300]
     holder = f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}: {command}"
-    try:
+    with contextlib.suppress(OSError):  # a full disk: the lock holds all the same, it only names nobody
         os.ftruncate(fd, 0)
         os.pwrite(fd, holder.encode("utf-8", "replace"), 0)
-    except OSError:  # a full disk: the lock holds all the same, it only names nobody
-        pass
     return fd
-
-
-def _same_file(fd: int, path: str) -> bool:
-    """Whether ``path`` still names the file open as ``fd``."""
-    try:
-        here, there = os.fstat(fd), os.stat(path)
-    except OSError:
-        return False
-    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
 def inputs_fingerprint(model: str, files: Mapping[str, str | None], configs: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
@@ -168,11 +157,9 @@ def file_digest(path: str) -> str:
         for block in iter(lambda: fh.read(1 << 22), b""):
             digest.update(block)
     known[key] = [stat.st_size, stat.st_mtime_ns, digest.hexdigest()]
-    try:
+    with contextlib.suppress(OSError):  # an unwritable cache only costs reading the file again next time
         with atomic_path(_digests_path(), ".json") as tmp, open(tmp, "w", encoding="utf-8") as fh:
             json.dump(known, fh)
-    except OSError:  # an unwritable cache only costs reading the file again next time
-        pass
     return digest.hexdigest()
 
 

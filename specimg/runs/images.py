@@ -25,6 +25,13 @@ def condition_label(key: Any) -> str:
     return f"class {key}"
 
 
+def decode_images(tokenizer: Any, codes: Tensor, batch: int | None = None) -> Tensor:
+    """Codes [N, T] -> float images [N, 3, H, W] in [-1, 1], decoded ``batch`` at a time (None: all at once)."""
+    step = batch or max(1, codes.shape[0])
+    with torch.inference_mode():
+        return torch.cat([tokenizer.decode(codes[s : s + step]).float().clamp(-1, 1) for s in range(0, codes.shape[0], step)])
+
+
 def to_pil(images: Tensor) -> list[Image.Image]:
     """[B,3,H,W] in [-1,1] -> RGB images (values clamped, rounded to uint8)."""
     if images.dim() != 4 or images.shape[1] != 3:

@@ -67,9 +67,7 @@ class RunLog:
         """The first held sample whose record differs from ``expected[index]`` in one of its
         fields, as (index, field, held value, expected value): the folder holds another
         run's conditions."""
-        for index in sorted(self.done):
-            if index >= len(expected):
-                continue
+        for index in sorted(i for i in self.done if i < len(expected)):
             for field, value in expected[index].items():
                 if self.done[index].get(field) != value:
                     return index, field, self.done[index].get(field), value
