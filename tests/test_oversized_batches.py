@@ -34,7 +34,7 @@ def sizes(monkeypatch):
         monkeypatch.setattr(owner, name, recorded)
 
     spy(Engine, "generate", lambda engine, conditions, *_, **__: min(engine.batch_size, len(conditions)))  # warm-up and decoding
-    spy(Engine, "_batch", lambda engine, conditions, *_, **__: len(conditions))  # AR batches, also calibration's yardstick
+    spy(Engine, "_ar", lambda engine, images, *_, **__: len(images))  # AR batches, also calibration's yardstick
     spy(batching, "decode", lambda engine, conditions, *_, **__: min(engine.batch_size, len(conditions)))  # speculative batches, also calibration
     spy(costs, "load_or_measure", lambda *_, batch=1, **__: batch)  # the cost model auto trees plan with
     return seen
