@@ -1,7 +1,7 @@
 """What the targets over transformers models share: loading a local Hugging Face folder
 (never a download), checking prompt ids, the 4-D attention mask a draft tree needs, keeping a tree path in a
-``DynamicCache``, and what :class:`HFTarget` keeps: the shape and positions of their EAGLE
-draft layer, and their outputs as a TargetOutput."""
+``DynamicCache``, and what :class:`HFTarget` keeps: the cache of a prefill and a tree, the
+shape and positions of their EAGLE draft layer, and their outputs as a TargetOutput."""
 
 from __future__ import annotations
 
