@@ -11,6 +11,7 @@ file are ignored.  Codes are looked up unnormalised, as taming's ``get_codebook_
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from typing import Any
 
 import attrs
@@ -20,7 +21,7 @@ from attrs import validators as v
 from torch import Tensor, nn
 
 from specimg.models.checkpoint import load_into, read_checkpoint
-from specimg.models.vq import AttnBlock, Level, ResnetBlock, Upsample, code_grid, config_with, int_tuple
+from specimg.models.vq import Level, ResnetBlock, Upsample, code_grid, config_with, int_tuple, mid_blocks
 
 
 @attrs.frozen
@@ -40,17 +41,6 @@ class ChameleonVQConfig:
     norm_groups: int = attrs.field(default=32, validator=v.ge(1))
 
 
-class _Mid(nn.Module):
-    def __init__(self, channels: int, groups: int) -> None:
-        super().__init__()
-        self.block_1 = ResnetBlock(channels, channels, groups, 0.0)
-        self.attn_1 = AttnBlock(channels, groups)
-        self.block_2 = ResnetBlock(channels, channels, groups, 0.0)
-
-    def forward(self, h: Tensor) -> Tensor:
-        return self.block_2(self.attn_1(self.block_1(h)))
-
-
 class _Decoder(nn.Module):
     def __init__(self, c: ChameleonVQConfig) -> None:
         super().__init__()
@@ -58,7 +48,7 @@ class _Decoder(nn.Module):
         block_in = c.ch * c.ch_mult[-1]
         res = c.resolution // 2 ** (levels - 1)
         self.conv_in = nn.Conv2d(c.z_channels, block_in, 3, padding=1)
-        self.mid = _Mid(block_in, c.norm_groups)
+        self.mid = nn.Sequential(OrderedDict(zip(("block_1", "attn_1", "block_2"), mid_blocks(block_in, c.norm_groups, 0.0))))  # taming's names
         ups: list[Level] = []
         for level in reversed(range(levels)):
             out = c.ch * c.ch_mult[level]
@@ -102,13 +92,10 @@ class ChameleonVQDecoder(nn.Module):
 
     @torch.no_grad()
     def codebook_vectors(self) -> Tensor:
-        """[K, d]: the code vectors the decoder sees."""
+        """[K, d]: the code vectors the decoder sees: the codebook as stored, not normalised."""
         return self.quantize.embedding.weight.detach()
 
-    @torch.no_grad()
-    def raw_codebook_vectors(self) -> Tensor:
-        """[K, d]: the codebook as stored, which is what the decoder sees: it is not normalised."""
-        return self.codebook_vectors()
+    raw_codebook_vectors = codebook_vectors  # the same vectors: the decoder does not normalise them
 
 
 _KEPT_PREFIXES = ("decoder.", "post_quant_conv.", "quantize.embedding.")

@@ -77,8 +77,11 @@ def _load_failure(err: Exception) -> str:
         return f"it holds a pickled {blocked[1]}, which no checkpoint of weights needs; it was not loaded"
     if isinstance(err, pickle.UnpicklingError) or "weights_only" in text:
         return "it is not a PyTorch checkpoint of weights, or it is damaged"
-    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
-    return first or f"{type(err).__name__}; is it cut short?"
+    return first_line(err) if text.strip() else f"{type(err).__name__}; is it cut short?"
+
+
+def first_line(err: Exception) -> str:
+    return next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
 
 
 def unwrap_state_dict(obj: object, origin: str = "checkpoint") -> dict[str, Tensor]:
@@ -88,17 +91,9 @@ def unwrap_state_dict(obj: object, origin: str = "checkpoint") -> dict[str, Tens
             if isinstance(obj.get(key), Mapping):
                 return unwrap_state_dict(obj[key], origin)
         tensors = {k: v for k, v in obj.items() if isinstance(v, Tensor)}
-        if tensors:
-            return {_strip_prefix(k): v for k, v in tensors.items()}
+        if tensors:  # released files sometimes keep the prefixes DDP and torch.compile add to module names
+            return {k.removeprefix("module.").removeprefix("_orig_mod."): v for k, v in tensors.items()}
     raise SpecimgError(f"{origin} holds no state dict (looked for raw tensors and keys {_WRAPPER_KEYS})")
-
-
-def _strip_prefix(key: str) -> str:
-    """DDP and torch.compile wrap module names; released files sometimes keep the prefix."""
-    for prefix in ("module.", "_orig_mod."):
-        if key.startswith(prefix):
-            key = key[len(prefix):]
-    return key
 
 
 def check_finite(tensors: Iterable[tuple[str, Tensor]], origin: str) -> None:

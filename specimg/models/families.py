@@ -78,12 +78,11 @@ def detect_family(path: str | os.PathLike[str]) -> Family:
     if not os.path.isdir(path):
         raise SpecimgError(f"checkpoint not found: {path}")
     model_type = read_config(path).get("model_type")
-    config_path = os.path.join(path, "config.json")
     for family in FAMILIES.values():
         if family.model_type is not None and family.model_type == model_type:
             return family
     known = ", ".join(repr(f.model_type) for f in FAMILIES.values() if f.model_type)
-    raise SpecimgError(f"{config_path}: model_type {model_type!r} is no supported family ({known})")
+    raise SpecimgError(f"{os.path.join(path, 'config.json')}: model_type {model_type!r} is no supported family ({known})")
 
 
 def read_config(folder: str | os.PathLike[str]) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """What the targets over transformers models share: loading a local Hugging Face folder
 (never a download), checking prompt ids, the 4-D attention mask a draft tree needs, keeping a tree path in a
-``DynamicCache``, and what :class:`HFTarget` keeps: the shape and positions of their EAGLE
-draft layer, and their outputs as a TargetOutput."""
+``DynamicCache``, and what :class:`HFTarget` keeps: the cache of a prefill and a tree, the
+shape and positions of their EAGLE draft layer, and their outputs as a TargetOutput."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from specimg.errors import SpecimgError
 from specimg.models.base import TargetOutput, exposed_layers
-from specimg.models.checkpoint import check_finite
+from specimg.models.checkpoint import check_finite, first_line
 from specimg.models.families import read_config
 from specimg.models.llamagen import GPTConfig, rope_1d
 from specimg.models.options import torch_device, torch_dtype
@@ -107,10 +107,6 @@ def load_pretrained(model_class: type[Model], folder: str | os.PathLike[str], un
     return model
 
 
-def first_line(err: Exception) -> str:
-    return next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
-
-
 def given_prompt_ids(condition: Tensor | Sequence[int], vocab_size: int, family: str) -> Tensor:
     """Prompt ids [L] taken as they are, checked: one non-empty sequence of integers in the
     language model's vocabulary, as an id past it would index past the embedding table (a
@@ -147,7 +143,8 @@ def keep_slots(cache: DynamicCache, start: int, src: Tensor) -> None:
 class HFTarget(nn.Module):
     """A target over a transformers model (``text_config``: its language model's): the model
     in eval mode, its folder's text tokenizer, the layers it exposes, the EAGLE draft layer it
-    lends and its outputs as TargetOutputs.  Moving the weights drops the cache and the draft RoPE."""
+    lends and its outputs as TargetOutputs.  Moving the weights drops the cache and the tables
+    made from them (the draft RoPE, the input embeddings)."""
 
     vocab_size: int
     num_tokens: int
@@ -162,13 +159,27 @@ class HFTarget(nn.Module):
         self.exposed: tuple[int, ...] = ()
         self._cache: DynamicCache | None = None
         self._rope: Tensor | None = None  # draft_rope(), computed once per device
+        self._table: Tensor | None = None  # input_embeddings(), computed once per weights
         self._rows = 0
         self._len = 0  # committed cache slots
+        self._codes = 0  # committed image codes
+        self._pending: Tensor | None = None  # the last tree's cache slots per node (see commit)
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         super()._apply(fn, recurse)
-        self._cache, self._rope = None, None
+        self._cache, self._rope, self._table = None, None, None
         return self
+
+    @torch.no_grad()
+    def input_embeddings(self) -> Tensor:
+        """[V, D]: each image code's input embedding (:meth:`embed_codes`)."""
+        if self._table is None:
+            self._table = self.embed_codes(torch.arange(self.vocab_size, device=self._device)).detach()
+        return self._table
+
+    @property
+    def _device(self) -> torch.device:
+        return self.model.device
 
     def draft_config(self) -> GPTConfig:
         """An EAGLE draft layer shaped like a layer of the Llama-style language model: its
@@ -197,8 +208,43 @@ class HFTarget(nn.Module):
     def expose_layers(self, layers: Sequence[int]) -> None:
         self.exposed = exposed_layers(layers, self.num_layers)
 
+    def embed_codes(self, tokens: Tensor) -> Tensor:
+        raise NotImplementedError
+
     def code_logits(self, hidden: Tensor) -> Tensor:
         raise NotImplementedError
+
+    def _start(self, model: Any, rows: int, length: int, **inputs: Any) -> TargetOutput:
+        """A new cache holding the condition, ``length`` slots in ``rows`` rows, run through
+        ``model`` (the language model): the outputs at its last slot."""
+        self._cache = DynamicCache()
+        self._rows, self._len, self._codes, self._pending = rows, length, 0, None
+        return self._run(model, slice(-1, None), **inputs)
+
+    def _open_tree(self) -> int:
+        """The committed length, once the entries of a tree left uncommitted are dropped."""
+        if self._cache is None:
+            raise RuntimeError("call prefill before forward_tree (also after moving the target)")
+        self._cache.crop(self._len)
+        return self._len
+
+    def _run(self, model: Any, index: Any, **inputs: Any) -> TargetOutput:
+        out = model(**inputs, past_key_values=self._cache, use_cache=True, output_hidden_states=bool(self.exposed))
+        return self._head(out, index)
+
+    @torch.no_grad()
+    def commit(self, nodes: Tensor) -> None:
+        """Keep the cache slots of ``nodes`` from the last tree: ``_pending`` holds each
+        node's slot [n], or its slot and then that of a token fed after it [n, 2] (-1: none)."""
+        if self._cache is None or self._pending is None:
+            raise RuntimeError("call forward_tree before commit")
+        if nodes.shape[0] > self._pending.shape[0]:
+            raise ValueError(f"cannot commit {nodes.shape[0]} nodes of a {self._pending.shape[0]}-node tree")
+        src = self._pending[nodes.to(self._device)]
+        if src.dim() > 1:
+            src = src[src >= 0]
+        keep_slots(self._cache, self._len, src + self._len)
+        self._len, self._codes, self._pending = self._len + src.shape[0], self._codes + nodes.shape[0], None
 
     def _head(self, out: Any, index: Any) -> TargetOutput:
         """The language model's output at sequence slots ``index``: logits and last hidden

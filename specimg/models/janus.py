@@ -30,10 +30,10 @@ from torch import Tensor, nn
 from specimg.config import Sampling
 from specimg.errors import SpecimgError
 from specimg.models.base import TargetOutput, cfg_rows
-from specimg.models.hf import HFOptions, HFTarget, additive_mask, given_prompt_ids, keep_slots, load_folder, parse_options
+from specimg.models.hf import HFOptions, HFTarget, additive_mask, given_prompt_ids, load_folder, parse_options
 from specimg.models.vq import code_grid
 
-from transformers import DynamicCache, JanusForConditionalGeneration  # isort: skip (hf explains a missing extra)
+from transformers import JanusForConditionalGeneration  # isort: skip (hf explains a missing extra)
 
 PROMPT_TEMPLATE = "<|User|>: {}\n\n<|Assistant|>:"
 """Janus's one-turn image prompt (the DeepSeek SFT format with an empty system prompt)."""
@@ -91,14 +91,6 @@ class JanusTarget(HFTarget):
         if missing:
             raise SpecimgError(f"the Janus generation config lacks {', '.join(missing)} (generation_config.json)")
         self.bos_id, self.pad_id, self.boi_id = int(gen.bos_token_id), int(gen.pad_token_id), int(boi)
-        self._table: Tensor | None = None  # input_embeddings(), computed once per weights
-        self._pending = 0  # nodes of the last forward_tree
-
-    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
-        """Moving the weights drops the cache and the tables made from them."""
-        super()._apply(fn, recurse)
-        self._table = None
-        return self
 
     def vq_tokenizer(self) -> JanusVQTokenizer:
         """The image tokenizer that decodes this target's codes."""
@@ -107,58 +99,31 @@ class JanusTarget(HFTarget):
     # -- Target protocol
 
     @torch.no_grad()
-    def input_embeddings(self) -> Tensor:
-        """[V, D]: each code's input embedding, ``generation_aligner(generation_embeddings(code))``."""
-        if self._table is None:
-            codes = torch.arange(self.vocab_size, device=self._device)
-            self._table = self.model.prepare_embeddings_for_image_generation(codes).detach()
-        return self._table
-
-    @torch.no_grad()
     def prefill(self, condition: JanusCondition, cfg: bool) -> TargetOutput:
         ids = self.prompt_ids(condition).to(self._device)
         rows = ids[None].repeat(cfg_rows(cfg), 1)
         if cfg:
             rows[1] = torch.where((ids == self.bos_id) | (ids == self.boi_id), ids, torch.full_like(ids, self.pad_id))
-        self._cache = DynamicCache()
-        out = self.model.model.language_model(
-            inputs_embeds=self.model.get_input_embeddings()(rows), past_key_values=self._cache, use_cache=True, output_hidden_states=bool(self.exposed)
-        )
-        self._rows, self._len, self._pending = rows.shape[0], ids.shape[0], 0
-        return self._head(out, slice(-1, None))
+        return self._start(self.model.model.language_model, rows.shape[0], ids.shape[0], inputs_embeds=self.model.get_input_embeddings()(rows))
 
     @torch.no_grad()
     def forward_tree(self, tokens: Tensor, depths: Tensor, mask: Tensor) -> TargetOutput:
-        if self._cache is None:
-            raise RuntimeError("call prefill before forward_tree (also after moving the target)")
-        n, start, device = tokens.shape[0], self._len, self._device
-        self._cache.crop(start)  # a previous tree left uncommitted
+        n, start, device = tokens.shape[0], self._open_tree(), self._device
         x = self.model.prepare_embeddings_for_image_generation(tokens.to(device))
         x = x[None].expand(self._rows, n, -1)
         attn = None  # the AR path: the root alone sees everything
         if n > 1:
             allowed = torch.cat([torch.ones(n, start, dtype=torch.bool, device=device), mask.to(device)], dim=1)
             attn = additive_mask(allowed[None], x.dtype).expand(self._rows, 1, n, start + n)
-        out = self.model.model.language_model(
+        self._pending = torch.arange(n, device=device)
+        return self._run(
+            self.model.model.language_model,
+            slice(None),
             inputs_embeds=x,
             attention_mask=attn,
             position_ids=(depths.to(device) + start)[None].expand(self._rows, n),
             cache_position=torch.arange(start, start + n, device=device),
-            past_key_values=self._cache,
-            use_cache=True, output_hidden_states=bool(self.exposed),
         )
-        self._pending = n
-        return self._head(out, slice(None))
-
-    @torch.no_grad()
-    def commit(self, nodes: Tensor) -> None:
-        if self._cache is None:
-            raise RuntimeError("call prefill before commit")
-        m, start = nodes.shape[0], self._len
-        if m > self._pending:
-            raise ValueError(f"cannot commit {m} nodes of a {self._pending}-node tree")
-        keep_slots(self._cache, start, nodes.to(self._device) + start)
-        self._len, self._pending = start + m, 0
 
     # -- what an EAGLE drafter borrows (specimg.models.eagle.EagleTarget)
 
@@ -167,6 +132,7 @@ class JanusTarget(HFTarget):
         return torch.arange(self.num_tokens, device=self._device)
 
     def embed_codes(self, tokens: Tensor) -> Tensor:
+        """``generation_aligner(generation_embeddings(code))``."""
         return self.model.prepare_embeddings_for_image_generation(tokens)
 
     def code_logits(self, hidden: Tensor) -> Tensor:
@@ -191,12 +157,6 @@ class JanusTarget(HFTarget):
         if int(ids[-1]) != self.boi_id:
             raise SpecimgError(f"prompt ids must end in begin-of-image ({self.boi_id}), as the template's ids do")
         return ids
-
-    # -- internals
-
-    @property
-    def _device(self) -> torch.device:
-        return self.model.model.generation_head.vision_head.weight.device
 
 
 def load_janus_target(path: str | os.PathLike[str], **overrides: Any) -> JanusTarget:

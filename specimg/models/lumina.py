@@ -34,19 +34,15 @@ from torch import Tensor
 from specimg.config import Sampling
 from specimg.errors import SpecimgError
 from specimg.models.base import TargetOutput, cfg_rows
-from specimg.models.hf import HFOptions, HFTarget, additive_mask, given_prompt_ids, keep_slots, load_folder, parse_options
+from specimg.models.hf import HFOptions, HFTarget, additive_mask, given_prompt_ids, load_folder, parse_options
 
-from transformers import ChameleonForConditionalGeneration, DynamicCache  # isort: skip (hf explains a missing extra)
+from transformers import ChameleonForConditionalGeneration  # isort: skip (hf explains a missing extra)
 
 IMAGE_START = "<racm3:break>"
 NEW_LINE = "<reserved08799>"
 TURN_END = "<reserved08706>"
 PROMPT_TEMPLATE = "Generate an image of {size}x{size} according to the following prompt:\n{text}"
 PIXELS_PER_SIZE_UNIT = 32  # a size token counts 32-pixel units: 2x2 codes of the 16x VQGAN
-
-
-def size_token(units: int) -> str:
-    return f"<reserved{8800 + units:05d}>"
 
 
 LuminaCondition = Union[str, Tensor, Sequence[int]]
@@ -78,7 +74,7 @@ class LuminaTarget(HFTarget):
         self.side = image_size // 16
         self.num_tokens = self.side * self.side
         vocab = model.config.vocabulary_map or {}
-        names = [IMAGE_START, NEW_LINE, size_token(image_size // PIXELS_PER_SIZE_UNIT)]
+        names = [IMAGE_START, NEW_LINE, f"<reserved{8800 + image_size // PIXELS_PER_SIZE_UNIT:05d}>"]  # the size token
         missing = [name for name in names if name not in vocab]
         if missing:
             raise SpecimgError(f"the Chameleon vocabulary lacks {', '.join(missing)}: not a Lumina-mGPT model, or no {image_size}-px size token")
@@ -90,21 +86,14 @@ class LuminaTarget(HFTarget):
         self._code_bpe = torch.tensor([img2bpe[c] for c in range(self.vocab_size)], device=self._device)
         self._pad = torch.zeros(1, dtype=torch.long)  # [rows]: masked slots before each row's sequence
         self._base = torch.zeros(1, dtype=torch.long)  # [rows]: position of image code 0
-        self._codes = 0  # committed image codes
-        self._pending: tuple[Tensor, Tensor] | None = None  # last tree: node slots, newline slots (-1: none)
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
-        """Moving the weights drops the cache and the draft RoPE; the code-to-BPE table follows the device."""
+        """Moving the weights drops the cache and the tables made from them; the code-to-BPE table follows the device."""
         super()._apply(fn, recurse)
         self._code_bpe = self._code_bpe.to(self._device)
         return self
 
     # -- Target protocol
-
-    @torch.no_grad()
-    def input_embeddings(self) -> Tensor:
-        """[V, D]: each image code's input embedding (its BPE token's row)."""
-        return self.model.model.embed_tokens.weight[self._code_bpe].detach()
 
     @torch.no_grad()
     def prefill(self, condition: LuminaCondition, cfg: bool) -> TargetOutput:
@@ -121,21 +110,14 @@ class LuminaTarget(HFTarget):
         keys = torch.arange(length, device=device)
         allowed = (keys[None, :] <= keys[:, None]) & (keys[None, None, :] >= self._pad[:, None, None])
         allowed |= torch.eye(length, dtype=torch.bool, device=device)  # padding sees itself: no empty softmax
-        self._cache = DynamicCache()
-        out = self.model.model(
-            input_ids=ids, attention_mask=additive_mask(allowed, self._dtype), position_ids=positions.clamp(min=0),
-            past_key_values=self._cache, use_cache=True, output_hidden_states=bool(self.exposed),
-        )
-        self._rows, self._len, self._codes, self._pending = rows, length, 0, None
         self._base = positions[:, -1] + 1
-        return self._head(out, slice(-1, None))
+        return self._start(
+            self.model.model, rows, length, input_ids=ids, attention_mask=additive_mask(allowed, self._dtype), position_ids=positions.clamp(min=0)
+        )
 
     @torch.no_grad()
     def forward_tree(self, tokens: Tensor, depths: Tensor, mask: Tensor) -> TargetOutput:
-        if self._cache is None:
-            raise RuntimeError("call prefill before forward_tree (also after moving the target)")
-        device, start, n = self._device, self._len, tokens.shape[0]
-        self._cache.crop(start)  # a previous tree left uncommitted
+        device, start, n = self._device, self._open_tree(), tokens.shape[0]
         tokens, depths, mask = tokens.to(device), depths.to(device), mask.to(device)
         code = self._codes + depths
         newline = (code % self.side == self.side - 1) & (code + 1 < self.num_tokens)
@@ -155,29 +137,15 @@ class LuminaTarget(HFTarget):
         allowed[nl[:, None], nl[None, :]] = mask[newline][:, newline]
         prefix = torch.arange(start, device=device)[None, None, :] >= self._pad[:, None, None]
         full = torch.cat([prefix.expand(self._rows, total, start), allowed[None].expand(self._rows, -1, -1)], dim=2)
-        out = self.model.model(
+        self._pending = torch.stack([slot, nl_slot], dim=1)  # committing a node keeps its newline
+        return self._run(
+            self.model.model,
+            torch.where(newline, nl_slot, slot),
             input_ids=ids[None].expand(self._rows, -1),
             attention_mask=additive_mask(full, self._dtype),
             position_ids=self._base[:, None] + offset[None],
             cache_position=torch.arange(start, start + total, device=device),
-            past_key_values=self._cache,
-            use_cache=True, output_hidden_states=bool(self.exposed),
         )
-        self._pending = (slot, nl_slot)
-        return self._head(out, torch.where(newline, nl_slot, slot))
-
-    @torch.no_grad()
-    def commit(self, nodes: Tensor) -> None:
-        if self._cache is None or self._pending is None:
-            raise RuntimeError("call forward_tree before commit")
-        slot, nl_slot = self._pending
-        if nodes.shape[0] > slot.shape[0]:
-            raise ValueError(f"cannot commit {nodes.shape[0]} nodes of a {slot.shape[0]}-node tree")
-        nodes = nodes.to(self._device)
-        src = torch.stack([slot[nodes], nl_slot[nodes]], dim=1).flatten()
-        src = src[src >= 0] + self._len
-        keep_slots(self._cache, self._len, src)
-        self._len, self._codes, self._pending = self._len + src.shape[0], self._codes + nodes.shape[0], None
 
     # -- what an EAGLE drafter borrows (specimg.models.eagle.EagleTarget)
 
@@ -188,6 +156,7 @@ class LuminaTarget(HFTarget):
         return k + k // self.side
 
     def embed_codes(self, tokens: Tensor) -> Tensor:
+        """Each image code's BPE token's row."""
         return self.model.model.embed_tokens(self._code_bpe[tokens])
 
     def code_logits(self, hidden: Tensor) -> Tensor:
@@ -209,10 +178,6 @@ class LuminaTarget(HFTarget):
         return given_prompt_ids(condition, self.model.model.embed_tokens.num_embeddings, "Lumina-mGPT")
 
     # -- internals
-
-    @property
-    def _device(self) -> torch.device:
-        return self.model.lm_head.weight.device
 
     @property
     def _dtype(self) -> torch.dtype:

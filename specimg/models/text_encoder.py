@@ -153,8 +153,7 @@ def captions_for_target(encoder: TextEncoder, texts: Sequence[str], length: int,
             valid = f[m.bool()][:length]
             padded = torch.zeros(length, dim, dtype=torch.float32)
             keep = torch.zeros(length, dtype=torch.bool)
-            if valid.shape[0]:
-                padded[length - valid.shape[0] :] = valid.float()
-                keep[length - valid.shape[0] :] = True
+            padded[length - valid.shape[0] :] = valid.float()
+            keep[length - valid.shape[0] :] = True
             out.append(Caption(padded, keep))
     return out

@@ -157,9 +157,9 @@ class Level(nn.Module):
         return getattr(self, self._resample)(h) if self._resample else h
 
 
-def _mid(channels: int, cfg: VQConfig) -> nn.ModuleList:
-    g = cfg.norm_groups
-    return nn.ModuleList([ResnetBlock(channels, channels, g, cfg.dropout), AttnBlock(channels, g), ResnetBlock(channels, channels, g, cfg.dropout)])
+def mid_blocks(channels: int, groups: int, dropout: float) -> nn.ModuleList:
+    """The middle of an encoder or decoder: res block, attention, res block."""
+    return nn.ModuleList([ResnetBlock(channels, channels, groups, dropout), AttnBlock(channels, groups), ResnetBlock(channels, channels, groups, dropout)])
 
 
 class Encoder(nn.Module):
@@ -176,7 +176,7 @@ class Encoder(nn.Module):
             res = [ResnetBlock(c_in if j == 0 else c_out, c_out, g, cfg.dropout) for j in range(cfg.num_res_blocks)]
             self.conv_blocks.append(Level(res, i == n - 1, g, ("downsample", Downsample(c_out)) if i < n - 1 else None))
             c_in = c_out
-        self.mid = _mid(c_in, cfg)
+        self.mid = mid_blocks(c_in, g, cfg.dropout)
         self.norm_out = _norm(c_in, g)
         self.conv_out = nn.Conv2d(c_in, cfg.z_channels, 3, padding=1)
 
@@ -195,7 +195,7 @@ class Decoder(nn.Module):
         g, mults, n = cfg.norm_groups, cfg.decoder_ch_mult, len(cfg.decoder_ch_mult)
         c_in = cfg.ch * mults[-1]
         self.conv_in = nn.Conv2d(cfg.z_channels, c_in, 3, padding=1)
-        self.mid = _mid(c_in, cfg)
+        self.mid = mid_blocks(c_in, g, cfg.dropout)
         self.conv_blocks = nn.ModuleList()
         for i in reversed(range(n)):
             c_out = cfg.ch * mults[i]

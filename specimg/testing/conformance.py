@@ -320,7 +320,10 @@ def make_conformance_tests(
         if unbudgeted:
             pytest.skip(f"{method}: {', '.join(unbudgeted)} runs a rule with no TVD budget (a paper mode); its own tests hold it to its published law")
 
-    def engine_for(method: str, case: RelaxCase, data: st.DataObject) -> Engine:
+    def engine_for(method: str, case: RelaxCase, data: st.DataObject, budgeted: bool = True) -> Engine:
+        """The step engine with drawn budgets; ``budgeted``: skip a stack with no TVD budget."""
+        if budgeted:
+            require_budget(method)
         chosen, delta = _budget_options(data, method, options, manager)
         return step_engine(method, case, chosen, delta, manager)
 
@@ -354,21 +357,18 @@ def make_conformance_tests(
         @run
         @given(case=relax_cases(), data=st.data())
         def test_relaxation(self, method: str, case: RelaxCase, data: st.DataObject) -> None:
-            require_budget(method)
             check_relaxation(engine_for(method, case, data), case)
 
         @over_methods
         @run
         @given(case=relax_cases(), data=st.data())
         def test_member_budgets(self, method: str, case: RelaxCase, data: st.DataObject) -> None:
-            require_budget(method)
             check_member_budgets(engine_for(method, case, data), case, data.draw(budgets(case.tree.size), label="budget"))
 
         @over_methods
         @run
         @given(cases=relax_batches(), data=st.data())
         def test_batch_relaxation(self, method: str, cases: list[RelaxCase], data: st.DataObject) -> None:
-            require_budget(method)
             check_batch(engine_for(method, cases[0], data), cases)
 
         @pytest.mark.parametrize("method", methods if compiles is None else compiles)
@@ -385,14 +385,12 @@ def make_conformance_tests(
         @run
         @given(case=relax_cases(vocab=st.integers(2, 4), max_nodes=5), data=st.data())
         def test_accept_exact(self, method: str, case: RelaxCase, data: st.DataObject) -> None:
-            require_budget(method)
             check_accept(engine_for(method, case, data), case)
 
         @over_methods
         @run
         @given(case=relax_cases(vocab=st.integers(2, 4), max_nodes=4, max_children=2, sampled=True), data=st.data())
         def test_accept_exact_sampled_tree(self, method: str, case: RelaxCase, data: st.DataObject) -> None:
-            require_budget(method)
             check_accept(engine_for(method, case, data), case)
 
         @over_methods
@@ -402,7 +400,7 @@ def make_conformance_tests(
             """A drafter-free stack is fed the trees it makes itself: sampled chains."""
             chains = manager.stack(method, options).drafter_free is not None
             case = data.draw(relax_cases(max_children=1, sampled=True) if chains else relax_cases(), label="case")
-            check_deterministic(engine_for(method, case, data), case, seed)
+            check_deterministic(engine_for(method, case, data, budgeted=False), case, seed)
 
         @over_methods
         @pytest.mark.parametrize(("sample", "batch"), [(False, 1), (True, 1), (True, 3)], ids=["topk-tree", "sampled-tree", "sampled-tree-B3"])

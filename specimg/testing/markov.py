@@ -39,8 +39,7 @@ class MarkovTarget:
 
     def prefill(self, condition: Condition, cfg: bool) -> TargetOutput:
         self._rows = cfg_rows(cfg)
-        hidden = torch.zeros(self._rows, 1, self.hidden_size)
-        return TargetOutput(self._first[: self._rows, None, :].clone(), hidden)
+        return self.refill(0, condition)
 
     def forward_tree(self, tokens: Tensor, depths: Tensor, mask: Tensor) -> TargetOutput:
         logits = self._tables[: self._rows, tokens]

@@ -57,9 +57,7 @@ class CodebookTokenizer:
     def codebook_vectors(self) -> Tensor:
         return self.codebook
 
-    def raw_codebook_vectors(self) -> Tensor:
-        """The same vectors: this stand-in's decoder does not normalise them."""
-        return self.codebook
+    raw_codebook_vectors = codebook_vectors  # this stand-in's decoder does not normalise them
 
 
 @attrs.frozen(eq=False)
