@@ -10,20 +10,23 @@ bfloat16 natively, in float32 elsewhere (``autocast``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 import attrs
+import numpy
+import safetensors
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+import specimg
 from specimg.config import LLAMAGEN_SAMPLING, Sampling
 from specimg.demo.data import NUM_CLASSES, RECIPE, make_dataset
 from specimg.errors import SpecimgError
@@ -55,9 +58,8 @@ class TokenizerScale:
     """Each trained code becomes ``split`` near-duplicates (:func:`split_codebook`)."""
     split_angle_deg: float = 0.0
     random_siblings: bool = False
-    """The target's token sets carry a uniformly drawn sibling of the encoder's cluster
-    (:func:`draw_siblings`): which of the near-duplicates appears is texture no context
-    predicts, exactly."""
+    """The target's token sets carry a uniformly drawn sibling of the encoder's cluster (:func:`draw_siblings`):
+    which of the near-duplicates appears is texture no context predicts, exactly."""
 
 
 @attrs.frozen
@@ -155,8 +157,7 @@ COMPACT = Scale(
     drafter=DrafterScale(images=800, steps=1000, batch=8, lr=1e-3),
     quality=QualityScale(real=500, per_class=20, cfg_sweep=(2.0, 3.0, 4.0, 5.0), temperature_sweep=(1.0, 0.8, 0.6), sweep_per_class=10),
 )
-"""512 codes, a confident target (median top-1 0.94 at temperature 0.6): the base the
-other full-size scales change."""
+"""512 codes and a confident target: the base the other full-size scales change."""
 NEAR_DUPLICATE = attrs.evolve(
     COMPACT,
     name="near-duplicate",
@@ -166,8 +167,7 @@ NEAR_DUPLICATE = attrs.evolve(
     quality=attrs.evolve(COMPACT.quality, temperature_sweep=(1.0,), top_k_sweep=(0, 1000, 200)),
 )
 """4096 codes as 512 clusters of 8 near-duplicates, the target trained on the encoder's
-choice of sibling: it learns to prefer one or two siblings from the context, and at
-LlamaGen's temperature 1 follows its class about half the time."""
+choice of sibling: it learns to prefer one or two siblings from the context."""
 INTERCHANGEABLE = attrs.evolve(
     NEAR_DUPLICATE,
     name="interchangeable",
@@ -176,10 +176,9 @@ INTERCHANGEABLE = attrs.evolve(
     drafter=attrs.evolve(NEAR_DUPLICATE.drafter, images=800, steps=600),
     quality=attrs.evolve(NEAR_DUPLICATE.quality, cfg_sweep=(2.0, 3.0, 4.0), temperature_sweep=(1.0, 0.7, 0.5), top_k_sweep=(0,)),
 )
-"""The shipped demo: the near-duplicate codebook with exactly interchangeable siblings.  The
-target learns the 512 clusters and gives each cluster's 8 codes equal probability, so it
-can sample its clusters at a temperature that follows the class while its top-1 stays at
-most 1/8; its data carry a random sibling of each code, which the drafters learn from."""
+"""The shipped demo: the near-duplicate codebook with exactly interchangeable siblings.  The target
+learns the 512 clusters, each cluster's 8 codes at equal probability, so it can follow the class
+while its top-1 stays at most 1/8; the drafters learn from data carrying a random sibling of each code."""
 TOY = Scale(
     name="toy",
     tokenizer=TokenizerScale(
@@ -202,16 +201,24 @@ DEFAULT_SCALE = INTERCHANGEABLE.name
 
 
 def native_bfloat16() -> bool:
-    """Whether this CPU computes bfloat16 products in hardware (AVX512-BF16 or AMX).  Without
-    it bfloat16 is emulated and slower than float32: a target step took 2.1 s against
-    0.75 s, a VQ step 0.25 s against 0.11 s, on an AVX-512 Xeon without BF16."""
-    cpu = torch.cpu
-    return any(getattr(cpu, probe, lambda: False)() for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    """Whether this CPU computes bfloat16 products in hardware (AVX512-BF16 or AMX); emulated, it is slower than float32."""
+    return any(getattr(torch.cpu, probe, lambda: False)() for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
 
 
 def autocast() -> Any:
     """bfloat16 autocast where it is native (faster), float32 elsewhere."""
     return torch.autocast("cpu", dtype=torch.bfloat16, enabled=native_bfloat16())
+
+
+def _step(opt: torch.optim.Optimizer, schedule: WarmupCosine, loss: Tensor, ema: float | None = None, clip: Any = None) -> float:
+    """One optimiser step on ``loss`` (gradients over ``clip`` clipped to norm 1); returns the loss's moving average."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(clip, 1.0)
+    opt.step()
+    schedule.step()
+    return loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
 
 
 class _Run:
@@ -220,10 +227,9 @@ class _Run:
         self.work = os.path.join(out, "work")
         os.makedirs(self.work, exist_ok=True)
         self.path = os.path.join(out, MANIFEST)
-        self.manifest: dict[str, Any] = {}
         if os.path.exists(self.path):
             with open(self.path) as f:
-                self.manifest = json.load(f)
+                self.manifest: dict[str, Any] = json.load(f)
             held = self.manifest.get("scale", {}).get("name")
             if held != scale.name:
                 raise SpecimgError(f"{out} holds a bundle of scale {held}, not {scale.name}; give another --out or --scale {held}")
@@ -259,18 +265,11 @@ class _Run:
 
 
 def _fresh_manifest(scale: Scale) -> dict[str, Any]:
-    import numpy
-    import safetensors
-
-    import specimg
-
-    versions = {"specimg": getattr(specimg, "__version__", "?"), "python": platform.python_version(),
+    versions = {"specimg": specimg.__version__, "python": platform.python_version(),
                 "torch": torch.__version__, "numpy": numpy.__version__, "safetensors": safetensors.__version__}
     for mod in ("sklearn", "skimage", "scipy"):
-        try:
+        with contextlib.suppress(ImportError):
             versions[mod] = __import__(mod).__version__
-        except ImportError:
-            pass
     return {
         "format": "specimg-demo-bundle/1",
         "name": "demo",
@@ -297,8 +296,7 @@ def _train_vq(run: _Run) -> dict[str, Any]:
     tok = build_tokenizer(seed=s.seed, **s.tokenizer.config).train()
     opt = torch.optim.AdamW(tok.parameters(), lr=2e-3, betas=(0.9, 0.95), weight_decay=0.0)
     g = torch.Generator().manual_seed(s.seed + 11)
-    k = s.tokenizer.config["codebook_size"]
-    used = torch.zeros(k, dtype=torch.bool)
+    used = torch.zeros(s.tokenizer.config["codebook_size"], dtype=torch.bool)
     history: list[dict[str, float]] = []
     schedule = WarmupCosine(opt, 2e-3, s.tokenizer.steps, max(1, s.tokenizer.steps // 20))
     bar = progress_bar(range(s.tokenizer.steps), desc="vq")
@@ -310,11 +308,7 @@ def _train_vq(run: _Run) -> dict[str, Any]:
             z_q, losses, codes = tok._quantize(batch)
             recon = tok.decoder(tok.post_quant_conv(z_q)).float()
         rec = (recon - batch).abs().mean() + F.mse_loss(recon, batch)
-        loss = rec + losses["codebook"].float() + losses["commitment"].float()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        schedule.step()
+        _step(opt, schedule, rec + losses["codebook"].float() + losses["commitment"].float())
         used[codes.flatten()] = True
         if (step + 1) % 25 == 0 or step + 1 == s.tokenizer.steps:
             usage = used.float().mean().item()
@@ -388,26 +382,24 @@ def _split_structure(trained: Any, split: Any, test: Tensor, per: int) -> dict[s
         cos.fill_diagonal_(-2.0)
         nearest = cos.argmax(1)
     siblings = torch.arange(book.shape[0]) // per
-
-    def entropy(codes: Tensor) -> float:
-        p = torch.bincount(codes).float()
-        p = p[p > 0] / p.sum()
-        return -(p * p.log()).sum().item()
-
     return {"split": per, "same_cluster_as_trained_code": round((after // per == before).float().mean().item(), 4),
             # H(code | its cluster), against ln(split) for siblings used evenly
-            "sibling_entropy_nats": round(entropy(after) - entropy(after // per), 3),
+            "sibling_entropy_nats": round(_entropy(after) - _entropy(after // per), 3),
             "nearest_code_is_sibling": round((siblings[nearest] == siblings).float().mean().item(), 4),
             "sibling_cosine": round(cos[0, 1].item(), 4)}
 
 
+def _entropy(codes: Tensor) -> float:
+    """The entropy in nats of the codes' frequencies."""
+    p = torch.bincount(codes.flatten()).float()
+    p = p[p > 0] / p.sum()
+    return -(p * p.log()).sum().item()
+
+
 def encode_images(tok: Any, images: Tensor, batch: int = 128) -> Tensor:
     """The VQ codes of ``images``, ``batch`` at a time, with a progress bar."""
-    out = []
     with torch.no_grad():
-        for i in progress_bar(range(0, images.shape[0], batch), desc="tokenise"):
-            out.append(tok.encode(images[i : i + batch]))
-    return torch.cat(out)
+        return torch.cat([tok.encode(images[i : i + batch]) for i in progress_bar(range(0, images.shape[0], batch), desc="tokenise")])
 
 
 def draw_siblings(codes: Tensor, split: int, seed: int) -> Tensor:
@@ -432,10 +424,7 @@ def _tokenise(run: _Run) -> dict[str, Any]:
     images, labels = make_dataset(s.target.images, seed=s.seed + 3)
     codes = _target_codes(s, encode_images(tok, images), seed=s.seed + 13)
     save_file({"codes": codes.to(torch.int16).contiguous(), "labels": labels}, run.work_file("tokens.safetensors"))
-    hist = torch.bincount(codes.flatten(), minlength=tok.vocab_size).float()
-    p = hist / hist.sum()
-    entropy = -(p[p > 0] * p[p > 0].log()).sum().item()
-    return {"images": s.target.images, "unigram_entropy_nats": round(entropy, 3), "codes_used": int((hist > 0).sum())}
+    return {"images": s.target.images, "unigram_entropy_nats": round(_entropy(codes), 3), "codes_used": codes.unique().numel()}
 
 
 def _train_gpt(run: _Run) -> dict[str, Any]:
@@ -451,9 +440,8 @@ def _train_gpt(run: _Run) -> dict[str, Any]:
     split = s.tokenizer.split if s.target.on_clusters else 1
     model = build_target("GPT-B", seed=s.seed, **{**s.target.config, "vocab_size": s.target.config["vocab_size"] // split})
     slot_at_init = init_class_reading_heads(model, CLASS_SLOT_SCORE, seed=s.seed)
-    model.train()
+    model.train().requires_grad_(True)
     steps, lr = s.target.steps, s.target.lr
-    model.requires_grad_(True)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embedding" not in n]
     other = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embedding" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": other, "weight_decay": 0.0}],
@@ -479,13 +467,7 @@ def _train_gpt(run: _Run) -> dict[str, Any]:
         tokens = codes[idx] // split
         with autocast():
             logits = model.forward_sequence(cond, tokens).logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        schedule.step()
-        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+        ema = _step(opt, schedule, F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten()), ema, clip=model.parameters())
         bar.set_postfix(loss=f"{ema:.3f}")
         if (step + 1) % 25 == 0 or step + 1 == steps:
             history.append({"step": step + 1, "loss": round(ema, 4)})
@@ -567,17 +549,10 @@ def _train_classifier(run: _Run) -> dict[str, Any]:
     bar = progress_bar(range(s.classifier.steps), desc="classifier")
     for step in bar:
         idx = torch.randint(0, images.shape[0], (s.classifier.batch,), generator=g)
-        x = images[idx]
-        shift = torch.randint(-3, 4, (2,), generator=g).tolist()
-        x = torch.roll(x, shifts=shift, dims=(2, 3))
+        x = torch.roll(images[idx], shifts=torch.randint(-3, 4, (2,), generator=g).tolist(), dims=(2, 3))
         with autocast():
             logits = model(x).float()
-        loss = F.cross_entropy(logits, labels[idx])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        schedule.step()
-        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+        ema = _step(opt, schedule, F.cross_entropy(logits, labels[idx]), ema)
         bar.set_postfix(loss=f"{ema:.3f}")
     model.eval()
     save_classifier(model, run.file(CLASSIFIER))
@@ -597,11 +572,10 @@ def _drafter_data(run: _Run, drafter_type: str = "eagle1") -> dict[str, Any]:
 
     from specimg.train.data import DataSpec, make_drafter_data
 
-    s = run.scale
     if not os.path.isfile(run.work_file("tokens.safetensors")):  # a bundle finished before this stage joined the recipe
         raise SpecimgError(f"{run.out} no longer holds the token set (its work folder was removed): re-create the bundle in a fresh --out")
     data = load_file(run.work_file("tokens.safetensors"))
-    m = min(s.drafter.images, data["codes"].shape[0])
+    m = min(run.scale.drafter.images, data["codes"].shape[0])
     path = run.work_file("drafter-tokens.safetensors")
     save_file({"tokens": data["codes"][:m].long().contiguous(), "labels": data["labels"][:m].contiguous()}, path)
     target = load_target_file(run.file(TARGET))
@@ -652,10 +626,12 @@ def _evaluate(run: _Run) -> dict[str, Any]:
     """The quality stage: a sampling sweep chooses the default (CFG, temperature, top-k), then the
     engine's own samples at that default are judged against real test images, and the
     target's uncertainty where it sampled them is recorded."""
+    from specimg.engine import Engine
     from specimg.eval.classifier import load_classifier
     from specimg.eval.metrics import frechet_distance
     from specimg.eval.uncertainty import sampled_uncertainty
     from specimg.models.vq import load_tokenizer
+    from specimg.runs.images import make_grid, save_png_atomic
 
     s = run.scale
     target = load_target_file(run.file(TARGET))
@@ -667,7 +643,11 @@ def _evaluate(run: _Run) -> dict[str, Any]:
     sweep, chosen = _sampling_sweep(run, target, tok, clf, f_real)
     run.manifest["defaults"].update(cfg_scale=chosen.cfg_scale, temperature=chosen.temperature, top_k=chosen.top_k)
     wanted = [c for c in range(NUM_CLASSES) for _ in range(s.quality.per_class)]
-    codes = _engine_samples(target, tok, chosen, wanted)
+    # image i of class wanted[i] from the engine's AR loop, seed 10000 + i, 8 images a batch
+    # (the engine draws each image as it would alone)
+    engine = Engine(target, None, "ar", sampling=chosen, tokenizer=tok, batch_size=8)
+    with progress_bar(total=len(wanted) * target.num_tokens, desc="AR samples", unit="tok") as bar:
+        codes = engine.generate(wanted, seed=10_000, progress=bar.update).tokens
     imgs = _decode(tok, codes)
     labels = torch.tensor(wanted)
     pred = clf.predict(imgs)
@@ -676,7 +656,10 @@ def _evaluate(run: _Run) -> dict[str, Any]:
         half = test.shape[0] // 2
         recon = torch.cat([tok.decode(tok.encode(test[i : i + 128])) for i in range(0, test.shape[0], 128)]).clamp(-1, 1)
         f_recon = clf.all_features(recon)
-    _save_grid(run, imgs, wanted, pred)
+    # samples.png: up to 8 rows of one sample per class, misclassified ones labelled with the prediction
+    order = sorted(range(len(wanted)), key=lambda i: (i % s.quality.per_class, wanted[i]))[: NUM_CLASSES * 8]
+    grid = make_grid(imgs[order], nrow=NUM_CLASSES, labels=[f"{wanted[i]}{'' if pred[i] == wanted[i] else f' ({int(pred[i])})'}" for i in order])
+    save_png_atomic(grid, run.file("samples.png"))
     torch.save({"codes": codes, "labels": labels}, run.work_file("ar-samples.pt"))
     return {
         "cfg_scale": chosen.cfg_scale, "temperature": chosen.temperature, "top_k": chosen.top_k, "sampler": "Engine(method='ar')",
@@ -729,34 +712,13 @@ def _sampling_sweep(run: _Run, target: Any, tok: Any, clf: Any, f_real: Tensor) 
     return sweep, Sampling(chosen["temperature"], cfg_scale=chosen["cfg_scale"], top_k=int(chosen.get("top_k", 0)))
 
 
-def _engine_samples(target: Any, tok: Any, sampling: Sampling, wanted: list[int]) -> Tensor:
-    """Image i of class ``wanted[i]`` from the engine's AR loop, seed 10000 + i, 8 images a
-    batch (the engine draws each image as it would alone)."""
-    from specimg.engine import Engine
-
-    engine = Engine(target, None, "ar", sampling=sampling, tokenizer=tok, batch_size=8)
-    with progress_bar(total=len(wanted) * target.num_tokens, desc="AR samples", unit="tok") as bar:
-        return engine.generate(wanted, seed=10_000, progress=bar.update).tokens
-
-
-def _save_grid(run: _Run, imgs: Tensor, wanted: list[int], pred: Tensor) -> None:
-    """samples.png: up to 8 rows of one sample per class, misclassified ones labelled with the prediction."""
-    from specimg.runs.images import make_grid, save_png_atomic
-
-    per_class = run.scale.quality.per_class
-    order = sorted(range(len(wanted)), key=lambda i: (i % per_class, wanted[i]))[: min(len(wanted), NUM_CLASSES * 8)]
-    grid = make_grid(imgs[order], nrow=NUM_CLASSES, labels=[f"{wanted[i]}{'' if pred[i] == wanted[i] else f' ({int(pred[i])})'}" for i in order])
-    save_png_atomic(grid, run.file("samples.png"))
-
-
 def train_demo(out: str | os.PathLike[str], scale: str = DEFAULT_SCALE, log: Callable[[str], None] = print,
                drafters: bool = True, evaluate: bool = True, keep_work: bool = False) -> dict[str, Any]:
     """Run (or resume) the whole recipe into ``out``; returns the manifest."""
     if scale not in SCALES:
         raise SpecimgError(f"unknown scale {scale!r}; choose one of {', '.join(SCALES)}")
     out = os.fspath(out)
-    os.makedirs(out, exist_ok=True)
-    run = _Run(out, SCALES[scale], log)
+    run = _Run(out, SCALES[scale], log)  # creates out and its work folder
     torch.manual_seed(run.scale.seed)
     run.stage("tokenizer", lambda: _train_vq(run))
     run.stage("tokens", lambda: _tokenise(run))
@@ -770,19 +732,11 @@ def train_demo(out: str | os.PathLike[str], scale: str = DEFAULT_SCALE, log: Cal
         run.stage("drafter-eagle3", lambda: _train_drafter(run, DRAFTER_EAGLE3, "plain", "eagle3"))
     if evaluate:
         run.stage("quality", lambda: _evaluate(run))
-    files = {}
-    for name in (TOKENIZER, TARGET, CLASSIFIER, DRAFTER, DRAFTER_CASCADE, DRAFTER_EAGLE3):
-        if os.path.exists(run.file(name)):
-            files[name] = os.path.getsize(run.file(name))
-    run.manifest["files"] = files
+    names = (TOKENIZER, TARGET, CLASSIFIER, DRAFTER, DRAFTER_CASCADE, DRAFTER_EAGLE3)
+    files = run.manifest["files"] = {name: os.path.getsize(run.file(name)) for name in names if os.path.exists(run.file(name))}
     run.manifest["total_bytes"] = sum(files.values())
     run.manifest["train_seconds"] = round(sum(st.get("seconds", 0) for st in run.manifest["stages"].values()), 1)
     run.save()
     if not keep_work and drafters and evaluate:
         shutil.rmtree(run.work, ignore_errors=True)
     return run.manifest
-
-
-if __name__ == "__main__":  # python -m specimg.demo.recipe OUT [scale]
-    torch.set_num_threads(min(2, torch.get_num_threads()))
-    train_demo(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else DEFAULT_SCALE)
