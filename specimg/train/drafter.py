@@ -14,7 +14,7 @@ order, each with its own options (``--method cascade`` boosts the cross-entropy 
 convergent positions; what they receive: docs/hooks.md).  Finally the masked mean over
 the *global* batch.
 
-EAGLE-3 (``drafter_type="eagle3"``, :func:`eagle3_terms`) drops the regression and trains
+EAGLE-3 (``drafter_type="eagle3"``, :func:`loss_terms`) drops the regression and trains
 with training-time test: K = ``ttt_steps`` unrolled steps, step i feeding the drafter its
 own output states of step i - 1, and
 
@@ -137,50 +137,29 @@ class TrainResult:
 # ----------------------------------------------------------------------------- loss
 
 
-def eagle_loss(
-    drafter: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]],
+def loss_terms(
+    drafter: Callable[..., Any],
     head: Callable[[Tensor], Tensor],
+    inputs: Tensor,
     features: Tensor,
     tokens: Tensor,
+    steps: int | None = None,
     noise: Tensor | None = None,
 ) -> dict[str, Tensor]:
-    """Per-position EAGLE-1 terms for whole images: ``features`` [B, N, D] as
-    ``forward_sequence`` returns them, ``tokens`` [B, N].  Returns :func:`eagle3_terms`'
-    entries of its one step, [B, N - 1] (``target`` [B, N - 1, D]: the features the positions
-    regress to), with ``reg`` the regression.  The loss, ``w_cls * ce + w_reg * reg``, is
-    summed after the ``train_loss`` hooks (:func:`apply_loss_hooks`)."""
-    inputs, target = features[:, :-1], features[:, 1:]
-    pred, logits = drafter(inputs if noise is None else inputs + noise, tokens[:, :-1])
-    terms = {k: v[0] for k, v in _unrolled_terms([logits], head, features, tokens).items()}
-    terms["reg"] = F.smooth_l1_loss(pred.float(), target.float(), reduction="none").mean(dim=-1)
-    return terms
-
-
-def eagle3_terms(
-    drafter: Callable[[Tensor, Tensor, int], list[Tensor]],
-    head: Callable[[Tensor], Tensor],
-    layers: Tensor,
-    features: Tensor,
-    tokens: Tensor,
-    steps: int,
-    noise: Tensor | None = None,
-) -> dict[str, Tensor]:
-    """Per-step EAGLE-3 terms for whole images: ``layers`` [B, N, kD] (the drafter's input)
-    and ``features`` [B, N, D] (the target's distributions) as ``forward_sequence`` returns
-    them, ``tokens`` [B, N].  Returns ``ce`` (the soft cross-entropy), ``kl`` (ce minus the
-    target's entropy), ``reg`` (zero), ``correct`` (drafter argmax == target argmax) and
-    ``mask`` [K, B, N - 1], and what the hooks read, ``target`` [K, B, N - 1, D] and ``tokens``
-    [K, B, N - 1]: entry t of step i consumes token t + i and matches the target's
-    distribution for token t + i + 1, ``softmax(head(features[:, t + i + 1]))``."""
-    inputs = layers[:, :-1] if noise is None else layers[:, :-1] + noise
-    out = _unrolled_terms(drafter(inputs, tokens[:, :-1], steps), head, features, tokens)
-    out["reg"] = torch.zeros_like(out["ce"])
-    return out
-
-
-def _unrolled_terms(steps_logits: Sequence[Tensor], head: Callable[[Tensor], Tensor], features: Tensor, tokens: Tensor) -> dict[str, Tensor]:
-    """:func:`eagle3_terms` but ``reg``, from the drafter's logits [B, N - 1, V] of each step."""
+    """Per-position terms for whole images: the drafter's ``inputs`` [B, N, ...] (EAGLE-1:
+    the ``features``; EAGLE-3: the target's fused layers [B, N, kD]) and ``features`` [B, N, D]
+    (the target's distributions) as ``forward_sequence`` returns them, ``tokens`` [B, N].
+    With ``steps`` (EAGLE-3's unrolled steps K): ``ce`` (the soft cross-entropy), ``kl`` (ce
+    minus the target's entropy), ``reg`` (zero), ``correct`` (drafter argmax == target argmax)
+    and ``mask`` [K, B, N - 1], and what the hooks read, ``target`` [K, B, N - 1, D] and
+    ``tokens`` [K, B, N - 1]: entry t of step i consumes token t + i and matches the target's
+    distribution for token t + i + 1, ``softmax(head(features[:, t + i + 1]))``.  Without
+    (EAGLE-1): the entries of its one step, [B, N - 1], with ``reg`` the regression of the
+    features ``target``.  The loss, ``w_cls * ce + w_reg * reg``, is summed after the
+    ``train_loss`` hooks (:func:`apply_loss_hooks`)."""
     consumed, after = tokens[:, :-1], features[:, 1:]
+    x = inputs[:, :-1] if noise is None else inputs[:, :-1] + noise
+    out = drafter(x, consumed) if steps is None else drafter(x, consumed, steps)
     t = consumed.shape[1]
     with torch.no_grad():
         target_logits = head(after).float()
@@ -189,7 +168,7 @@ def _unrolled_terms(steps_logits: Sequence[Tensor], head: Callable[[Tensor], Ten
         entropy = -(p * log_p).sum(dim=-1)
         best = target_logits.argmax(dim=-1)
     terms: dict[str, list[Tensor]] = {k: [] for k in ("ce", "kl", "correct", "mask", "target", "tokens")}
-    for i, logits in enumerate(steps_logits):
+    for i, logits in enumerate([out[1]] if steps is None else out):
         logits = logits[:, : t - i].float()  # entries with a token to consume
         ce = -(p[:, i:] * logits.log_softmax(dim=-1)).sum(dim=-1)
         for key, value in (
@@ -197,7 +176,10 @@ def _unrolled_terms(steps_logits: Sequence[Tensor], head: Callable[[Tensor], Ten
             ("mask", torch.ones_like(ce, dtype=torch.bool)), ("target", after[:, i:]), ("tokens", consumed[:, i:]),
         ):
             terms[key].append(torch.cat([value, value.new_zeros(value.shape[0], min(i, t), *value.shape[2:])], dim=1))
-    return {k: torch.stack(v) for k, v in terms.items()}
+    stacked = {k: torch.stack(v) for k, v in terms.items()}
+    if steps is not None:
+        return stacked | {"reg": torch.zeros_like(stacked["ce"])}
+    return {k: v[0] for k, v in stacked.items()} | {"reg": F.smooth_l1_loss(out[0].float(), after.float(), reduction="none").mean(dim=-1)}
 
 
 def ttt_fold(loss: Tensor, mask: Tensor) -> Tensor:
@@ -462,10 +444,8 @@ class _Training:
         lr = self.schedule.get_last_lr()[0]
         eagle3 = config.drafter_type == "eagle3"
         with accelerator.autocast():
-            if eagle3:
-                terms = eagle3_terms(self.model, self.head, batch["layers"].to(device), features, tokens, config.ttt_steps, noise)
-            else:
-                terms = eagle_loss(self.model, self.head, features, tokens, noise)
+            inputs = batch["layers"].to(device) if eagle3 else features
+            terms = loss_terms(self.model, self.head, inputs, features, tokens, config.ttt_steps if eagle3 else None, noise)
         loss = apply_loss_hooks(self.hooks, terms["ce"], terms["reg"], config.w_cls, config.w_reg, terms["target"], terms["tokens"], terms["mask"])
         m = terms["mask"].float()
         step_acc = []
