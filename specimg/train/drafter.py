@@ -76,10 +76,8 @@ RUN, STATE, LOG, FINAL = "run.json", "state.json", "log.jsonl", "drafter.safeten
 
 @attrs.frozen
 class TrainConfig:
-    """Hyper-parameters.  Defaults are the published ones of the drafter type where it has
-    one: EAGLE-1 lr 3e-5, AdamW betas (0.9, 0.95), p_w 0.1, v_w 1.0, gradient values clipped
-    at 0.5; EAGLE-3 lr 5e-5, 7 training-time-test steps, the gradient norm clipped at 0.5.
-    EAGLE decays linearly, here warmup + cosine."""
+    """Hyper-parameters.  Defaults are the published ones of the drafter type (EAGLE-1's or
+    EAGLE-3's) where it has one; EAGLE decays linearly, here warmup + cosine."""
 
     drafter_type: str = attrs.field(default="eagle1", validator=v.in_(DRAFTER_TYPES))
     ttt_steps: int = attrs.field(default=7, validator=[v.ge(1), v.le(16)])
@@ -295,7 +293,10 @@ def train_drafter(
     if data.num_tokens < 2:
         raise SpecimgError("drafter training needs images of at least 2 tokens")
     accelerator = accelerator or Accelerator(mixed_precision=config.mixed_precision)
-    batches = _Batches(data, config, accelerator.num_processes, accelerator.process_index)
+    if config.batch_size % accelerator.num_processes:
+        raise SpecimgError(f"--batch-size {config.batch_size} (the global batch) is not a multiple of the {accelerator.num_processes} processes")
+    if len(data) < config.batch_size:
+        raise SpecimgError(f"the data holds {len(data)} examples, fewer than one batch of {config.batch_size}")
     out = os.fspath(out)
     kept = attrs.asdict(config, filter=lambda a, _: a.name != "ttt_steps" or config.drafter_type == "eagle3")  # EAGLE-1 runs resume as before
     settings = {
@@ -315,7 +316,7 @@ def train_drafter(
     bar = progress_bar(total=config.steps, initial=step, unit="step", desc="train-drafter", show=accelerator.is_main_process and progress)
     tick = time.perf_counter()
     while step < config.steps:
-        epoch, indices = batches.at(step)
+        epoch, indices = _batch_at(step, len(data), config, accelerator.num_processes, accelerator.process_index)
         batch = data.get(indices)
         metrics = training.step(batch, _noise(config, step, indices, batch["layers" if "layers" in batch else "features"].shape[1:]))
         step += 1
@@ -361,28 +362,14 @@ def _open_run(out: str, settings: dict[str, Any], keep: int, accelerator: Any) -
     return state
 
 
-class _Batches:
-    """Which examples each step trains on: the global batch depends only on (seed, step),
-    and each process takes its own slice of it."""
-
-    def __init__(self, data: DrafterData, config: TrainConfig, world: int, rank: int):
-        if config.batch_size % world:
-            raise SpecimgError(f"--batch-size {config.batch_size} (the global batch) is not a multiple of the {world} processes")
-        self.per_epoch = len(data) // config.batch_size
-        if self.per_epoch == 0:
-            raise SpecimgError(f"the data holds {len(data)} examples, fewer than one batch of {config.batch_size}")
-        self.size, self.examples, self.seed = config.batch_size, len(data), config.seed
-        self.local = config.batch_size // world
-        self.rank = rank
-        self._order: tuple[int, Tensor] | None = None  # (epoch, its permutation)
-
-    def at(self, step: int) -> tuple[int, list[int]]:
-        """The epoch of optimizer step ``step`` and this process's examples in its batch."""
-        epoch, b = divmod(step, self.per_epoch)
-        if self._order is None or self._order[0] != epoch:
-            self._order = (epoch, torch.randperm(self.examples, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)))
-        first = b * self.size + self.rank * self.local
-        return epoch, self._order[1][first : first + self.local].tolist()
+def _batch_at(step: int, examples: int, config: TrainConfig, world: int, rank: int) -> tuple[int, list[int]]:
+    """The epoch of optimizer step ``step`` and this process's examples in its batch: the
+    global batch depends only on (seed, step), and each process takes its own slice of it."""
+    epoch, b = divmod(step, examples // config.batch_size)
+    order = torch.randperm(examples, generator=torch.Generator().manual_seed(config.seed * 1_000_003 + epoch))
+    local = config.batch_size // world
+    first = b * config.batch_size + rank * local
+    return epoch, order[first : first + local].tolist()
 
 
 def _noise(config: TrainConfig, step: int, indices: list[int], shape: torch.Size) -> Tensor | None:
