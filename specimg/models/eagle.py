@@ -545,8 +545,6 @@ def load_drafter_file(target: EagleTarget, path: str | os.PathLike[str], *, max_
             raise SpecimgError(f"cannot read drafter file {path}: {err}") from None
         if not isinstance(settings, dict) or settings.get("type") not in DRAFTER_TYPES:
             raise SpecimgError(f"{path}: its header names no drafter type of {', '.join(DRAFTER_TYPES)}")
-    drafter = build_drafter(target, max_tree_nodes=max_tree_nodes, kind=settings.pop("type"), **settings)
-    w = target.input_embeddings()
-    state = {k: v.to(w.dtype) for k, v in read_checkpoint(path).state.items()}
-    load_into(drafter, state, origin=path)
-    return drafter.to(w.device)
+    drafter = build_drafter(target, max_tree_nodes=max_tree_nodes, kind=settings.pop("type"), **settings)  # on the target's device and dtype
+    load_into(drafter, {k: v.to(drafter.fc.weight.dtype) for k, v in read_checkpoint(path).state.items()}, origin=path)
+    return drafter
