@@ -220,14 +220,13 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
         committed prefix and its speculative ancestors-or-self among the first ``used`` slots
         (None: the whole cache, a fixed shape).  A padded node books and writes what the real
         node of its id, fed later, overwrites before anyone reads it."""
-        n = self.max_tree_nodes
         prefix = self._start
         depth = self._depth[parents] + 1  # book the nodes: their depths and ancestors-or-self
         self._depth[new] = depth
         self._anc[new] = self._anc[parents].scatter_(1, new[:, None], True)  # a scalar fill, not a host value copied in: graph-safe
         slots = prefix - 1 + new
         attn = (self._slots < prefix).expand(new.shape[0], -1).clone()
-        attn[:, prefix + self._slots[:n]] = self._anc[new, 1:]
+        attn[:, prefix + self._slots[: self.max_tree_nodes]] = self._anc[new, 1:]
         rope = self.draft_rope()
         positions = (depth + prefix - 1).clamp(max=rope.shape[0] - 1)  # the root sits at prefix - 1
         h = self._forward(self._feat[: self._rows, parents], tokens, rope[positions], attn[:, :used], slots)
