@@ -21,7 +21,7 @@ from specimg.step import Scores
 from specimg.testing.conformance import step_engine
 from specimg.testing.markov import MarkovDrafter, MarkovTarget
 from specimg.testing.strategies import CodebookTokenizer, RelaxCase
-from specimg.train.drafter import apply_loss_hooks, eagle3_terms, loss_hooks, ttt_fold
+from specimg.train.drafter import apply_loss_hooks, loss_hooks, loss_terms, ttt_fold
 from specimg.tree import DraftSession, build_tree
 from specimg_plugins import cascade, gsd, lantern, lantern_pp
 
@@ -334,7 +334,7 @@ def test_cascade_reweights_each_unrolled_step_of_an_eagle3_drafter():
     features = torch.tensor([[[9.0, 9.0], [1.0, 0.0], [3.0, 4.0], [4.0, 3.0], [0.0, 5.0]]])
     layers, tokens = torch.zeros(1, 5, 6), torch.arange(5)[None]
     uniform = lambda layers, tokens, steps: [torch.zeros(1, 4, 2)] * steps  # noqa: E731  ce = log 2 where valid
-    terms = eagle3_terms(uniform, lambda x: x, layers, features, tokens, steps=2)
+    terms = loss_terms(uniform, lambda x: x, layers, features, tokens, steps=2)
     # step i's entry t consumes token t + i and matches s_{t+i}; step 1 has no token to consume at t = 3
     assert terms["mask"].tolist() == [[[True] * 4], [[True, True, True, False]]]
     assert torch.equal(terms["target"][1, 0, :3], features[0, 2:]) and terms["tokens"][1, 0, :3].tolist() == [1, 2, 3]

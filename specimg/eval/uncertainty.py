@@ -67,10 +67,8 @@ def sampled_uncertainty(target: Any, classes: Tensor, tokens: Tensor, sampling: 
     for i in range(0, tokens.shape[0], batch):
         rows_tokens = tokens[i : i + batch].to(device)
         cond = classes[i : i + batch].to(device)
-        rows = [target.forward_sequence(cond, rows_tokens).logits]
-        if sampling.cfg:
-            rows.append(target.forward_sequence(torch.full_like(cond, null), rows_tokens).logits)
-        logits = torch.stack(rows).flatten(1, 2)  # [rows, b * T, V]
+        variants = [cond, torch.full_like(cond, null)] if sampling.cfg else [cond]
+        logits = torch.stack([target.forward_sequence(c, rows_tokens).logits for c in variants]).flatten(1, 2)  # [rows, b * T, V]
         probs = probabilities(logits, sampling, active.repeat(cond.shape[0]) if isinstance(active, Tensor) else active)
         ranked = probs.sort(dim=-1, descending=True).values
         top1.append(ranked[:, 0])

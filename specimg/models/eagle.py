@@ -107,15 +107,10 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
         self.context = context
         self.capacity = context + config.block_size + max_tree_nodes
         self._full_kv: list[KVSlot] = []
-        self._kv: list[KVSlot] = []
-        self._feat = torch.empty(0)  # [2, 1 + max_tree_nodes, D] predicted feature per node (0 = root)
-        self._depth = torch.empty(0, dtype=torch.long)  # [1 + max_tree_nodes] depth below the root
-        self._anc = torch.empty(0, dtype=torch.bool)  # [1 + n, 1 + n] speculative ancestors-or-self; row 0 empty
+        self._kv: list[KVSlot] = []  # the first prefill allocates the caches and the node tables
         self._rows = 0
         self._len = 0  # committed pairs
         self._count = 0  # speculative nodes fed since the last start
-        self._start = torch.zeros((), dtype=torch.long)  # _len on the cache's device (the step programs read it there)
-        self._slots = torch.arange(0)  # [capacity] slot ids on the cache's device
         self._batches: dict[tuple[int, bool], DraftBatch] = {}  # kept: their buffers live on from batch to batch
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -160,11 +155,11 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
             c, n = self.layer_config, self.max_tree_nodes
             shape = (2, c.kv_heads, self.capacity, c.head_dim)
             self._full_kv = [(w.new_zeros(shape), w.new_zeros(shape)) for _ in self.layers]
-            self._feat = w.new_zeros(2, 1 + n, c.dim)
-            self._depth = torch.zeros(1 + n, dtype=torch.long, device=w.device)
-            self._anc = torch.zeros(1 + n, 1 + n, dtype=torch.bool, device=w.device)
-            self._start = torch.zeros((), dtype=torch.long, device=w.device)
-            self._slots = torch.arange(self.capacity, device=w.device)
+            self._feat = w.new_zeros(2, 1 + n, c.dim)  # predicted feature per node (0 = root)
+            self._depth = torch.zeros(1 + n, dtype=torch.long, device=w.device)  # depth below the root
+            self._anc = torch.zeros(1 + n, 1 + n, dtype=torch.bool, device=w.device)  # speculative ancestors-or-self; row 0 empty
+            self._start = torch.zeros((), dtype=torch.long, device=w.device)  # _len on the cache's device (the step programs read it there)
+            self._slots = torch.arange(self.capacity, device=w.device)  # slot ids
         self._kv = [(k[:rows], v[:rows]) for k, v in self._full_kv]
         self._rows, self._len, self._count = rows, 0, 0
         self._start.zero_()
@@ -225,14 +220,13 @@ class TreeDrafter(FixedSteps, nn.Module, abc.ABC):
         committed prefix and its speculative ancestors-or-self among the first ``used`` slots
         (None: the whole cache, a fixed shape).  A padded node books and writes what the real
         node of its id, fed later, overwrites before anyone reads it."""
-        n = self.max_tree_nodes
         prefix = self._start
         depth = self._depth[parents] + 1  # book the nodes: their depths and ancestors-or-self
         self._depth[new] = depth
         self._anc[new] = self._anc[parents].scatter_(1, new[:, None], True)  # a scalar fill, not a host value copied in: graph-safe
         slots = prefix - 1 + new
         attn = (self._slots < prefix).expand(new.shape[0], -1).clone()
-        attn[:, prefix + self._slots[:n]] = self._anc[new, 1:]
+        attn[:, prefix + self._slots[: self.max_tree_nodes]] = self._anc[new, 1:]
         rope = self.draft_rope()
         positions = (depth + prefix - 1).clamp(max=rope.shape[0] - 1)  # the root sits at prefix - 1
         h = self._forward(self._feat[: self._rows, parents], tokens, rope[positions], attn[:, :used], slots)
@@ -550,8 +544,6 @@ def load_drafter_file(target: EagleTarget, path: str | os.PathLike[str], *, max_
             raise SpecimgError(f"cannot read drafter file {path}: {err}") from None
         if not isinstance(settings, dict) or settings.get("type") not in DRAFTER_TYPES:
             raise SpecimgError(f"{path}: its header names no drafter type of {', '.join(DRAFTER_TYPES)}")
-    drafter = build_drafter(target, max_tree_nodes=max_tree_nodes, kind=settings.pop("type"), **settings)
-    w = target.input_embeddings()
-    state = {k: v.to(w.dtype) for k, v in read_checkpoint(path).state.items()}
-    load_into(drafter, state, origin=path)
-    return drafter.to(w.device)
+    drafter = build_drafter(target, max_tree_nodes=max_tree_nodes, kind=settings.pop("type"), **settings)  # on the target's device and dtype
+    load_into(drafter, {k: v.to(drafter.fc.weight.dtype) for k, v in read_checkpoint(path).state.items()}, origin=path)
+    return drafter

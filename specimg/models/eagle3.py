@@ -110,9 +110,8 @@ class Eagle3Drafter(TreeDrafter):
         itself): a causal block, then one diagonal per step, as EAGLE-3's TTT mask.  So step
         i's logits equal the logits ``expand`` gives a chain of i nodes below root j."""
         t = tokens.shape[1]
-        device = layers.device
         rope = self.target.draft_rope()
-        index = torch.arange(t, device=device)
+        index = torch.arange(t, device=layers.device)
         causal = index[None, :] <= index[:, None]
         diagonal = index[None, :] == index[:, None]
         h = self._lift(layers)

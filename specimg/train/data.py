@@ -219,6 +219,10 @@ class _Plan:
     def num_shards(self) -> int:
         return -(-self.num // self.spec.shard_size)
 
+    def seeds(self, idx: Tensor) -> list[int]:
+        """Sample i's seed is ``seed + i``: samples do not depend on the batch size or the process count."""
+        return [self.spec.seed + int(i) for i in idx]
+
     def shard_samples(self, shard: int) -> tuple[int, int]:
         """The samples [lo, hi) of shard ``shard``."""
         size = self.spec.shard_size
@@ -415,11 +419,6 @@ def _make_shard(target: EagleTarget, out: str, shard: int, plan: _Plan, progress
         raise SpecimgError(f"{path} cannot be written ({err}); free space or fix the folder and run the same command again: it resumes") from None
 
 
-def _seeds(plan: _Plan, idx: Tensor) -> list[int]:
-    """Sample i's seed is ``seed + i``: samples do not depend on the batch size or the process count."""
-    return [plan.spec.seed + int(i) for i in idx]
-
-
 def _llamagen_batch(target: LlamaGenTarget, idx: Tensor, plan: _Plan) -> tuple[Tensor, _Rows]:
     """A LlamaGen target's samples (sampled, or a tokens file's), teacher-forced under their
     conditions and the null condition: a c2i target's classes and the null class
@@ -433,7 +432,7 @@ def _llamagen_batch(target: LlamaGenTarget, idx: Tensor, plan: _Plan) -> tuple[T
     else:
         conditions = [plan.spec.captions[int(i)] for i in idx]
         given = [(labels, conditions), (torch.full_like(labels, -1), [Caption(target.cls_embedding.uncond_embedding, x.mask) for x in conditions])]
-    tokens = plan.file_tokens[idx] if plan.file_tokens is not None else ar_tokens(target, conditions, _seeds(plan, idx), plan.spec.sampling)
+    tokens = plan.file_tokens[idx] if plan.file_tokens is not None else ar_tokens(target, conditions, plan.seeds(idx), plan.spec.sampling)
     device = target.tok_embeddings.weight.device
     with torch.inference_mode():  # the last hidden states [B, N, D] and the exposed layers' [B, N, kD] (None: it exposes none)
         given = given[: 1 + plan.uncond]
@@ -446,7 +445,7 @@ def _prompt_batch(target: EagleTarget, idx: Tensor, plan: _Plan) -> tuple[Tensor
     through the Target contract, its unconditional row labelled -1."""
     labels = plan.labels[idx]
     prompts = [plan.spec.prompts[int(i)] for i in idx]
-    tokens = ar_tokens(target, prompts, _seeds(plan, idx), plan.spec.sampling)
+    tokens = ar_tokens(target, prompts, plan.seeds(idx), plan.spec.sampling)
     hidden, layers = chain_features(target, prompts, tokens, plan.uncond)
     variants = [(labels, 0), (torch.full_like(labels, -1), -1)]
     return tokens, [(variant, hidden[row], layers[row] if plan.eagle3 else None) for variant, row in variants][: 1 + plan.uncond]

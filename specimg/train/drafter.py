@@ -14,7 +14,7 @@ order, each with its own options (``--method cascade`` boosts the cross-entropy 
 convergent positions; what they receive: docs/hooks.md).  Finally the masked mean over
 the *global* batch.
 
-EAGLE-3 (``drafter_type="eagle3"``, :func:`eagle3_terms`) drops the regression and trains
+EAGLE-3 (``drafter_type="eagle3"``, :func:`loss_terms`) drops the regression and trains
 with training-time test: K = ``ttt_steps`` unrolled steps, step i feeding the drafter its
 own output states of step i - 1, and
 
@@ -76,10 +76,8 @@ RUN, STATE, LOG, FINAL = "run.json", "state.json", "log.jsonl", "drafter.safeten
 
 @attrs.frozen
 class TrainConfig:
-    """Hyper-parameters.  Defaults are the published ones of the drafter type where it has
-    one: EAGLE-1 lr 3e-5, AdamW betas (0.9, 0.95), p_w 0.1, v_w 1.0, gradient values clipped
-    at 0.5; EAGLE-3 lr 5e-5, 7 training-time-test steps, the gradient norm clipped at 0.5.
-    EAGLE decays linearly, here warmup + cosine."""
+    """Hyper-parameters.  Defaults are the published ones of the drafter type (EAGLE-1's or
+    EAGLE-3's) where it has one; EAGLE decays linearly, here warmup + cosine."""
 
     drafter_type: str = attrs.field(default="eagle1", validator=v.in_(DRAFTER_TYPES))
     ttt_steps: int = attrs.field(default=7, validator=[v.ge(1), v.le(16)])
@@ -137,50 +135,29 @@ class TrainResult:
 # ----------------------------------------------------------------------------- loss
 
 
-def eagle_loss(
-    drafter: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]],
+def loss_terms(
+    drafter: Callable[..., Any],
     head: Callable[[Tensor], Tensor],
+    inputs: Tensor,
     features: Tensor,
     tokens: Tensor,
+    steps: int | None = None,
     noise: Tensor | None = None,
 ) -> dict[str, Tensor]:
-    """Per-position EAGLE-1 terms for whole images: ``features`` [B, N, D] as
-    ``forward_sequence`` returns them, ``tokens`` [B, N].  Returns :func:`eagle3_terms`'
-    entries of its one step, [B, N - 1] (``target`` [B, N - 1, D]: the features the positions
-    regress to), with ``reg`` the regression.  The loss, ``w_cls * ce + w_reg * reg``, is
-    summed after the ``train_loss`` hooks (:func:`apply_loss_hooks`)."""
-    inputs, target = features[:, :-1], features[:, 1:]
-    pred, logits = drafter(inputs if noise is None else inputs + noise, tokens[:, :-1])
-    terms = {k: v[0] for k, v in _unrolled_terms([logits], head, features, tokens).items()}
-    terms["reg"] = F.smooth_l1_loss(pred.float(), target.float(), reduction="none").mean(dim=-1)
-    return terms
-
-
-def eagle3_terms(
-    drafter: Callable[[Tensor, Tensor, int], list[Tensor]],
-    head: Callable[[Tensor], Tensor],
-    layers: Tensor,
-    features: Tensor,
-    tokens: Tensor,
-    steps: int,
-    noise: Tensor | None = None,
-) -> dict[str, Tensor]:
-    """Per-step EAGLE-3 terms for whole images: ``layers`` [B, N, kD] (the drafter's input)
-    and ``features`` [B, N, D] (the target's distributions) as ``forward_sequence`` returns
-    them, ``tokens`` [B, N].  Returns ``ce`` (the soft cross-entropy), ``kl`` (ce minus the
-    target's entropy), ``reg`` (zero), ``correct`` (drafter argmax == target argmax) and
-    ``mask`` [K, B, N - 1], and what the hooks read, ``target`` [K, B, N - 1, D] and ``tokens``
-    [K, B, N - 1]: entry t of step i consumes token t + i and matches the target's
-    distribution for token t + i + 1, ``softmax(head(features[:, t + i + 1]))``."""
-    inputs = layers[:, :-1] if noise is None else layers[:, :-1] + noise
-    out = _unrolled_terms(drafter(inputs, tokens[:, :-1], steps), head, features, tokens)
-    out["reg"] = torch.zeros_like(out["ce"])
-    return out
-
-
-def _unrolled_terms(steps_logits: Sequence[Tensor], head: Callable[[Tensor], Tensor], features: Tensor, tokens: Tensor) -> dict[str, Tensor]:
-    """:func:`eagle3_terms` but ``reg``, from the drafter's logits [B, N - 1, V] of each step."""
+    """Per-position terms for whole images: the drafter's ``inputs`` [B, N, ...] (EAGLE-1:
+    the ``features``; EAGLE-3: the target's fused layers [B, N, kD]) and ``features`` [B, N, D]
+    (the target's distributions) as ``forward_sequence`` returns them, ``tokens`` [B, N].
+    With ``steps`` (EAGLE-3's unrolled steps K): ``ce`` (the soft cross-entropy), ``kl`` (ce
+    minus the target's entropy), ``reg`` (zero), ``correct`` (drafter argmax == target argmax)
+    and ``mask`` [K, B, N - 1], and what the hooks read, ``target`` [K, B, N - 1, D] and
+    ``tokens`` [K, B, N - 1]: entry t of step i consumes token t + i and matches the target's
+    distribution for token t + i + 1, ``softmax(head(features[:, t + i + 1]))``.  Without
+    (EAGLE-1): the entries of its one step, [B, N - 1], with ``reg`` the regression of the
+    features ``target``.  The loss, ``w_cls * ce + w_reg * reg``, is summed after the
+    ``train_loss`` hooks (:func:`apply_loss_hooks`)."""
     consumed, after = tokens[:, :-1], features[:, 1:]
+    x = inputs[:, :-1] if noise is None else inputs[:, :-1] + noise
+    out = drafter(x, consumed) if steps is None else drafter(x, consumed, steps)
     t = consumed.shape[1]
     with torch.no_grad():
         target_logits = head(after).float()
@@ -189,7 +166,7 @@ def _unrolled_terms(steps_logits: Sequence[Tensor], head: Callable[[Tensor], Ten
         entropy = -(p * log_p).sum(dim=-1)
         best = target_logits.argmax(dim=-1)
     terms: dict[str, list[Tensor]] = {k: [] for k in ("ce", "kl", "correct", "mask", "target", "tokens")}
-    for i, logits in enumerate(steps_logits):
+    for i, logits in enumerate([out[1]] if steps is None else out):
         logits = logits[:, : t - i].float()  # entries with a token to consume
         ce = -(p[:, i:] * logits.log_softmax(dim=-1)).sum(dim=-1)
         for key, value in (
@@ -197,7 +174,10 @@ def _unrolled_terms(steps_logits: Sequence[Tensor], head: Callable[[Tensor], Ten
             ("mask", torch.ones_like(ce, dtype=torch.bool)), ("target", after[:, i:]), ("tokens", consumed[:, i:]),
         ):
             terms[key].append(torch.cat([value, value.new_zeros(value.shape[0], min(i, t), *value.shape[2:])], dim=1))
-    return {k: torch.stack(v) for k, v in terms.items()}
+    stacked = {k: torch.stack(v) for k, v in terms.items()}
+    if steps is not None:
+        return stacked | {"reg": torch.zeros_like(stacked["ce"])}
+    return {k: v[0] for k, v in stacked.items()} | {"reg": F.smooth_l1_loss(out[0].float(), after.float(), reduction="none").mean(dim=-1)}
 
 
 def ttt_fold(loss: Tensor, mask: Tensor) -> Tensor:
@@ -313,7 +293,10 @@ def train_drafter(
     if data.num_tokens < 2:
         raise SpecimgError("drafter training needs images of at least 2 tokens")
     accelerator = accelerator or Accelerator(mixed_precision=config.mixed_precision)
-    batches = _Batches(data, config, accelerator.num_processes, accelerator.process_index)
+    if config.batch_size % accelerator.num_processes:
+        raise SpecimgError(f"--batch-size {config.batch_size} (the global batch) is not a multiple of the {accelerator.num_processes} processes")
+    if len(data) < config.batch_size:
+        raise SpecimgError(f"the data holds {len(data)} examples, fewer than one batch of {config.batch_size}")
     out = os.fspath(out)
     kept = attrs.asdict(config, filter=lambda a, _: a.name != "ttt_steps" or config.drafter_type == "eagle3")  # EAGLE-1 runs resume as before
     settings = {
@@ -333,7 +316,7 @@ def train_drafter(
     bar = progress_bar(total=config.steps, initial=step, unit="step", desc="train-drafter", show=accelerator.is_main_process and progress)
     tick = time.perf_counter()
     while step < config.steps:
-        epoch, indices = batches.at(step)
+        epoch, indices = _batch_at(step, len(data), config, accelerator.num_processes, accelerator.process_index)
         batch = data.get(indices)
         metrics = training.step(batch, _noise(config, step, indices, batch["layers" if "layers" in batch else "features"].shape[1:]))
         step += 1
@@ -379,28 +362,14 @@ def _open_run(out: str, settings: dict[str, Any], keep: int, accelerator: Any) -
     return state
 
 
-class _Batches:
-    """Which examples each step trains on: the global batch depends only on (seed, step),
-    and each process takes its own slice of it."""
-
-    def __init__(self, data: DrafterData, config: TrainConfig, world: int, rank: int):
-        if config.batch_size % world:
-            raise SpecimgError(f"--batch-size {config.batch_size} (the global batch) is not a multiple of the {world} processes")
-        self.per_epoch = len(data) // config.batch_size
-        if self.per_epoch == 0:
-            raise SpecimgError(f"the data holds {len(data)} examples, fewer than one batch of {config.batch_size}")
-        self.size, self.examples, self.seed = config.batch_size, len(data), config.seed
-        self.local = config.batch_size // world
-        self.rank = rank
-        self._order: tuple[int, Tensor] | None = None  # (epoch, its permutation)
-
-    def at(self, step: int) -> tuple[int, list[int]]:
-        """The epoch of optimizer step ``step`` and this process's examples in its batch."""
-        epoch, b = divmod(step, self.per_epoch)
-        if self._order is None or self._order[0] != epoch:
-            self._order = (epoch, torch.randperm(self.examples, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)))
-        first = b * self.size + self.rank * self.local
-        return epoch, self._order[1][first : first + self.local].tolist()
+def _batch_at(step: int, examples: int, config: TrainConfig, world: int, rank: int) -> tuple[int, list[int]]:
+    """The epoch of optimizer step ``step`` and this process's examples in its batch: the
+    global batch depends only on (seed, step), and each process takes its own slice of it."""
+    epoch, b = divmod(step, examples // config.batch_size)
+    order = torch.randperm(examples, generator=torch.Generator().manual_seed(config.seed * 1_000_003 + epoch))
+    local = config.batch_size // world
+    first = b * config.batch_size + rank * local
+    return epoch, order[first : first + local].tolist()
 
 
 def _noise(config: TrainConfig, step: int, indices: list[int], shape: torch.Size) -> Tensor | None:
@@ -462,10 +431,8 @@ class _Training:
         lr = self.schedule.get_last_lr()[0]
         eagle3 = config.drafter_type == "eagle3"
         with accelerator.autocast():
-            if eagle3:
-                terms = eagle3_terms(self.model, self.head, batch["layers"].to(device), features, tokens, config.ttt_steps, noise)
-            else:
-                terms = eagle_loss(self.model, self.head, features, tokens, noise)
+            inputs = batch["layers"].to(device) if eagle3 else features
+            terms = loss_terms(self.model, self.head, inputs, features, tokens, config.ttt_steps if eagle3 else None, noise)
         loss = apply_loss_hooks(self.hooks, terms["ce"], terms["reg"], config.w_cls, config.w_reg, terms["target"], terms["tokens"], terms["mask"])
         m = terms["mask"].float()
         step_acc = []
