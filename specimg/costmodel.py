@@ -63,12 +63,9 @@ class CostModel:
     def slower(self, factor: float) -> CostModel:
         """These parts as if timed in a minute ``factor`` times slower (a shared machine's
         drift), uncalibrated: what a calibration must not be moved by (:func:`specimg.costs.step_scale`)."""
-        def table(rows: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
-            return tuple((n, ms * factor) for n, ms in rows)
-
-        return attrs.evolve(self, verify_ms=table(self.verify_ms), draft_base_ms=table(self.draft_base_ms), draft_level_ms=table(self.draft_level_ms),
-                            draft_start_ms=self.draft_start_ms * factor, overhead_ms=self.overhead_ms * factor, ar_ms=self.ar_ms * factor,
-                            step_scales={}, acceptance={})
+        scaled = {name: tuple((n, ms * factor) for n, ms in value) if isinstance(value, tuple) else value * factor
+                  for name, value in attrs.asdict(self, recurse=False).items() if name.endswith("_ms")}
+        return attrs.evolve(self, **scaled, step_scales={}, acceptance={})
 
     def to_json(self) -> str:
         return json.dumps(attrs.asdict(self), indent=1)

@@ -15,6 +15,7 @@ finite, positive timings in well-formed tables is measured again.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -23,7 +24,6 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any, cast
 
 import attrs
@@ -136,8 +136,7 @@ def load_or_measure(target: Target, drafter: Drafter, sampling: Sampling, condit
     except (OSError, ValueError):  # missing, unreadable or corrupt (from_json checks it all): measure again
         if log:
             log(f"measuring the cost model for {machine} (once; cached as {key})")
-        model = measure(target, drafter, sampling, condition, key, machine, batch)
-        _save(path, model.to_json())
+        return _keep(measure(target, drafter, sampling, condition, key, machine, batch))
     _memory[key] = model
     return model
 
@@ -159,10 +158,7 @@ def with_calibration(model: CostModel, name: str, scale: float, rates: np.ndarra
     """``model`` with the step scale and acceptance ``rates`` of the method stack ``name``
     (:func:`scale_key`), kept in memory and in the cache file (see
     :meth:`specimg.engine.Engine.prepare`)."""
-    model = attrs.evolve(model, step_scales={**model.step_scales, name: scale}, acceptance={**model.acceptance, name: _chances(rates.tolist())})
-    _memory[model.key] = model
-    _save(cache_dir() / "costs" / f"{model.key}.json", model.to_json())
-    return model
+    return _keep(attrs.evolve(model, step_scales={**model.step_scales, name: scale}, acceptance={**model.acceptance, name: _chances(rates.tolist())}))
 
 
 def forget(target: Target, drafter: Drafter, sampling: Sampling, batch: int = 1) -> None:
@@ -172,12 +168,12 @@ def forget(target: Target, drafter: Drafter, sampling: Sampling, batch: int = 1)
     (cache_dir() / "costs" / f"{key}.json").unlink(missing_ok=True)
 
 
-def _save(path: Path, text: str) -> None:
-    try:
-        with atomic_path(path, ".json") as tmp, open(tmp, "w") as file:
-            file.write(text)
-    except OSError:  # a read-only cache only costs a new measurement next time
-        pass
+def _keep(model: CostModel) -> CostModel:
+    """``model``, kept in memory and in its cache file (a read-only cache only costs a new measurement next time)."""
+    _memory[model.key] = model
+    with contextlib.suppress(OSError), atomic_path(cache_dir() / "costs" / f"{model.key}.json", ".json") as tmp, open(tmp, "w") as file:
+        file.write(model.to_json())
+    return model
 
 
 def _timed(device: torch.device, call: Callable[..., Any], repeats: int = _REPEATS, setup: Callable[[], Any] | None = None) -> float:
