@@ -5,11 +5,9 @@ verify forward and the drafting cost, and both costs depend on the machine: a CP
 pays for every node, a GPU verifies dozens for the price of one.  So the costs are
 measured, not assumed: the target's verify step (forward of an n-node tree plus the
 processing of its logits) for n from 1 to the cache's capacity, the drafter's start and
-one level of growth per frontier width, and one AR step.  A few seconds, once per
-(target, drafter, their tree capacities, device, CPU and GPU model, dtype, threads,
-sampling filters, step mode), then cached on disk as JSON under
-:func:`specimg.cache.cache_dir`.  Runs that share a cost model choose the same trees, so
-the same seed gives the same images.  A cached file is checked before use: anything but
+one level of growth per frontier width, and one AR step.  A few seconds, once per models
+and machine (:func:`cost_key`), then cached on disk as JSON under :func:`specimg.cache.cache_dir`.
+Runs that share a cost model choose the same trees, so the same seed gives the same images.  A cached file is checked before use: anything but
 finite, positive timings in well-formed tables is measured again.
 """
 
@@ -236,10 +234,9 @@ def measure(target: Target, drafter: Drafter, sampling: Sampling, condition: Con
 def _verify_times(target: Target, sampling: Sampling, condition: Condition, trees: Mapping[int, DraftTree], timed: Callable[..., float], batch: int) -> tuple[float, list[tuple[int, float]]]:
     """The median ms of one AR step (a one-node tree's verify and a draw) and of the verify
     of each tree, each as the engine runs it (its distributions compiled where the
-    target's steps are): on the target's tree cache as ``measure`` left it, or at a batch
-    size above 1 as an image's share of one forward over ``batch`` images, each with the
-    same tree, after half an image of batched AR steps.  Nothing is committed, so the prefix stays put; the commit's
-    cost is in the overhead."""
+    target's steps are), per image (see ``measure``); a batch first makes half an image of
+    batched AR steps.  Nothing is committed, so the prefix stays put; the commit's cost is
+    in the overhead."""
     device = device_of(target)
     if batch == 1:
         on_device = {n: attrs.evolve(tree, **{f: getattr(tree, f).to(device) for f in ("tokens", "depths", "mask")}) for n, tree in trees.items()}

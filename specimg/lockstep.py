@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -36,10 +36,6 @@ class BatchDrafting(Protocol):
     def start(self, requests: Mapping[int, Request]) -> dict[int, Tensor]: ...
 
     def expand(self, requests: Mapping[int, Request]) -> dict[int, Tensor]: ...
-
-
-class _Aborted(Exception):
-    """Another image's proposal failed: this one stops waiting."""
 
 
 class Lockstep:
@@ -88,7 +84,7 @@ class Lockstep:
             self._answer()
             while image not in self._answers:
                 if self._aborted:
-                    raise _Aborted
+                    raise CancelledError  # another image's proposal failed: this one stops waiting
                 self._cond.wait()
             answer = self._answers.pop(image)
         if isinstance(answer, BaseException):

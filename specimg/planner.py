@@ -3,10 +3,9 @@ second (the idea of Sequoia, Chen et al. 2024, applied to EAGLE-2 dynamic trees)
 
 Two ingredients.  The *cost model* (:mod:`specimg.costmodel`) says what a tree of n nodes
 costs to verify and a level of width k costs to draft on this machine.  The *acceptance
-profile* says how likely the rank-r child of a reached node at depth d is accepted:
-a weak prior, then the run's own steps (with sample-and-match, the chance is q_R(child)
-at the node, which every step measures exactly for every child of every node it walks,
-so the estimate settles in a few steps).
+profile* (:mod:`specimg.profile`) says how likely the rank-r child of a reached node at
+depth d is accepted; every step measures that chance for every child of every node it
+walks, so the estimate settles in a few steps.
 
 The planner values a tree (depth D, top-k K, N nodes) the way the EAGLE-2 builder grows
 it, with the profile in place of the drafter's confidences: each level expands the K
