@@ -4,6 +4,7 @@ calibration.  Pure tables and arithmetic; the measuring is :mod:`specimg.costs`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Mapping
@@ -104,11 +105,9 @@ def _positive(value: Any) -> float:
     """A timing or scale read back: a number in ``_PLAUSIBLE``, or ValueError."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"{value!r} is not a number")
-    try:
+    with contextlib.suppress(OverflowError):  # an integer beyond any float
         if math.isfinite(value) and _PLAUSIBLE[0] <= value <= _PLAUSIBLE[1]:
             return float(value)
-    except OverflowError:  # an integer beyond any float
-        pass
     raise ValueError(f"{value!r} is not a number in [{_PLAUSIBLE[0]:g}, {_PLAUSIBLE[1]:g}]")
 
 

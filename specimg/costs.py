@@ -68,14 +68,11 @@ def _describe(model: Any) -> dict[str, Any]:
 def _cpu_name() -> str:
     """The CPU's model: /proc/cpuinfo's name on Linux, where platform.processor() often
     says only the architecture; that, or the machine type, elsewhere."""
-    try:
-        with open("/proc/cpuinfo") as file:
-            for line in file:
-                field, _, value = line.partition(":")
-                if field.strip() == "model name" and value.strip():
-                    return value.strip()
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as file:
+        for line in file:
+            field, _, value = line.partition(":")
+            if field.strip() == "model name" and value.strip():
+                return value.strip()
     return platform.processor() or platform.machine() or "unknown cpu"
 
 

@@ -2,9 +2,8 @@
 
 Where the core grows EAGLE-2 trees the engine grows a batch's trees together
 (``tree.build_dynamic_batch``); a method's own ``propose_tree`` and static trees come here.
-Each image of a batch builds its tree with the stack's ``propose_tree`` as it would alone,
-calling its drafter level by level.  Run one after another, B images make B drafter
-forwards per level; here each image proposes in a thread of its own, and its drafter is a
+Each image builds its tree with the stack's ``propose_tree`` as it would alone, in a thread
+of its own, instead of B drafter forwards per level one after another: its drafter is a
 stand-in (:class:`LaneDrafter`) whose calls wait until every image still proposing waits
 on one, then one batched forward (the drafter's ``batch``) answers them all.  Python runs
 one thread at a time, so nothing but the drafter forwards is shared: each image's hooks,

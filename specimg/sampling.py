@@ -62,9 +62,8 @@ def cfg_active_at(token_index: Tensor | int, sampling: Sampling, offset: Tensor 
 def draw_rows(probs: Tensor, generators: Sequence[torch.Generator | None]) -> Tensor:
     """One token per row of ``probs`` [B, V]: [B], row i drawn as ``torch.multinomial(probs[i],
     1)`` draws it with ``generators[i]`` (one Exp(1) variate per token from the generator, the
-    argmax of probs / variate: the same draws, the same generator state), without its checks
-    of the distribution, which cost a GPU nine kernels more (``probs`` is a softmax's).  The
-    division and the argmax run once for every row."""
+    argmax of probs / variate: the same draws, the same generator state), without its checks of
+    the distribution (GPU kernels; ``probs`` is a softmax's), one division and argmax for all rows."""
     variates = torch.empty_like(probs)
     for row, generator in zip(variates, generators, strict=True):
         row.exponential_(generator=generator)
