@@ -29,10 +29,8 @@ class CostModel:
     acceptance walk, the commit, the planner's bookkeeping) and ``ar`` per AR token.
     Sizes in between interpolate linearly; beyond, extrapolate.  Per method stack (under
     its :func:`specimg.costs.scale_key`), from the decode that calibrated it (see
-    :meth:`specimg.engine.Engine.prepare`): ``step_scales``, what its real speculative
-    step takes against the sum of the timed parts relative to what a real AR step takes
-    against its timed part (:func:`specimg.costs.step_scale`), and ``acceptance``, the chances
-    [depth][rank] its drafts were accepted with (the planner's prior for the stack)."""
+    :meth:`specimg.engine.Engine.prepare`): ``step_scales`` (:func:`specimg.costs.step_scale`)
+    and ``acceptance``, the chances [depth][rank] its drafts were accepted with (the planner's prior)."""
 
     key: str
     machine: str

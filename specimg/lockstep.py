@@ -57,7 +57,7 @@ class Lockstep:
             self._proposing, self._aborted = set(jobs), False
         futures = {i: self._pool.submit(self._job, i, job) for i, job in jobs.items()}
         try:
-            results = {i: future.result() for i, future in futures.items()}
+            return {i: future.result() for i, future in futures.items()}
         except BaseException:  # a proposal failed, or the user interrupted: stop the others, then raise it
             with self._cond:
                 self._aborted = True
@@ -65,7 +65,6 @@ class Lockstep:
             for future in futures.values():
                 future.exception()
             raise
-        return results
 
     def _job(self, image: int, job: Callable[[], T]) -> T:
         with torch.inference_mode():  # the answers too: the batch's caches are inference tensors

@@ -38,8 +38,7 @@ def scores_of(out: TargetOutput, depths: Tensor, sampling: Sampling, token_index
     (``forward_tree``'s, or the nodes picked out of ``forward_trees``), its root predicting
     image token ``token_index`` (for several trees' nodes, per node: the index its own
     tree's root predicts)."""
-    probs = probabilities(out.logits, sampling, cfg_active_at(depths, sampling, token_index))
-    return Scores(probs=probs, hidden=out.hidden, logits=out.logits, layers=out.layers)
+    return Scores(probabilities(out.logits, sampling, cfg_active_at(depths, sampling, token_index)), out.hidden, out.logits, out.layers)
 
 
 class Walked(NamedTuple):
