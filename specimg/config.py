@@ -106,5 +106,4 @@ class TreeConfig:
 
 
 DYNAMIC_DEFAULTS = {"depth": 5, "topk": 10, "total_tokens": 60}
-"""A dynamic tree's sizes when unset: EAGLE-2's released sampler defaults (60 tokens, depth 5,
-top-k 10; EAGLE-3's release deepens it to 7)."""
+"""A dynamic tree's sizes when unset: EAGLE-2's released sampler defaults."""

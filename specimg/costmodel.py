@@ -4,6 +4,7 @@ calibration.  Pure tables and arithmetic; the measuring is :mod:`specimg.costs`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Mapping
@@ -28,10 +29,8 @@ class CostModel:
     acceptance walk, the commit, the planner's bookkeeping) and ``ar`` per AR token.
     Sizes in between interpolate linearly; beyond, extrapolate.  Per method stack (under
     its :func:`specimg.costs.scale_key`), from the decode that calibrated it (see
-    :meth:`specimg.engine.Engine.prepare`): ``step_scales``, what its real speculative
-    step takes against the sum of the timed parts relative to what a real AR step takes
-    against its timed part (:func:`specimg.costs.step_scale`), and ``acceptance``, the chances
-    [depth][rank] its drafts were accepted with (the planner's prior for the stack)."""
+    :meth:`specimg.engine.Engine.prepare`): ``step_scales`` (:func:`specimg.costs.step_scale`)
+    and ``acceptance``, the chances [depth][rank] its drafts were accepted with (the planner's prior)."""
 
     key: str
     machine: str
@@ -63,12 +62,9 @@ class CostModel:
     def slower(self, factor: float) -> CostModel:
         """These parts as if timed in a minute ``factor`` times slower (a shared machine's
         drift), uncalibrated: what a calibration must not be moved by (:func:`specimg.costs.step_scale`)."""
-        def table(rows: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
-            return tuple((n, ms * factor) for n, ms in rows)
-
-        return attrs.evolve(self, verify_ms=table(self.verify_ms), draft_base_ms=table(self.draft_base_ms), draft_level_ms=table(self.draft_level_ms),
-                            draft_start_ms=self.draft_start_ms * factor, overhead_ms=self.overhead_ms * factor, ar_ms=self.ar_ms * factor,
-                            step_scales={}, acceptance={})
+        scaled = {name: tuple((n, ms * factor) for n, ms in value) if isinstance(value, tuple) else value * factor
+                  for name, value in attrs.asdict(self, recurse=False).items() if name.endswith("_ms")}
+        return attrs.evolve(self, **scaled, step_scales={}, acceptance={})
 
     def to_json(self) -> str:
         return json.dumps(attrs.asdict(self), indent=1)
@@ -107,11 +103,9 @@ def _positive(value: Any) -> float:
     """A timing or scale read back: a number in ``_PLAUSIBLE``, or ValueError."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"{value!r} is not a number")
-    try:
+    with contextlib.suppress(OverflowError):  # an integer beyond any float
         if math.isfinite(value) and _PLAUSIBLE[0] <= value <= _PLAUSIBLE[1]:
             return float(value)
-    except OverflowError:  # an integer beyond any float
-        pass
     raise ValueError(f"{value!r} is not a number in [{_PLAUSIBLE[0]:g}, {_PLAUSIBLE[1]:g}]")
 
 

@@ -5,16 +5,15 @@ verify forward and the drafting cost, and both costs depend on the machine: a CP
 pays for every node, a GPU verifies dozens for the price of one.  So the costs are
 measured, not assumed: the target's verify step (forward of an n-node tree plus the
 processing of its logits) for n from 1 to the cache's capacity, the drafter's start and
-one level of growth per frontier width, and one AR step.  A few seconds, once per
-(target, drafter, their tree capacities, device, CPU and GPU model, dtype, threads,
-sampling filters, step mode), then cached on disk as JSON under
-:func:`specimg.cache.cache_dir`.  Runs that share a cost model choose the same trees, so
-the same seed gives the same images.  A cached file is checked before use: anything but
+one level of growth per frontier width, and one AR step.  A few seconds, once per models
+and machine (:func:`cost_key`), then cached on disk as JSON under :func:`specimg.cache.cache_dir`.
+Runs that share a cost model choose the same trees, so the same seed gives the same images.  A cached file is checked before use: anything but
 finite, positive timings in well-formed tables is measured again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -23,7 +22,6 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any, cast
 
 import attrs
@@ -70,14 +68,11 @@ def _describe(model: Any) -> dict[str, Any]:
 def _cpu_name() -> str:
     """The CPU's model: /proc/cpuinfo's name on Linux, where platform.processor() often
     says only the architecture; that, or the machine type, elsewhere."""
-    try:
-        with open("/proc/cpuinfo") as file:
-            for line in file:
-                field, _, value = line.partition(":")
-                if field.strip() == "model name" and value.strip():
-                    return value.strip()
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as file:
+        for line in file:
+            field, _, value = line.partition(":")
+            if field.strip() == "model name" and value.strip():
+                return value.strip()
     return platform.processor() or platform.machine() or "unknown cpu"
 
 
@@ -136,8 +131,7 @@ def load_or_measure(target: Target, drafter: Drafter, sampling: Sampling, condit
     except (OSError, ValueError):  # missing, unreadable or corrupt (from_json checks it all): measure again
         if log:
             log(f"measuring the cost model for {machine} (once; cached as {key})")
-        model = measure(target, drafter, sampling, condition, key, machine, batch)
-        _save(path, model.to_json())
+        return _keep(measure(target, drafter, sampling, condition, key, machine, batch))
     _memory[key] = model
     return model
 
@@ -159,10 +153,7 @@ def with_calibration(model: CostModel, name: str, scale: float, rates: np.ndarra
     """``model`` with the step scale and acceptance ``rates`` of the method stack ``name``
     (:func:`scale_key`), kept in memory and in the cache file (see
     :meth:`specimg.engine.Engine.prepare`)."""
-    model = attrs.evolve(model, step_scales={**model.step_scales, name: scale}, acceptance={**model.acceptance, name: _chances(rates.tolist())})
-    _memory[model.key] = model
-    _save(cache_dir() / "costs" / f"{model.key}.json", model.to_json())
-    return model
+    return _keep(attrs.evolve(model, step_scales={**model.step_scales, name: scale}, acceptance={**model.acceptance, name: _chances(rates.tolist())}))
 
 
 def forget(target: Target, drafter: Drafter, sampling: Sampling, batch: int = 1) -> None:
@@ -172,12 +163,12 @@ def forget(target: Target, drafter: Drafter, sampling: Sampling, batch: int = 1)
     (cache_dir() / "costs" / f"{key}.json").unlink(missing_ok=True)
 
 
-def _save(path: Path, text: str) -> None:
-    try:
-        with atomic_path(path, ".json") as tmp, open(tmp, "w") as file:
-            file.write(text)
-    except OSError:  # a read-only cache only costs a new measurement next time
-        pass
+def _keep(model: CostModel) -> CostModel:
+    """``model``, kept in memory and in its cache file (a read-only cache only costs a new measurement next time)."""
+    _memory[model.key] = model
+    with contextlib.suppress(OSError), atomic_path(cache_dir() / "costs" / f"{model.key}.json", ".json") as tmp, open(tmp, "w") as file:
+        file.write(model.to_json())
+    return model
 
 
 def _timed(device: torch.device, call: Callable[..., Any], repeats: int = _REPEATS, setup: Callable[[], Any] | None = None) -> float:
@@ -240,10 +231,9 @@ def measure(target: Target, drafter: Drafter, sampling: Sampling, condition: Con
 def _verify_times(target: Target, sampling: Sampling, condition: Condition, trees: Mapping[int, DraftTree], timed: Callable[..., float], batch: int) -> tuple[float, list[tuple[int, float]]]:
     """The median ms of one AR step (a one-node tree's verify and a draw) and of the verify
     of each tree, each as the engine runs it (its distributions compiled where the
-    target's steps are): on the target's tree cache as ``measure`` left it, or at a batch
-    size above 1 as an image's share of one forward over ``batch`` images, each with the
-    same tree, after half an image of batched AR steps.  Nothing is committed, so the prefix stays put; the commit's
-    cost is in the overhead."""
+    target's steps are), per image (see ``measure``); a batch first makes half an image of
+    batched AR steps.  Nothing is committed, so the prefix stays put; the commit's cost is
+    in the overhead."""
     device = device_of(target)
     if batch == 1:
         on_device = {n: attrs.evolve(tree, **{f: getattr(tree, f).to(device) for f in ("tokens", "depths", "mask")}) for n, tree in trees.items()}

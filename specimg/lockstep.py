@@ -2,9 +2,8 @@
 
 Where the core grows EAGLE-2 trees the engine grows a batch's trees together
 (``tree.build_dynamic_batch``); a method's own ``propose_tree`` and static trees come here.
-Each image of a batch builds its tree with the stack's ``propose_tree`` as it would alone,
-calling its drafter level by level.  Run one after another, B images make B drafter
-forwards per level; here each image proposes in a thread of its own, and its drafter is a
+Each image builds its tree with the stack's ``propose_tree`` as it would alone, in a thread
+of its own, instead of B drafter forwards per level one after another: its drafter is a
 stand-in (:class:`LaneDrafter`) whose calls wait until every image still proposing waits
 on one, then one batched forward (the drafter's ``batch``) answers them all.  Python runs
 one thread at a time, so nothing but the drafter forwards is shared: each image's hooks,
@@ -15,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -38,10 +37,6 @@ class BatchDrafting(Protocol):
     def expand(self, requests: Mapping[int, Request]) -> dict[int, Tensor]: ...
 
 
-class _Aborted(Exception):
-    """Another image's proposal failed: this one stops waiting."""
-
-
 class Lockstep:
     """Runs proposals side by side (:meth:`run`) and batches their drafter calls (:meth:`call`)."""
 
@@ -62,7 +57,7 @@ class Lockstep:
             self._proposing, self._aborted = set(jobs), False
         futures = {i: self._pool.submit(self._job, i, job) for i, job in jobs.items()}
         try:
-            results = {i: future.result() for i, future in futures.items()}
+            return {i: future.result() for i, future in futures.items()}
         except BaseException:  # a proposal failed, or the user interrupted: stop the others, then raise it
             with self._cond:
                 self._aborted = True
@@ -70,7 +65,6 @@ class Lockstep:
             for future in futures.values():
                 future.exception()
             raise
-        return results
 
     def _job(self, image: int, job: Callable[[], T]) -> T:
         with torch.inference_mode():  # the answers too: the batch's caches are inference tensors
@@ -88,7 +82,7 @@ class Lockstep:
             self._answer()
             while image not in self._answers:
                 if self._aborted:
-                    raise _Aborted
+                    raise CancelledError  # another image's proposal failed: this one stops waiting
                 self._cond.wait()
             answer = self._answers.pop(image)
         if isinstance(answer, BaseException):

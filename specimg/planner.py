@@ -3,10 +3,9 @@ second (the idea of Sequoia, Chen et al. 2024, applied to EAGLE-2 dynamic trees)
 
 Two ingredients.  The *cost model* (:mod:`specimg.costmodel`) says what a tree of n nodes
 costs to verify and a level of width k costs to draft on this machine.  The *acceptance
-profile* says how likely the rank-r child of a reached node at depth d is accepted:
-a weak prior, then the run's own steps (with sample-and-match, the chance is q_R(child)
-at the node, which every step measures exactly for every child of every node it walks,
-so the estimate settles in a few steps).
+profile* (:mod:`specimg.profile`) says how likely the rank-r child of a reached node at
+depth d is accepted; every step measures that chance for every child of every node it
+walks, so the estimate settles in a few steps.
 
 The planner values a tree (depth D, top-k K, N nodes) the way the EAGLE-2 builder grows
 it, with the profile in place of the drafter's confidences: each level expands the K
@@ -88,35 +87,30 @@ def _grown(rates: np.ndarray, max_depth: int, topk: int):
         yield depth, 1.0 + np.concatenate([[0.0], np.cumsum(np.sort(values)[::-1])])
 
 
-def plans(
-    cost: CostModel, rates: np.ndarray, max_nodes: int, max_depth: int = MAX_DEPTH, max_topk: int = MAX_TOPK, max_fed: int = 128, method: str = ""
-) -> Iterator[Plan]:
+def plans(cost: CostModel, rates: np.ndarray, max_nodes: int, max_fed: int = 128, method: str = "") -> Iterator[Plan]:
     """The best size of every (depth, top-k) tree that fits: at most ``max_nodes`` nodes,
     and at most ``max_fed`` drafter nodes fed ((depth - 1) * top-k); steps timed for
     ``method``'s stack (its step scale)."""
     scale = cost.scale(method)
     verify = cost.verify(np.arange(2, max_nodes + 1)) + cost.overhead_ms
-    for topk in range(1, max_topk + 1):
+    for topk in range(1, MAX_TOPK + 1):
         first = cost.draft(1, topk)
         level_ms = cost.draft(2, topk) - first
-        for depth, tokens in _grown(rates, min(max_depth, 1 + max_fed // topk), topk):
+        for depth, tokens in _grown(rates, min(MAX_DEPTH, 1 + max_fed // topk), topk):
             tokens = tokens[1:max_nodes]  # trees of 2..max_nodes nodes
             ms = (verify[: tokens.size] + first + (depth - 1) * level_ms) * scale
             i = int(np.argmax(tokens / ms))
             yield Plan(depth, topk, i + 2, float(tokens[i]), float(ms[i]), float(tokens[i] / ms[i] * cost.ar_ms))
 
 
-def choose(
-    cost: CostModel, rates: np.ndarray, max_nodes: int, max_depth: int = MAX_DEPTH, max_topk: int = MAX_TOPK, max_fed: int = 128, method: str = ""
-) -> Plan:
+def choose(cost: CostModel, rates: np.ndarray, max_nodes: int, max_fed: int = 128, method: str = "") -> Plan:
     """The tree with the most expected tokens per second; ties go to the narrower, then
     the shallower tree."""
-    best: Plan | None = None
-    for plan in plans(cost, rates, max_nodes, max_depth, max_topk, max_fed, method):
-        if best is None or plan.speedup > best.speedup * (1 + 1e-9):
+    candidates = plans(cost, rates, max_nodes, max_fed, method)
+    best = next(candidates)
+    for plan in candidates:
+        if plan.speedup > best.speedup * (1 + 1e-9):
             best = plan
-    if best is None:
-        raise ValueError(f"no tree fits {max_nodes} nodes")
     return best
 
 

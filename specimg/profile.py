@@ -54,10 +54,7 @@ class AcceptanceProfile:
         ids = tree.child_ids[nodes, :width]
         tokens = tree.tokens[ids.clamp(min=0)]
         rows = dist[nodes]
-        if greedy:
-            chance = (rows.argmax(dim=-1, keepdim=True) == tokens).double()
-        else:
-            chance = rows.gather(1, tokens).double()
+        chance = ((rows.argmax(dim=-1, keepdim=True) == tokens) if greedy else rows.gather(1, tokens)).double()
         seen = (ids >= 0).double()
         levels = torch.arange(len(path), device=dist.device).clamp_(max=depth - 1)
         self.sums[:, : ids.shape[1]].index_add_(0, levels, chance * seen)

@@ -15,22 +15,6 @@ from torch import Tensor
 from specimg.config import Sampling
 
 
-def guided_logits(logits: Tensor, sampling: Sampling, cfg_active: Tensor | bool = True) -> Tensor:
-    """Combine the rows of ``logits`` [rows, *n, V] into [*n, V].
-
-    With two rows, row 0 is conditional and row 1 unconditional; guidance applies where
-    ``cfg_active`` ([*n] bool, or one bool) holds, elsewhere the conditional row is used.
-    """
-    logits = logits.float()
-    cond = logits[0]
-    if logits.shape[0] == 1 or not sampling.cfg:
-        return cond
-    guided = logits[1] + (cond - logits[1]) * sampling.cfg_scale
-    if isinstance(cfg_active, bool):
-        return guided if cfg_active else cond
-    return torch.where(cfg_active[..., None], guided, cond)
-
-
 def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
     """Mask logits outside top-k, then outside the top-p nucleus (LlamaGen's order and
     tie rule: keep every token at least as likely as the k-th; always keep the best)."""
@@ -49,8 +33,14 @@ def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
 
 
 def probabilities(logits: Tensor, sampling: Sampling, cfg_active: Tensor | bool = True) -> Tensor:
-    """Processed next-token distributions [*n, V] from raw row logits [rows, *n, V]."""
-    guided = guided_logits(logits, sampling, cfg_active)
+    """Processed next-token distributions [*n, V] from raw row logits [rows, *n, V].  With
+    two rows, row 0 is conditional and row 1 unconditional; guidance applies where
+    ``cfg_active`` ([*n] bool, or one bool) holds, elsewhere the conditional row is used."""
+    logits = logits.float()
+    guided = logits[0]
+    if logits.shape[0] > 1 and sampling.cfg and cfg_active is not False:
+        mixed = logits[1] + (guided - logits[1]) * sampling.cfg_scale
+        guided = mixed if cfg_active is True else torch.where(cfg_active[..., None], mixed, guided)
     if sampling.temperature not in (0.0, 1.0):  # x / 1 is x: no kernel for it
         guided = guided / sampling.temperature
     return filter_logits(guided, sampling.top_k, sampling.top_p).softmax(dim=-1)
@@ -72,9 +62,8 @@ def cfg_active_at(token_index: Tensor | int, sampling: Sampling, offset: Tensor 
 def draw_rows(probs: Tensor, generators: Sequence[torch.Generator | None]) -> Tensor:
     """One token per row of ``probs`` [B, V]: [B], row i drawn as ``torch.multinomial(probs[i],
     1)`` draws it with ``generators[i]`` (one Exp(1) variate per token from the generator, the
-    argmax of probs / variate: the same draws, the same generator state), without its checks
-    of the distribution, which cost a GPU nine kernels more (``probs`` is a softmax's).  The
-    division and the argmax run once for every row."""
+    argmax of probs / variate: the same draws, the same generator state), without its checks of
+    the distribution (GPU kernels; ``probs`` is a softmax's), one division and argmax for all rows."""
     variates = torch.empty_like(probs)
     for row, generator in zip(variates, generators, strict=True):
         row.exponential_(generator=generator)

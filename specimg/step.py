@@ -27,8 +27,7 @@ class Scores(NamedTuple):
 
     def split(self, sizes: Sequence[int]) -> list[Scores]:
         """The scores of consecutive runs of ``sizes`` nodes (each image's tree in a forest's),
-        one split per field.  (``split_with_sizes``, as in the batch step's other splits:
-        ``Tensor.split`` is a Python wrapper around it, two calls a split.)"""
+        one ``split_with_sizes`` per field (``Tensor.split`` wraps it in Python)."""
         fields = [self.probs.split_with_sizes(sizes), self.hidden.split_with_sizes(sizes, 1), self.logits.split_with_sizes(sizes, 1)]
         layers = [None] * len(sizes) if self.layers is None else self.layers.split_with_sizes(sizes, 1)
         return [Scores(*parts) for parts in zip(*fields, layers)]
@@ -39,8 +38,7 @@ def scores_of(out: TargetOutput, depths: Tensor, sampling: Sampling, token_index
     (``forward_tree``'s, or the nodes picked out of ``forward_trees``), its root predicting
     image token ``token_index`` (for several trees' nodes, per node: the index its own
     tree's root predicts)."""
-    probs = probabilities(out.logits, sampling, cfg_active_at(depths, sampling, token_index))
-    return Scores(probs=probs, hidden=out.hidden, logits=out.logits, layers=out.layers)
+    return Scores(probabilities(out.logits, sampling, cfg_active_at(depths, sampling, token_index)), out.hidden, out.logits, out.layers)
 
 
 class Walked(NamedTuple):
