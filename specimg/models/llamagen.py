@@ -652,11 +652,13 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         """Keep image i's accepted nodes ``paths[i]`` (checked) of the last tree step."""
         counts = [int(p.shape[0]) for p in paths]
         device, m = self.tok_embeddings.weight.device, max(counts)
-        if m:  # a path's root is already in place (its slot is the image's length): only its later nodes move
+        if m > 1:  # a path's root is already in place (its slot is the image's length): only its later nodes move
             nodes = torch.nn.utils.rnn.pad_sequence([p[1:].to(device) for p in paths], batch_first=True, padding_value=-1)
             added = on_device(counts, device)
             batch.device_lengths()  # up to date before the step reads it in place
             self.run_fixed(LlamaGenTarget._commit_step, batch, nodes, added)
+        else:  # nothing moves (AR's commit of the root): the device lengths follow the host's when next read
+            batch.stale = True
         batch.lengths = [n + k for n, k in zip(batch.lengths, counts)]
         batch.pending = 0
 
@@ -664,14 +666,12 @@ class LlamaGenTarget(FixedSteps, nn.Module):
         """:meth:`_commit` on device tensors only (a compiled program, one per longest
         path): image i's accepted nodes after its root, ``nodes[i]`` (-1 past its path),
         moved to the slots after its length, which then grows by ``counts[i]``."""
-        start, later = batch.starts, nodes.shape[1]
-        if later:
-            dest = start[:, None] + torch.arange(1, later + 1, device=nodes.device)
-            source = torch.where(nodes >= 0, start[:, None] + nodes, dest)  # past a path: stays put
-            dest, source = (t.repeat(batch.rows, 1)[None, None, :, None, :, None] for t in (dest, source))
-            store = batch.store
-            index = source.expand(*store.shape[:2], -1, store.shape[3], -1, store.shape[5])
-            store.scatter_(4, dest.expand_as(index), store.gather(4, index))
+        store, start, later = batch.store, batch.starts, nodes.shape[1]
+        dest = start[:, None] + torch.arange(1, later + 1, device=nodes.device)
+        source = torch.where(nodes >= 0, start[:, None] + nodes, dest)  # past a path: stays put
+        dest, source = (t.repeat(batch.rows, 1)[None, None, :, None, :, None] for t in (dest, source))
+        index = source.expand(*store.shape[:2], -1, store.shape[3], -1, store.shape[5])
+        store.scatter_(4, dest.expand_as(index), store.gather(4, index))
         start.add_(counts)
         return ()
 
