@@ -314,9 +314,14 @@ def train_drafter(
     if state is not None and state.get("done") and os.path.exists(os.path.join(out, FINAL)):
         return TrainResult(training.drafter().eval(), step, os.path.join(out, FINAL))
     bar = progress_bar(total=config.steps, initial=step, unit="step", desc="train-drafter", show=accelerator.is_main_process and progress)
-    tick = time.perf_counter()
+    tick, order, local = time.perf_counter(), None, config.batch_size // accelerator.num_processes
     while step < config.steps:
-        epoch, indices = _batch_at(step, len(data), config, accelerator.num_processes, accelerator.process_index)
+        # the global batch depends only on (seed, step); each process takes its own slice of it
+        epoch, b = divmod(step, len(data) // config.batch_size)
+        if order is None or b == 0:  # the epoch's order, drawn once for all of its steps
+            order = torch.randperm(len(data), generator=torch.Generator().manual_seed(config.seed * 1_000_003 + epoch))
+        first = b * config.batch_size + accelerator.process_index * local
+        indices = order[first : first + local].tolist()
         batch = data.get(indices)
         metrics = training.step(batch, _noise(config, step, indices, batch["layers" if "layers" in batch else "features"].shape[1:]))
         step += 1
@@ -360,16 +365,6 @@ def _open_run(out: str, settings: dict[str, Any], keep: int, accelerator: Any) -
         _truncate_log(os.path.join(out, LOG), state["step"] if state else 0)
         _prune(out, keep)
     return state
-
-
-def _batch_at(step: int, examples: int, config: TrainConfig, world: int, rank: int) -> tuple[int, list[int]]:
-    """The epoch of optimizer step ``step`` and this process's examples in its batch: the
-    global batch depends only on (seed, step), and each process takes its own slice of it."""
-    epoch, b = divmod(step, examples // config.batch_size)
-    order = torch.randperm(examples, generator=torch.Generator().manual_seed(config.seed * 1_000_003 + epoch))
-    local = config.batch_size // world
-    first = b * config.batch_size + rank * local
-    return epoch, order[first : first + local].tolist()
 
 
 def _noise(config: TrainConfig, step: int, indices: list[int], shape: torch.Size) -> Tensor | None:
